@@ -1,0 +1,167 @@
+"""The admin API (`/admin`): catalog, nodes, replicas, client keys, leader.
+
+Reads come from the mirror; writes go to the store and then wait (briefly)
+for the mirror to see them, so a GET right after a PUT on the same gateway
+reads what was written.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, Field
+
+from app.api.errors import Problem
+from app.control import state as s
+from app.control.keys import hash_client_key, new_client_key
+from app.control.mirror import wait_for_revision
+from app.store.base import Compare, Delete
+
+if TYPE_CHECKING:
+    from app.gateway import Gateway
+
+_SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
+
+
+class KeyRequest(BaseModel):
+    name: str = Field(..., min_length=1, max_length=128)
+    models: list[str] = Field(default_factory=list,
+                              description="model names this key may use; empty: all")
+
+
+class KeyCreated(BaseModel):
+    id: str
+    name: str
+    key: str = Field(description="shown once; only its hash is stored")
+    models: list[str]
+
+
+class LeaderView(BaseModel):
+    gateway: str
+    leader: str | None
+    is_leader: bool
+
+
+def routes(gw: Gateway) -> APIRouter:
+    def require_admin(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        expected = gw.admin_token
+        if scheme.lower() != "bearer" or not token:
+            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
+        if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise Problem(401, "Unauthorized", "wrong admin token")
+
+    r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+
+    async def settle(revision: int) -> None:
+        await wait_for_revision(gw.mirror, revision, _SETTLE)
+
+    @r.get("/leader", response_model=LeaderView)
+    async def leader() -> LeaderView:
+        info = gw.mirror.leader()
+        return LeaderView(gateway=gw.settings.gateway_id,
+                          leader=info.id if info else None,
+                          is_leader=gw.elector.is_leader)
+
+    @r.get("/gateways")
+    async def gateways() -> list[s.GatewayInfo]:
+        return list(gw.mirror.parsed(s.GATEWAYS, s.GatewayInfo).values())
+
+    # --- catalog -----------------------------------------------------------------
+
+    @r.get("/models")
+    async def list_models() -> list[s.StoredModel]:
+        return list(gw.mirror.models().values())
+
+    @r.get("/models/{name:path}")
+    async def get_model(name: str) -> s.StoredModel:
+        model = gw.mirror.models().get(name)
+        if model is None:
+            raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
+        return model
+
+    @r.put("/models/{name:path}")
+    async def put_model(name: str, spec: s.ModelSpec, response: Response) -> s.StoredModel:
+        try:
+            s.check_name(name, "model name")
+        except ValueError as exc:
+            raise Problem(400, "Invalid model name", str(exc)) from None
+        models = gw.mirror.models()
+        taken = {n: n for n in models} | {a: m.name for m in models.values() for a in m.aliases}
+        for ident in (name, *spec.aliases):
+            owner = taken.get(ident)
+            if owner is not None and owner != name:
+                raise Problem(409, "Name already in use",
+                              f"{ident!r} already names model {owner!r}")
+        existed = name in models
+        created = models[name].created if existed else time.time()
+        stored = s.StoredModel(name=name, created=created, **spec.model_dump())
+        rev = await gw.store.put(s.MODELS + name, stored.model_dump_json().encode())
+        await settle(rev)
+        response.status_code = 200 if existed else 201
+        return stored
+
+    async def delete(key: str) -> bool:
+        res = await gw.store.txn([Compare(key, "create", "!=", 0)], [Delete(key)])
+        if res.succeeded:
+            await settle(res.revision)
+        return res.succeeded
+
+    @r.delete("/models/{name:path}", status_code=204)
+    async def delete_model(name: str) -> Response:
+        if not await delete(s.MODELS + name):
+            raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
+        return Response(status_code=204)
+
+    # --- fleet -----------------------------------------------------------------------
+
+    @r.get("/nodes")
+    async def nodes() -> list[dict[str, Any]]:
+        replicas = gw.mirror.replicas()
+        out = []
+        for node in gw.mirror.nodes().values():
+            mine = sorted(rid for rid, rep in replicas.items() if rep.node == node.name)
+            out.append(node.model_dump() | {"replicas": mine})
+        return out
+
+    @r.get("/replicas")
+    async def replicas() -> list[dict[str, Any]]:
+        statuses = gw.mirror.statuses()
+        out = []
+        for rid, rep in gw.mirror.replicas().items():
+            st = statuses.get(rid)
+            phase = "stopping" if rep.draining_since is not None else (
+                st.phase if st else "pending")
+            out.append(rep.model_dump() | {
+                "phase": phase, "url": st.url if st else "", "detail": st.detail if st else "",
+            })
+        return out
+
+    # --- client keys -------------------------------------------------------------------
+
+    @r.post("/keys", status_code=201, response_model=KeyCreated)
+    async def create_key(req: KeyRequest) -> KeyCreated:
+        key = new_client_key()
+        record = s.ClientKey(id=secrets.token_hex(6), name=req.name, created=time.time(),
+                             models=req.models)
+        rev = await gw.store.put(s.KEYS + hash_client_key(key), record.model_dump_json().encode())
+        await settle(rev)
+        return KeyCreated(id=record.id, name=record.name, key=key, models=record.models)
+
+    @r.get("/keys")
+    async def list_keys() -> list[s.ClientKey]:
+        return list(gw.mirror.client_keys().values())
+
+    @r.delete("/keys/{key_id}", status_code=204)
+    async def delete_key(key_id: str) -> Response:
+        for digest, rec in gw.mirror.client_keys().items():
+            if rec.id == key_id and await delete(s.KEYS + digest):
+                return Response(status_code=204)
+        raise Problem(404, "No such key", f"no client key has id {key_id!r}")
+
+    return r

@@ -1,0 +1,92 @@
+"""Error shapes: OpenAI's on /v1, RFC 9457 problem JSON everywhere else.
+
+Every failure a client can cause gets a clear 4xx, and anything unexpected
+a 500 without a traceback in the body (the traceback goes to the log).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.router.proxy import openai_error
+from app.store.base import StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                 403: "permission_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 503: "service_unavailable"}
+
+
+class Problem(Exception):
+    """Raised by admin and agent routes; rendered as problem JSON."""
+
+    def __init__(self, status: int, title: str, detail: str = "", **extra: Any) -> None:
+        super().__init__(detail or title)
+        self.status = status
+        self.title = title
+        self.detail = detail
+        self.extra = extra
+
+
+def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResponse:
+    body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status}
+    if detail:
+        body["detail"] = detail
+    body.update(extra)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, media_type="application/problem+json",
+                        headers=headers)
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1")
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        if _is_openai(request):
+            return openai_error(exc.status, exc.detail or exc.title,
+                                _OPENAI_TYPES.get(exc.status, "server_error"))
+        return problem(exc.status, exc.title, exc.detail, **exc.extra)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if _is_openai(request):
+            return openai_error(exc.status_code, str(exc.detail),
+                                _OPENAI_TYPES.get(exc.status_code, "invalid_request_error"))
+        return problem(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        if _is_openai(request):
+            return openai_error(400, "; ".join(e["msg"] for e in errors),
+                                "invalid_request_error")
+        return problem(422, "Invalid request body", "the body does not match the schema",
+                       errors=errors)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        logger.warning("write refused, store unavailable: %s", exc)
+        return problem(503, "State store unavailable",
+                       "the change was not saved: the store (etcd) cannot be reached; "
+                       "routing goes on from the last known state. Retry later.")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s", request.method, request.url.path,
+                     exc_info=exc)
+        if _is_openai(request):
+            return openai_error(500, "Internal error in the gateway.", "server_error")
+        return problem(500, "Internal error", "see the gateway's log")

@@ -1,0 +1,135 @@
+"""The `llmgw` command: `serve`, `agent` and `ctl`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from app.control.keys import node_token
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _settings(**overrides: object) -> object:
+    from app.settings import Settings
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "settings"
+            print(f"llmgw: invalid setting {loc}: {err['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    settings = _settings(host=args.host, port=args.port)
+    assert isinstance(settings, Settings)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=5)
+
+
+def agent(args: argparse.Namespace) -> None:
+    from app.agent.agent import Agent, AgentConfig
+    from app.agent.engines import available_engines, resolve_vllm
+    from app.agent.gpus import declared, discover
+
+    token = os.environ.get("LLMGW_AGENT_TOKEN", "")
+    if not token:
+        print("llmgw agent: set LLMGW_AGENT_TOKEN (from `llmgw ctl node-token NODE`)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    vllm_env = os.environ.get("LLMGW_VLLM_BIN", "")
+    gpus = declared(args.gpus) if args.gpus is not None else discover()
+    cfg = AgentConfig(
+        gateways=[u for u in args.gateway.split(",") if u], node=args.node, token=token,
+        gpus=gpus, engines=available_engines(gpus, vllm_env),
+        work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
+        vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
+    )
+
+    async def main() -> None:
+        a = Agent(cfg)
+        await a.start()
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await a.run()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await a.shutdown()
+
+    logging.getLogger(__name__).info(
+        "agent for node %s: %d GPUs, engines %s", cfg.node, len(gpus), cfg.engines)
+    asyncio.run(main())
+
+
+def ctl(args: argparse.Namespace) -> None:
+    if args.ctl == "node-token":
+        secret = os.environ.get("LLMGW_SECRET", "")
+        if not secret:
+            data_dir = Path(os.environ.get("LLMGW_DATA_DIR", "~/.local/share/llmgw"))
+            path = data_dir.expanduser() / "secret"
+            if not path.exists():
+                print("llmgw ctl: set LLMGW_SECRET", file=sys.stderr)
+                raise SystemExit(2)
+            secret = path.read_text().strip()
+        print(node_token(secret, args.node))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="llmgw", description=__doc__)
+    p.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sp = sub.add_parser("serve", help="run a gateway (all-in-one without LLMGW_ETCD_ENDPOINTS)")
+    sp.add_argument("--host", default=None)
+    sp.add_argument("--port", type=int, default=None)
+    sp.set_defaults(func=serve)
+
+    ap = sub.add_parser("agent", help="run a node agent")
+    ap.add_argument("--gateway", required=True, help="gateway URL(s), comma-separated")
+    ap.add_argument("--node", required=True)
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="declare N GPUs instead of discovering them")
+    ap.add_argument("--advertise-host", default=None,
+                    help="address engines are reported at (default: the local address "
+                    "of this host's route to the gateway)")
+    ap.add_argument("--work-dir", default=None)
+    ap.set_defaults(func=agent)
+
+    cp = sub.add_parser("ctl", help="operator commands")
+    csub = cp.add_subparsers(dest="ctl", required=True)
+    nt = csub.add_parser("node-token", help="print the agent token for a node")
+    nt.add_argument("node")
+    cp.set_defaults(func=ctl)
+
+    args = p.parse_args(argv)
+    _logging(args.log_level)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""A watch-fed copy of the whole store, kept by every gateway.
+
+Everything that serves a request reads this copy, never the store
+(DESIGN invariant 2): with etcd unreachable, routing goes on from the last
+state seen. The copy is level-based: `resync()` reads the prefix in full and
+replaces it; `apply()` folds in one watch batch. A batch that reports a
+compaction (the store could not replay what we missed) triggers a resync,
+since applying events after a gap would silently lose the ones in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from app.control import state as s
+from app.store.base import KeyValue, Store, StoreError, WatchBatch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
+Listener = Callable[[set[str]], None]
+
+
+class Mirror:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._kvs: dict[str, KeyValue] = {}
+        self.revision = 0
+        self.ready = False
+        self._listeners: list[Listener] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- feeding -------------------------------------------------------------
+
+    async def resync(self) -> None:
+        result = await self._store.range("")
+        old = self._kvs
+        self._kvs = {kv.key: kv for kv in result.kvs}
+        self.revision = result.revision
+        self.ready = True
+        changed = {k for k in old.keys() | self._kvs.keys() if old.get(k) != self._kvs.get(k)}
+        self._notify(changed)
+
+    def apply(self, batch: WatchBatch) -> bool:
+        """Folds one batch in. False means the batch reported a gap: resync."""
+        if batch.compacted:
+            return False
+        changed: set[str] = set()
+        for ev in batch.events:
+            if ev.mod_revision <= self.revision:
+                continue  # already seen (a resync raced the watch)
+            if ev.kind == "put":
+                self._kvs[ev.key] = KeyValue(
+                    ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease
+                )
+            else:
+                self._kvs.pop(ev.key, None)
+            changed.add(ev.key)
+        self.revision = max(self.revision, batch.revision)
+        if changed:
+            self._notify(changed)
+        return True
+
+    async def run(self) -> None:
+        """Keeps the copy current until cancelled; resyncs after any gap."""
+        backoff = 0.2
+        while True:
+            try:
+                await self.resync()
+                async for batch in self._store.watch("", self.revision + 1):
+                    backoff = 0.2
+                    if not self.apply(batch):
+                        logger.warning("watch reported a gap at revision %d; resyncing",
+                                       batch.revision)
+                        break
+            except StoreError as exc:
+                logger.warning("mirror lost the store (%s); retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="mirror")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # --- listening -------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        """`listener(changed_keys)` runs in the loop after every change. It must not block."""
+        self._listeners.append(listener)
+
+    def _notify(self, changed: set[str]) -> None:
+        if not changed:
+            return
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for listener in self._listeners:
+            try:
+                listener(changed)
+            except Exception:
+                logger.exception("mirror listener failed")
+
+    async def wait_changed(self, timeout: float) -> bool:
+        """Waits for the next change; False on timeout."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # --- reading ---------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        return self._kvs.get(key)
+
+    def items(self, prefix: str) -> Iterator[KeyValue]:
+        for key in sorted(self._kvs):
+            if key.startswith(prefix):
+                yield self._kvs[key]
+
+    def parsed(self, prefix: str, cls: type[T]) -> dict[str, T]:
+        """Values under `prefix` parsed as `cls`, by the key's last part.
+
+        An unreadable value is logged and left out rather than failing every
+        reader: one bad write must not stop the fleet.
+        """
+        out: dict[str, T] = {}
+        for kv in self.items(prefix):
+            try:
+                out[kv.key[len(prefix):]] = cls.model_validate_json(kv.value)
+            except ValidationError:
+                logger.warning("ignoring unreadable %s", kv.key)
+        return out
+
+    def one(self, key: str, cls: type[T]) -> T | None:
+        kv = self._kvs.get(key)
+        if kv is None:
+            return None
+        try:
+            return cls.model_validate_json(kv.value)
+        except ValidationError:
+            logger.warning("ignoring unreadable %s", key)
+            return None
+
+    # Typed views of the state table in DESIGN.md.
+    def models(self) -> dict[str, s.StoredModel]:
+        return self.parsed(s.MODELS, s.StoredModel)
+
+    def nodes(self) -> dict[str, s.NodeInfo]:
+        return self.parsed(s.NODES, s.NodeInfo)
+
+    def replicas(self) -> dict[str, s.Replica]:
+        return self.parsed(s.REPLICAS, s.Replica)
+
+    def statuses(self) -> dict[str, s.ReplicaStatus]:
+        return self.parsed(s.STATUS, s.ReplicaStatus)
+
+    def client_keys(self) -> dict[str, s.ClientKey]:
+        return self.parsed(s.KEYS, s.ClientKey)
+
+    def leader(self) -> s.LeaderInfo | None:
+        return self.one(s.LEADER, s.LeaderInfo)
+
+
+async def wait_for_revision(mirror: Mirror, revision: int, timeout: float) -> bool:
+    """Read-your-writes: waits until the mirror has seen `revision`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while mirror.revision < revision:
+        left = deadline - loop.time()
+        if left <= 0 or not await mirror.wait_changed(left):
+            return mirror.revision >= revision
+    return True

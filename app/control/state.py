@@ -1,0 +1,163 @@
+"""The shared state: key layout and the JSON shapes stored under each key.
+
+This is the vocabulary of DESIGN.md's "State in etcd" table. Keys are
+relative to the store prefix. Values are JSON; unknown fields are ignored on
+read so that an older gateway survives a newer one's writes during an
+upgrade.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+LEADER = "leader"
+GATEWAYS = "gateways/"
+MODELS = "catalog/models/"
+NODES = "nodes/"
+REPLICAS = "replicas/"
+STATUS = "status/"
+KEYS = "keys/"
+
+# OpenAI model ids often hold a slash ("org/model"); spaces, control
+# characters and a leading dot or slash do not belong in a key or a URL.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+
+Engine = Literal["vllm", "llamacpp"]
+Phase = Literal["starting", "ready", "failed", "stopping", "stopped"]
+
+
+def check_name(value: str, what: str = "name") -> str:
+    if not _NAME.match(value) or "//" in value or value.endswith("/"):
+        raise ValueError(
+            f"{what} {value!r} must be 1-128 characters of letters, digits and ._:/@+- "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+class _Stored(BaseModel):
+    # Tolerate fields written by a newer gateway.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ReplicaRange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min: int = Field(1, ge=0, le=64, description="replicas kept running at all times")
+    max: int = Field(1, ge=0, le=64, description="most replicas under load")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaRange:
+        if self.max < self.min:
+            raise ValueError(f"replicas.max ({self.max}) is below replicas.min ({self.min})")
+        return self
+
+
+class ModelSpec(BaseModel):
+    """What an operator PUTs at /admin/models/{name}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(
+        ..., min_length=1, max_length=512,
+        description="weights: a hub id or a file path, passed to the engine as it is",
+    )
+    aliases: list[str] = Field(default_factory=list, description="other names clients may use")
+    engine: Engine = "vllm"
+    gpus: int = Field(1, ge=0, le=16, description="GPUs per replica (0 for llamacpp)")
+    replicas: ReplicaRange = Field(default_factory=lambda: ReplicaRange(min=1, max=1))
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str]) -> list[str]:
+        for a in v:
+            check_name(a, "alias")
+        if len(set(v)) != len(v):
+            raise ValueError("aliases repeat")
+        return v
+
+    @model_validator(mode="after")
+    def _engine_gpus(self) -> ModelSpec:
+        if self.engine == "llamacpp":
+            if "gpus" in self.model_fields_set and self.gpus != 0:
+                raise ValueError("engine llamacpp runs on CPU nodes: gpus must be 0")
+            self.gpus = 0
+        elif self.gpus < 1:
+            raise ValueError("engine vllm needs gpus >= 1")
+        return self
+
+
+class StoredModel(ModelSpec):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    created: float = 0.0  # unix time of the first PUT; OpenAI's `created`
+
+
+class GpuInfo(_Stored):
+    index: int
+    name: str = ""
+    memory_mib: int = 0
+    uuid: str = ""
+
+
+class NodeInfo(_Stored):
+    """An agent's report of its node, refreshed by each heartbeat."""
+
+    name: str
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    engines: list[Engine] = Field(default_factory=list)
+    agent_url: str = ""
+    address: str = ""
+    version: str = ""
+
+    @property
+    def cpu_only(self) -> bool:
+        return not self.gpus
+
+
+class Replica(_Stored):
+    """A desired replica: written by the leader alone, in fenced transactions."""
+
+    id: str
+    model: str
+    node: str
+    gpus: list[int] = Field(default_factory=list)
+    engine: Engine = "vllm"
+    weights: str
+    # Set when the leader decides to remove it: routers drop it at once, the
+    # engine is stopped only after the drain period (DESIGN invariant 3).
+    draining_since: float | None = None
+
+
+class ReplicaStatus(_Stored):
+    """A replica as its agent last saw it."""
+
+    id: str
+    node: str
+    phase: Phase
+    url: str = ""
+    detail: str = ""
+    updated: float = 0.0
+
+
+class ClientKey(_Stored):
+    """A client API key's record. The key itself is never stored."""
+
+    id: str
+    name: str
+    created: float
+    models: list[str] = Field(default_factory=list)
+
+
+class GatewayInfo(_Stored):
+    id: str
+    url: str
+    version: str
+    started: float
+
+
+class LeaderInfo(_Stored):
+    id: str
+    url: str

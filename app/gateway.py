@@ -1,0 +1,163 @@
+"""One gateway's parts and their lifecycle. Built by main.create_app().
+
+Start order matters: the store, then the mirror (loaded before /readyz says
+yes), then the election, the reconciler, the router's upstream pool, and, in
+all-in-one mode, the local agent. Stop runs in reverse, and resigns the
+lease so that another gateway leads at once (a clean stop costs no TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from app import __version__
+from app.agent.agent import Agent, AgentConfig
+from app.agent.engines import available_engines, resolve_vllm
+from app.agent.gpus import declared, discover
+from app.control import state as s
+from app.control.keys import hash_client_key, node_token
+from app.control.leader import Elector
+from app.control.mirror import Mirror
+from app.control.reconciler import Reconciler
+from app.publish import Publisher
+from app.router.proxy import Proxy
+from app.router.table import RouteTable
+from app.settings import Settings
+from app.store.base import Store
+
+logger = logging.getLogger(__name__)
+
+
+async def open_store(settings: Settings) -> Store:
+    if settings.uses_etcd:
+        from app.store.etcd import EtcdStore
+
+        return await EtcdStore.open(settings.endpoints, prefix=settings.etcd_prefix,
+                                    timeout=settings.etcd_timeout)
+    from app.store.embedded import EmbeddedStore
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return await EmbeddedStore.open(settings.data_dir / "state.db")
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        store_factory: Callable[[Settings], Awaitable[Store]] = open_store,
+    ) -> None:
+        if not settings.uses_etcd:
+            settings.ensure_local_secrets()
+        assert settings.secret is not None and settings.admin_token is not None, (
+            "LLMGW_SECRET and LLMGW_ADMIN_TOKEN must be set with etcd"
+        )
+        self.settings = settings
+        self.secret = settings.secret.get_secret_value()
+        self.admin_token = settings.admin_token.get_secret_value()
+        self._store_factory = store_factory
+        self.table = RouteTable()
+        self.proxy = Proxy(self.table, hash_client_key,
+                           settings.connect_timeout, settings.request_timeout)
+        self._store: Store | None = None
+        self._mirror: Mirror | None = None
+        self._elector: Elector | None = None
+        self.agent: Agent | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # The parts that exist only once started; routes use them per request.
+    @property
+    def store(self) -> Store:
+        assert self._store is not None, "gateway not started"
+        return self._store
+
+    @property
+    def mirror(self) -> Mirror:
+        assert self._mirror is not None, "gateway not started"
+        return self._mirror
+
+    @property
+    def elector(self) -> Elector:
+        assert self._elector is not None, "gateway not started"
+        return self._elector
+
+    @property
+    def ready(self) -> bool:
+        return self._mirror is not None and self._mirror.ready
+
+    async def start(self) -> None:
+        st = self.settings
+        self._store = await self._store_factory(st)
+        self._mirror = Mirror(self._store)
+        Publisher(self._mirror, self.table, self.secret)
+        await self._mirror.resync()
+        self._mirror.start()
+        info = s.GatewayInfo(id=st.gateway_id, url=st.public_url, version=__version__,
+                             started=time.time())
+        self._elector = Elector(self._store, info, st.lease_ttl)
+        reconciler = Reconciler(self._store, self._mirror, self._elector,
+                                drain_seconds=st.drain_seconds, interval=st.reconcile_interval)
+        await self.proxy.start()
+        self._tasks = [
+            asyncio.create_task(self._elect(), name="election"),
+            asyncio.create_task(reconciler.run(), name="reconciler"),
+        ]
+        if st.local_agent:
+            self._tasks.append(asyncio.create_task(self._run_local_agent(), name="local-agent"))
+        logger.info("gateway %s started (%s store)", st.gateway_id,
+                    "etcd" if st.uses_etcd else "embedded")
+
+    async def _elect(self) -> None:
+        while True:
+            await self.elector.tick()
+            await asyncio.sleep(self.settings.election_interval)
+
+    async def _run_local_agent(self) -> None:
+        """All-in-one mode: an agent in this process, reaching us over loopback."""
+        st = self.settings
+        url = f"http://127.0.0.1:{st.port}"
+        await _wait_http(url + "/healthz")
+        gpus = declared(st.local_gpus) if st.local_gpus is not None else discover()
+        self.agent = Agent(AgentConfig(
+            gateways=[url], node=st.local_node, token=node_token(self.secret, st.local_node),
+            gpus=gpus, engines=available_engines(gpus, st.vllm_bin),
+            work_dir=st.data_dir / "agent", vllm_bin=resolve_vllm(st.vllm_bin),
+            advertise_host="127.0.0.1",
+        ))
+        await self.agent.start()
+        await self.agent.run()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.agent is not None:
+            await self.agent.shutdown()
+        if self._elector is not None:
+            await self._elector.resign()
+        if self._mirror is not None:
+            await self._mirror.stop()
+        await self.proxy.stop()
+        if self._store is not None:
+            await self._store.close()
+        logger.info("gateway %s stopped", self.settings.gateway_id)
+
+
+async def _wait_http(url: str, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")

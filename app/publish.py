@@ -1,0 +1,76 @@
+"""Where the control plane meets the router (DESIGN invariant 8).
+
+The mirror says what changed; `Publisher.publish()` turns the mirrored state
+into the router's tables: catalog names and aliases, ready endpoints with
+their engine keys, client key grants. Neither side imports the other: this
+module, like main.py, is wiring.
+
+An unchanged endpoint list is not republished (its fingerprint is kept), so
+a heartbeat or a status rewrite costs the router nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.control import state as s
+from app.control.keys import engine_key
+from app.control.mirror import Mirror
+from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
+
+logger = logging.getLogger(__name__)
+
+# Keys whose change can alter what the router serves.
+_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS)
+
+
+class Publisher:
+    def __init__(self, mirror: Mirror, table: RouteTable, secret: str) -> None:
+        self._mirror = mirror
+        self._table = table
+        self._secret = secret
+        self._scheduled = False
+        self._last: tuple[object, ...] = ()
+        mirror.subscribe(self._on_change)
+
+    def _on_change(self, keys: set[str]) -> None:
+        if self._scheduled or not any(k.startswith(_RELEVANT) for k in keys):
+            return
+        # Coalesce a burst of changes (a resync, a transaction) into one publish.
+        self._scheduled = True
+        asyncio.get_running_loop().call_soon(self.publish)
+
+    def publish(self) -> bool:
+        """Rebuilds the router's tables; False when nothing it serves changed."""
+        self._scheduled = False
+        m = self._mirror
+        models = m.models()
+        catalog = tuple(
+            CatalogEntry(name, tuple(spec.aliases), int(spec.created))
+            for name, spec in sorted(models.items())
+        )
+        statuses = m.statuses()
+        endpoints: dict[str, list[Endpoint]] = {}
+        for rid, rep in sorted(m.replicas().items()):
+            st = statuses.get(rid)
+            if rep.draining_since is not None or st is None or st.phase != "ready":
+                continue
+            if rep.model in models:
+                endpoints.setdefault(rep.model, []).append(
+                    Endpoint(rid, st.url, engine_key(self._secret, rid)))
+        grants = {
+            digest: KeyGrant(rec.id, rec.name, frozenset(rec.models))
+            for digest, rec in m.client_keys().items()
+        }
+        ep_view = tuple((k, tuple(v)) for k, v in sorted(endpoints.items()))
+        fingerprint = (catalog, ep_view, tuple(sorted(grants.items())))
+        if fingerprint == self._last:
+            return False
+        self._last = fingerprint
+        self._table.set_catalog(catalog)
+        self._table.set_endpoints(endpoints)
+        self._table.set_client_keys(grants)
+        logger.debug("published %d models, %d endpoints",
+                     len(catalog), sum(len(v) for v in endpoints.values()))
+        return True

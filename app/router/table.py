@@ -1,0 +1,109 @@
+"""The router's view of the world: names, endpoints, client keys.
+
+It is replaced wholesale by `publish_*` calls from the control side (the
+router never imports the control plane; main.py wires them, DESIGN
+invariant 8) and read on every request without any I/O.
+
+Choosing an endpoint returns a lease (`async with table.acquire(...)`) so
+the in-flight count drops even when a client disconnects mid-stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    replica_id: str
+    url: str
+    # The engine key this replica demands; never logged.
+    key: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    name: str
+    aliases: tuple[str, ...] = ()
+    created: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyGrant:
+    """What a client key may do. `models` empty means every model."""
+
+    id: str
+    name: str
+    models: frozenset[str] = frozenset()
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+class RouteTable:
+    def __init__(self) -> None:
+        self._catalog: dict[str, CatalogEntry] = {}
+        self._names: dict[str, str] = {}  # name or alias -> model name
+        self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self._keys: dict[str, KeyGrant] = {}
+        self._inflight: dict[str, int] = {}
+        self._rr = itertools.count()
+
+    # --- fed by the control side (the sinks of DESIGN invariant 8) ----------
+
+    def set_catalog(self, entries: Sequence[CatalogEntry]) -> None:
+        names: dict[str, str] = {}
+        for e in entries:
+            names[e.name] = e.name
+        for e in entries:
+            for a in e.aliases:
+                names.setdefault(a, e.name)  # a model's own name wins over an alias
+        self._catalog = {e.name: e for e in entries}
+        self._names = names
+
+    def set_endpoints(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
+        self._endpoints = {m: tuple(eps) for m, eps in endpoints.items()}
+
+    def set_client_keys(self, keys: Mapping[str, KeyGrant]) -> None:
+        self._keys = dict(keys)
+
+    # --- read per request ----------------------------------------------------------
+
+    def catalog(self) -> list[CatalogEntry]:
+        return sorted(self._catalog.values(), key=lambda e: e.name)
+
+    def resolve(self, requested: str) -> str | None:
+        return self._names.get(requested)
+
+    def grant(self, key_hash: str) -> KeyGrant | None:
+        return self._keys.get(key_hash)
+
+    def endpoints(self, model: str) -> tuple[Endpoint, ...]:
+        return self._endpoints.get(model, ())
+
+    def inflight(self, replica_id: str) -> int:
+        return self._inflight.get(replica_id, 0)
+
+    def choose(self, model: str, exclude: set[str]) -> Endpoint | None:
+        """Least in-flight among ready replicas; ties go round-robin."""
+        eps = [e for e in self._endpoints.get(model, ()) if e.replica_id not in exclude]
+        if not eps:
+            return None
+        start = next(self._rr) % len(eps)
+        rotated = eps[start:] + eps[:start]
+        return min(rotated, key=lambda e: self._inflight.get(e.replica_id, 0))
+
+    @contextmanager
+    def acquire(self, ep: Endpoint) -> Iterator[Endpoint]:
+        self._inflight[ep.replica_id] = self._inflight.get(ep.replica_id, 0) + 1
+        try:
+            yield ep
+        finally:
+            left = self._inflight[ep.replica_id] - 1
+            if left:
+                self._inflight[ep.replica_id] = left
+            else:
+                del self._inflight[ep.replica_id]

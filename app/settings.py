@@ -1,0 +1,159 @@
+"""Every setting of a gateway, with its default and what changing it costs.
+
+Read from the environment with the prefix `LLMGW_` (e.g. `LLMGW_LEASE_TTL`).
+`Settings` is built once by the caller (the CLI or a test) and passed down:
+nothing reads the environment at import time, so one process can hold
+several differently configured gateways.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from pathlib import Path
+
+from pydantic import SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Values a careless copy of an example file would leave in place.
+_PLACEHOLDERS = {"changeme", "change-me", "secret", "changethis", "password", "xxx"}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLMGW_", extra="ignore")
+
+    # --- where the shared state lives -------------------------------------
+    # Comma-separated host:port of etcd members. Empty: the embedded store in
+    # data_dir, one gateway alone (it is then always the leader).
+    etcd_endpoints: str = ""
+    # Every key lives under this prefix, so several llmgw installations (or
+    # test runs) can share one etcd.
+    etcd_prefix: str = "/llmgw/"
+    # Per-call deadline on etcd. Longer rides out slow disks; shorter makes a
+    # dead etcd visible (503 on writes) sooner.
+    etcd_timeout: float = 5.0
+    # The embedded store, the generated secret and admin token live here.
+    data_dir: Path = Path("~/.local/share/llmgw").expanduser()
+
+    # --- secrets ------------------------------------------------------------
+    # Engine keys and node tokens are derived from it (HMAC). Required with
+    # etcd, where every gateway must derive the same keys; generated and kept
+    # in data_dir for the embedded store.
+    secret: SecretStr | None = None
+    # Bearer token for /admin. Unset: generated into data_dir/admin-token.
+    admin_token: SecretStr | None = None
+
+    # --- leadership -----------------------------------------------------------
+    # Lease TTL in seconds. A crashed leader is replaced after at most this
+    # long; shorter fails over faster but loses leadership to etcd hiccups
+    # (with TTL 3 a lease expired while a 3-member etcd elected a new leader;
+    # keepalives stalled 7-8 s).
+    lease_ttl: int = 10
+    # How often a gateway renews its lease or, as a candidate, tries to win.
+    # Shorter: faster takeover after a clean stop, more etcd traffic.
+    election_interval: float = 0.5
+
+    # --- this gateway ---------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Unique per gateway; default derived from host name and port.
+    gateway_id: str = ""
+    # The URL others use to reach this gateway (agents, the cluster page).
+    public_url: str = ""
+
+    # --- the leader's reconciler ------------------------------------------------
+    # Seconds between reconcile passes when nothing changes; catalog and node
+    # changes wake it at once. Shorter costs CPU on the leader only.
+    reconcile_interval: float = 2.0
+    # How long a replica being removed stays out of the router before its
+    # engine is stopped, so that requests already routed to it can finish.
+    drain_seconds: float = 2.0
+
+    # --- agents -----------------------------------------------------------------
+    # A node whose agent has not heartbeated for this long is gone: its
+    # inventory key expires with its lease and its replicas are re-placed.
+    node_ttl: int = 15
+    # Longest a long-poll for assignments is held open. Longer means fewer
+    # idle requests; it must stay under any proxy's idle timeout.
+    assignment_wait: float = 25.0
+    # Run an agent inside `llmgw serve` (the all-in-one mode). Default: on
+    # with the embedded store, off with etcd.
+    local_agent: bool | None = None
+    # Name of the in-process agent's node.
+    local_node: str = ""
+    # GPUs the in-process agent declares; unset: discovered with nvidia-smi.
+    local_gpus: int | None = None
+
+    # --- router -------------------------------------------------------------------
+    # Seconds to wait for an engine to accept a connection before trying
+    # another replica.
+    connect_timeout: float = 5.0
+    # Longest a whole upstream request may take (long generations need long).
+    request_timeout: float = 600.0
+
+    # The operator's own vLLM executable: used as it is, never installed over.
+    # Empty: `vllm` on PATH, and only on nodes with GPUs.
+    vllm_bin: str = ""
+
+    @field_validator("secret", "admin_token")
+    @classmethod
+    def _refuse_placeholders(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            raw = v.get_secret_value()
+            if raw.strip().lower() in _PLACEHOLDERS or len(raw) < 16:
+                raise ValueError("must be at least 16 characters and not a placeholder")
+        return v
+
+    @field_validator("etcd_prefix")
+    @classmethod
+    def _prefix_shape(cls, v: str) -> str:
+        return v if v.endswith("/") else v + "/"
+
+    @model_validator(mode="after")
+    def _derive(self) -> Settings:
+        if self.uses_etcd and self.secret is None:
+            raise ValueError("LLMGW_SECRET is required when LLMGW_ETCD_ENDPOINTS is set")
+        if not self.gateway_id:
+            self.gateway_id = f"{socket.gethostname()}-{self.port}"
+        if not self.public_url:
+            host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+            self.public_url = f"http://{host}:{self.port}"
+        if self.local_agent is None:
+            self.local_agent = not self.uses_etcd
+        if not self.local_node:
+            self.local_node = socket.gethostname()
+        return self
+
+    @property
+    def uses_etcd(self) -> bool:
+        return bool(self.endpoints)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [e.strip() for e in self.etcd_endpoints.split(",") if e.strip()]
+
+    def ensure_local_secrets(self) -> None:
+        """Embedded mode: load or create the secret and admin token in data_dir.
+
+        Files are created 0600 and their contents are never logged.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.secret is None:
+            self.secret = SecretStr(_load_or_create(self.data_dir / "secret"))
+        if self.admin_token is None:
+            self.admin_token = SecretStr(_load_or_create(self.data_dir / "admin-token"))
+
+
+def _load_or_create(path: Path) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    value = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(value + "\n")
+    return value
+
+
+def default_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit overrides winning."""
+    return Settings(**overrides)  # type: ignore[arg-type]
+

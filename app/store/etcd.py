@@ -1,0 +1,385 @@
+"""`EtcdStore`: the store contract over etcd v3, with the etcd3aio client.
+
+Every key is stored under `prefix` (LLMGW_ETCD_PREFIX) and handed back without
+it, so several installations (or test runs) can share one etcd.
+
+Errors: etcd3aio retries a unary call on UNAVAILABLE / DEADLINE_EXCEEDED (3
+attempts) and then raises `EtcdConnectionError` / `EtcdTransientError`; its
+`asyncio.timeout` around the retries raises a bare `TimeoutError`; streams and
+every other status come out as raw `grpc.aio.AioRpcError`. All of them become
+`StoreUnavailable` (cause chained) except "lease not found", which is
+`LeaseExpired`, and the rest, which are `StoreError`.
+
+What this adapter does not guarantee: etcd3aio's watch resumes after a
+reconnect from the revision after the last response it saw, and it counts the
+"created" response (whose header carries the *current* revision, not the
+replayed one) as seen. A stream cut in the ~100 ms between etcd accepting a
+watch from an old revision and sending the replay would skip that replay
+silently. Readers that resync on start and on `compacted` are not harmed in
+the steady state; a reader that needs every event must re-read after a
+reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from typing import Any, cast
+
+# grpc ships no type information; etcd3aio raises its AioRpcError unmapped for
+# every status other than UNAVAILABLE/DEADLINE_EXCEEDED/UNAUTHENTICATED/
+# PERMISSION_DENIED, so the status code has to be read here.
+import grpc  # type: ignore[import-untyped]
+from etcd3aio import (
+    Etcd3Client,
+    EtcdConnectionError,
+    EtcdError,
+    EtcdTransientError,
+    SortOrder,
+    SortTarget,
+    prefix_range_end,
+)
+
+# The protobuf Compare is not re-exported; KVService has builders for value and
+# create revision but none for mod revision, so all three are built here alike.
+from etcd3aio._protobuf import Compare as PbCompare
+from etcd3aio._protobuf import RequestOp
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
+from etcd3aio.watch import WatchService
+
+from app.store.base import (
+    Compare,
+    Delete,
+    Event,
+    KeyValue,
+    LeaseExpired,
+    Op,
+    Put,
+    RangeResult,
+    StoreError,
+    StoreUnavailable,
+    TxnResult,
+    WatchBatch,
+)
+
+logger = logging.getLogger(__name__)
+
+_UNAVAILABLE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+_PB_EVENT_DELETE = 1  # mvccpb.Event.EventType.DELETE
+_PB_RESULT = {"==": PbCompare.EQUAL, "!=": PbCompare.NOT_EQUAL}
+_PB_TARGET = {"create": PbCompare.CREATE, "mod": PbCompare.MOD, "value": PbCompare.VALUE}
+
+
+@contextlib.contextmanager
+def _translated(operation: str) -> Iterator[None]:
+    """Turns etcd3aio and gRPC failures into the store's typed errors."""
+    try:
+        yield
+    except (EtcdConnectionError, EtcdTransientError) as exc:
+        raise StoreUnavailable(f"etcd {operation}: {exc}") from exc
+    except TimeoutError as exc:
+        raise StoreUnavailable(f"etcd {operation}: no answer in time") from exc
+    except grpc.aio.AioRpcError as exc:
+        code, detail = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+            raise LeaseExpired(f"etcd {operation}: {detail}") from exc
+        if code in _UNAVAILABLE_CODES:
+            raise StoreUnavailable(f"etcd {operation}: {code.name} {detail}") from exc
+        raise StoreError(f"etcd {operation}: {code.name} {detail}") from exc
+    except EtcdError as exc:
+        raise StoreError(f"etcd {operation}: {exc}") from exc
+
+
+class EtcdStore:
+    """The `Store` contract on etcd. No I/O until `connect()`; `open()` does both.
+
+    `timeout` bounds each call, retries included, so a dead etcd costs a caller
+    at most that long before `StoreUnavailable`. A larger value rides out an
+    etcd leader election (about 1 s on loopback, longer across hosts) without
+    an error; a smaller one fails writes faster when etcd is gone.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        prefix: str,
+        timeout: float = 5.0,
+        *,
+        watch_max_backoff: float = 2.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint")
+        self._endpoints = list(endpoints)
+        # "/llmgw" would also match "/llmgw2/...": a prefix names a folder.
+        self._prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        self._timeout = timeout
+        # etcd3aio's default reconnect cap is 5 s; a watch that feeds the
+        # router should notice a restarted etcd sooner. Lower costs only a few
+        # more connection attempts while etcd is down.
+        self._watch_max_backoff = watch_max_backoff
+        self._client: Etcd3Client | None = None
+        self._closed = False
+
+    @classmethod
+    async def open(cls, endpoints: Sequence[str], prefix: str, timeout: float = 5.0) -> EtcdStore:
+        store = cls(endpoints, prefix, timeout)
+        await store.connect()
+        return store
+
+    async def connect(self) -> None:
+        """Opens the gRPC channel. It connects lazily: a down etcd is reported by
+        the first call, not here, so a gateway can start while etcd restarts."""
+        client = Etcd3Client(
+            self._endpoints,
+            watch_reconnect_backoff_seconds=min(0.25, self._watch_max_backoff),
+            watch_max_reconnect_backoff_seconds=self._watch_max_backoff,
+        )
+        await client.connect()
+        self._client = client
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    # -- services -------------------------------------------------------------
+
+    @property
+    def _kv(self) -> KVService:
+        if self._client is None or self._client.kv is None:
+            raise StoreUnavailable("etcd store is not connected")
+        return self._client.kv
+
+    @property
+    def _lease(self) -> LeaseService:
+        if self._client is None or self._client.lease is None:
+            raise StoreUnavailable("etcd store is not connected")
+        return self._client.lease
+
+    def _watch_service(self) -> WatchService | None:
+        return None if self._client is None else self._client.watch
+
+    # -- keys -----------------------------------------------------------------
+
+    def _full(self, key: str) -> bytes:
+        return (self._prefix + key).encode()
+
+    def _relative(self, raw: bytes) -> str | None:
+        key = raw.decode()
+        return key[len(self._prefix) :] if key.startswith(self._prefix) else None
+
+    def _range_bounds(self, prefix: str) -> tuple[bytes, bytes]:
+        start = self._full(prefix)
+        if not start:
+            # An empty key is refused by etcd; "\0" to "\0" means every key.
+            return b"\x00", b"\x00"
+        return start, prefix_range_end(start)
+
+    def _key_value(self, kv: Any) -> KeyValue | None:
+        key = self._relative(kv.key)
+        if key is None:
+            return None
+        return KeyValue(key, bytes(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
+
+    # -- reads and writes -----------------------------------------------------
+
+    async def get(self, key: str) -> KeyValue | None:
+        with _translated("get"):
+            resp = await self._kv.get(self._full(key), timeout=self._timeout)
+        return self._key_value(resp.kvs[0]) if resp.kvs else None
+
+    async def range(self, prefix: str) -> RangeResult:
+        start, end = self._range_bounds(prefix)
+        with _translated("range"):
+            resp = await self._kv.get(
+                start,
+                range_end=end,
+                sort_order=SortOrder.ASCEND,
+                sort_target=SortTarget.KEY,
+                timeout=self._timeout,
+            )
+        kvs = [kv for kv in map(self._key_value, resp.kvs) if kv is not None]
+        return RangeResult(kvs, resp.header.revision)
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        with _translated("put"):
+            resp = await self._kv.put(self._full(key), value, lease=lease, timeout=self._timeout)
+        return int(resp.header.revision)
+
+    async def delete(self, key: str) -> bool:
+        with _translated("delete"):
+            resp = await self._kv.delete(self._full(key), timeout=self._timeout)
+        return bool(resp.deleted > 0)
+
+    async def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        pb_compares = [self._pb_compare(c) for c in compares]
+        with _translated("txn"):
+            resp = await self._kv.txn(
+                pb_compares,
+                [self._pb_op(op) for op in success],
+                [self._pb_op(op) for op in failure],
+                timeout=self._timeout,
+            )
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision))
+
+    def _pb_compare(self, compare: Compare) -> Any:
+        pb = PbCompare(
+            result=_PB_RESULT[compare.op],
+            target=_PB_TARGET[compare.target],
+            key=self._full(compare.key),
+        )
+        if compare.target == "value":
+            if not isinstance(compare.expected, bytes):
+                raise TypeError(f"value compare on {compare.key!r} needs bytes")
+            pb.value = compare.expected
+        else:
+            if not isinstance(compare.expected, int):
+                raise TypeError(f"{compare.target} compare on {compare.key!r} needs an int")
+            if compare.target == "create":
+                pb.create_revision = compare.expected
+            else:
+                pb.mod_revision = compare.expected
+        return pb
+
+    def _pb_op(self, op: Op) -> RequestOp:
+        if isinstance(op, Put):
+            return KVService.txn_op_put(self._full(op.key), op.value, lease=op.lease)
+        if isinstance(op, Delete):
+            return KVService.txn_op_delete(self._full(op.key))
+        raise TypeError(f"not a store op: {op!r}")
+
+    # -- leases ---------------------------------------------------------------
+
+    async def grant(self, ttl: int) -> int:
+        with _translated("grant"):
+            resp = await self._lease.grant(ttl, timeout=self._timeout)
+        if resp.error:
+            raise StoreError(f"etcd grant: {resp.error}")
+        return int(resp.ID)
+
+    async def keepalive(self, lease: int) -> int:
+        """One keepalive on a fresh stream. No background task: the caller (the
+        leader election) paces renewals and times the last success itself,
+        because a client-side "alive" flag stays true while etcd is down."""
+        call = self._lease.keep_alive(lease)
+        try:
+            with _translated("keepalive"):
+                async with asyncio.timeout(self._timeout):
+                    resp = await call.read()
+        finally:
+            call.cancel()
+        if resp is grpc.aio.EOF:
+            raise StoreUnavailable("etcd keepalive: stream closed without an answer")
+        if resp.TTL <= 0:
+            # etcd answers an unknown lease with TTL 0 rather than an error.
+            raise LeaseExpired(f"lease {lease:x} is gone")
+        return int(resp.TTL)
+
+    async def revoke(self, lease: int) -> None:
+        try:
+            with _translated("revoke"):
+                await self._lease.revoke(lease, timeout=self._timeout)
+        except LeaseExpired:
+            pass  # already gone: revoking is idempotent by contract
+
+    # -- watch ----------------------------------------------------------------
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchBatch]:
+        """See `Store.watch`.
+
+        Created and progress responses carry no events and are not yielded: a
+        reader learns nothing from them it cannot get from the next event.
+        etcd3aio reconnects a cut stream by itself; this loop restarts the
+        watch only when etcd cancels it (compaction) or the stream ends or
+        fails in a way etcd3aio does not retry.
+        """
+        start, end = self._range_bounds(prefix)
+        next_revision = start_revision
+        backoff = 0.25
+        while not self._closed:
+            pause = backoff
+            service = self._watch_service()
+            if service is None:
+                return
+            # Declared as an AsyncIterator, but it is an async generator: it
+            # must be closed to cancel its gRPC stream when this loop leaves it.
+            responses = cast(
+                AsyncGenerator[Any, None],
+                service.watch(start, range_end=end, start_revision=next_revision),
+            )
+            try:
+                async for resp in responses:
+                    if resp.compact_revision > 0:
+                        # etcd cancels a watch it cannot replay and never says
+                        # so again (etcd3aio would wait forever on the dead
+                        # stream). Report it, then go on from now: the reader
+                        # resyncs with a range read that is at least as new.
+                        current = await self._current_revision()
+                        if current is None:
+                            return
+                        yield WatchBatch([], current, compacted=True)
+                        next_revision = current + 1
+                        pause = 0.0
+                        break
+                    if resp.canceled:
+                        logger.warning(
+                            "etcd cancelled the watch on %r: %s", prefix, resp.cancel_reason
+                        )
+                        break
+                    events = [e for e in map(self._event, resp.events) if e is not None]
+                    if not events:
+                        continue
+                    # The last event's revision, not the header's: a replay of
+                    # a long history may come in several responses, each
+                    # headed with the current revision.
+                    next_revision = events[-1].mod_revision + 1
+                    backoff = 0.25
+                    yield WatchBatch(events, events[-1].mod_revision)
+                else:
+                    logger.warning("etcd watch stream on %r ended; restarting", prefix)
+            except (grpc.aio.AioRpcError, EtcdError) as exc:
+                if self._closed:
+                    return
+                logger.warning(
+                    "etcd watch on %r failed (%s); restarting in %.2fs", prefix, exc, backoff
+                )
+            finally:
+                await responses.aclose()
+            if self._closed:
+                return
+            if pause > 0:
+                await asyncio.sleep(pause)
+                backoff = min(backoff * 2, self._watch_max_backoff)
+
+    def _event(self, pb: Any) -> Event | None:
+        key = self._relative(pb.kv.key)
+        if key is None:
+            return None
+        kv = pb.kv
+        if pb.type == _PB_EVENT_DELETE:
+            return Event("delete", key, b"", kv.mod_revision)
+        return Event("put", key, bytes(kv.value), kv.mod_revision, kv.lease, kv.create_revision)
+
+    async def _current_revision(self) -> int | None:
+        """The store's revision, retried until etcd answers; None once closed."""
+        delay = 0.25
+        while not self._closed:
+            try:
+                with _translated("revision"):
+                    start, _ = self._range_bounds("")
+                    resp = await self._kv.get(start, count_only=True, timeout=self._timeout)
+                return int(resp.header.revision)
+            except StoreUnavailable:
+                logger.warning("etcd unavailable while resyncing a watch; retrying")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._watch_max_backoff)
+        return None

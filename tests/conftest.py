@@ -1,0 +1,50 @@
+"""Shared fixtures. Logic lives in tests/support/; keep this file a list."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.etcd import EtcdFixture, EtcdServer, ExternalEtcd
+from tests.support.procs import Cluster
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer | ExternalEtcd]:
+    """One etcd for the whole run (or LLMGW_TEST_ETCD); `.endpoint` is "host:port"."""
+    fixture = EtcdFixture()
+    try:
+        yield fixture.start()
+    finally:
+        fixture.stop()
+
+
+@pytest.fixture
+def etcd_prefix() -> str:
+    """A key prefix of this test's own, so tests can share one etcd."""
+    return f"/llmgw-test-{uuid.uuid4().hex}/"
+
+
+@pytest.fixture
+def cluster(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> Iterator[Cluster]:
+    """Real gateway and agent processes on the shared etcd, killed at teardown."""
+    c = Cluster(tmp_path, etcd_server.endpoint, etcd_prefix)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def solo(tmp_path: Path) -> Iterator[Cluster]:
+    """Like `cluster`, but for gateways alone on the embedded store."""
+    c = Cluster(tmp_path, None, "")
+    try:
+        yield c
+    finally:
+        c.close()

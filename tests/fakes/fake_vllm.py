@@ -1,0 +1,717 @@
+#!/usr/bin/env python3
+"""A stand-in for ``vllm serve`` that needs no GPU.
+
+It accepts vLLM's real command line (``vllm serve MODEL [flags]``), rejects
+flags vLLM does not have (argparse error, exit status 2), and serves the parts
+of vLLM's OpenAI-compatible HTTP API that llmgw talks to:
+
+* ``GET /health`` (200, empty body), ``GET /version``, ``GET|POST /ping``
+* ``GET /metrics`` (Prometheus text, vLLM's metric names, live values)
+* ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+
+The reply is deterministic: ``fake-vllm <served-name> echo: <last user
+message>`` (or ``<prompt>`` for text completions), streamed one word per chunk.
+
+Environment:
+
+* ``FAKE_VLLM_TOKEN_DELAY``   seconds to sleep before each generated word (default 0)
+* ``FAKE_VLLM_STARTUP_DELAY`` seconds to wait before binding the port (default 0),
+  like vLLM loading weights; ``/health`` is unreachable until then.
+
+What was checked against vLLM's own source (search tool, repository
+vllm-project/vllm, v0.10/v0.11 era):
+
+* Flags and defaults: ``vllm/entrypoints/openai/cli_args.py`` (FrontendArgs:
+  ``host: str | None = None`` -- None means every interface, ``port = 8000``,
+  ``uvicorn_log_level`` choices, ``api_key: list[str] | None`` -> nargs='+',
+  positional ``model_tag`` nargs='?') and ``vllm/engine/arg_utils.py``
+  (``--tensor-parallel-size``/``-tp``, ``--pipeline-parallel-size``/``-pp``,
+  ``--data-parallel-size``/``-dp``, ``--gpu-memory-utilization`` (0.9),
+  ``--max-model-len`` (accepts 1k/1K style), ``--dtype`` choices,
+  ``--served-model-name`` (list -> nargs='+'), bool fields become
+  ``--x/--no-x`` via BooleanOptionalAction, ``--enable-log-requests`` and the
+  DEPRECATED ``--disable-log-requests`` ("will be removed in v0.12.0"),
+  ``--disable-log-stats`` store_true). vLLM's FlexibleArgumentParser also
+  accepts ``--max_model_len`` spellings (underscores -> dashes).
+* Auth: ``vllm/entrypoints/openai/server_utils.py`` AuthenticationMiddleware:
+  only paths starting with ``/v1`` are checked, OPTIONS skipped, scheme
+  "bearer" case-insensitive, failure -> 401 ``{"error": "Unauthorized"}``.
+* Errors: ``ErrorResponse{error: ErrorInfo{message, type, param, code:int}}``;
+  unknown model -> 404, "The model `X` does not exist.", type "NotFoundError".
+* Metrics: ``vllm/v1/metrics/loggers.py`` PrometheusStatLogger: labels
+  ``model_name`` (first served name) and ``engine`` ("0");
+  gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (the 0.9+ name; ``vllm:gpu_cache_usage_perc`` is
+  the deprecated one); counters (prometheus_client appends ``_total``)
+  ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:num_preemptions``,
+  ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``,
+  ``vllm:request_success`` (+ label ``finished_reason``); histograms
+  ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+FAKE_VERSION = "0.11.0+fake"
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default for the OpenAI server usage context
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _human_readable_int(value: str) -> int:
+    """vLLM's parser for --max-model-len / --max-num-batched-tokens (1k, 2K, 25.6k)."""
+    value = value.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if m:
+        number, suffix = m.groups()
+        dec = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+        binary = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        if suffix in dec:
+            return int(float(number) * dec[suffix])
+        try:
+            return int(number) * binary[suffix]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"Decimals are not allowed with binary suffixes like {suffix}."
+            ) from e
+    try:
+        return int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from e
+
+
+def _optional(conv: Any) -> Any:
+    def parse(val: str) -> Any:
+        if val in ("", "None"):
+            return None
+        return conv(val)
+
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def _flexible_argv(argv: Sequence[str]) -> list[str]:
+    """Like vLLM's FlexibleArgumentParser: ``--max_model_len`` == ``--max-model-len``."""
+    out: list[str] = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            key, sep, val = arg.partition("=")
+            arg = key.replace("_", "-") + sep + val
+        out.append(arg)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: stricter than argparse's default so that a shortened or
+    # misspelt flag from our launcher fails here instead of silently matching.
+    parser = argparse.ArgumentParser(prog="vllm", description="fake vLLM CLI (tests only)",
+                                     allow_abbrev=False)
+    parser.add_argument("-v", "--version", action="version", version=FAKE_VERSION)
+    sub = parser.add_subparsers(dest="subparser", required=True)
+    s = sub.add_parser("serve", help="Start the fake vLLM OpenAI-compatible API server.",
+                       allow_abbrev=False)
+    s.usage = "vllm serve [model_tag] [options]"
+    bool_flag = argparse.BooleanOptionalAction
+
+    s.add_argument("model_tag", nargs="?", default=None, help="The model tag to serve.")
+    s.add_argument("--model", default=None)
+    s.add_argument("--headless", action="store_true", default=False)
+    s.add_argument("--api-server-count", "-asc", type=int, default=None)
+
+    # FrontendArgs
+    s.add_argument("--host", type=_optional(str), default=None)
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--uds", type=_optional(str), default=None)
+    s.add_argument(
+        "--uvicorn-log-level",
+        choices=["critical", "debug", "error", "info", "trace", "warning"],
+        default="info",
+    )
+    s.add_argument("--disable-uvicorn-access-log", action=bool_flag, default=False)
+    s.add_argument("--api-key", nargs="+", type=_optional(str), default=None)
+    s.add_argument("--root-path", type=_optional(str), default=None)
+    s.add_argument("--chat-template", type=_optional(str), default=None)
+    s.add_argument("--response-role", type=str, default="assistant")
+    s.add_argument("--enable-auto-tool-choice", action=bool_flag, default=False)
+    s.add_argument("--tool-call-parser", type=_optional(str), default=None)
+    s.add_argument("--max-log-len", type=_optional(int), default=None)
+    s.add_argument("--enable-request-id-headers", action=bool_flag, default=False)
+    s.add_argument("--disable-fastapi-docs", action=bool_flag, default=False)
+    s.add_argument("--enable-prompt-tokens-details", action=bool_flag, default=False)
+    s.add_argument("--enable-force-include-usage", action=bool_flag, default=False)
+
+    # EngineArgs (ModelConfig / LoadConfig)
+    s.add_argument("--served-model-name", nargs="+", type=str, default=None)
+    s.add_argument("--tokenizer", type=_optional(str), default=None)
+    s.add_argument("--revision", type=_optional(str), default=None)
+    s.add_argument("--trust-remote-code", action=bool_flag, default=False)
+    s.add_argument("--download-dir", type=_optional(str), default=None)
+    s.add_argument("--load-format", type=str, default="auto")
+    s.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float", "float16", "float32", "half"],
+        default="auto",
+    )
+    s.add_argument("--kv-cache-dtype", type=str, default="auto")
+    s.add_argument("--seed", type=_optional(int), default=None)
+    s.add_argument("--max-model-len", type=_optional(_human_readable_int), default=None)
+    s.add_argument("--quantization", type=_optional(str), default=None)
+    s.add_argument("--enforce-eager", action=bool_flag, default=False)
+    s.add_argument("--generation-config", type=str, default="auto")
+    s.add_argument("--override-generation-config", type=_optional(json.loads), default=None)
+    # ParallelConfig
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    s.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    s.add_argument("--distributed-executor-backend", type=_optional(str), default=None)
+    # CacheConfig
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--block-size", type=_optional(int), default=None)
+    s.add_argument("--swap-space", type=float, default=4)
+    s.add_argument("--enable-prefix-caching", action=bool_flag, default=None)
+    # SchedulerConfig
+    s.add_argument("--max-num-seqs", type=_optional(int), default=None)
+    s.add_argument(
+        "--max-num-batched-tokens", type=_optional(_human_readable_int), default=None
+    )
+    s.add_argument("--enable-chunked-prefill", action=bool_flag, default=None)
+    # Other
+    s.add_argument("--disable-log-stats", action="store_true", default=False)
+    s.add_argument("--enable-log-requests", action=bool_flag, default=False)
+    # DEPRECATED in vLLM 0.10/0.11 ("will be removed in v0.12.0"); still accepted there.
+    s.add_argument("--disable-log-requests", action=bool_flag, default=None)
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(_flexible_argv(argv))
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if not args.model:
+        # vLLM falls back to a default model; a launcher that forgets the model is a bug.
+        parser.error("the model to serve is required: vllm serve MODEL")
+    if args.served_model_name is None:
+        args.served_model_name = [args.model]
+    if args.max_model_len is None:
+        args.max_model_len = DEFAULT_MAX_MODEL_LEN
+    if args.max_num_seqs is None:
+        args.max_num_seqs = DEFAULT_MAX_NUM_SEQS
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    return args
+
+
+# ----------------------------------------------------------------------- metrics
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, v: float) -> None:
+        self.total += v
+        self.n += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class Stats:
+    def __init__(self, model_name: str, max_num_seqs: int, max_model_len: int) -> None:
+        self.model_name = model_name
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.running = 0
+        self.waiting = 0
+        self.kv_tokens = 0  # tokens held by running requests
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.created = time.time()
+
+    def kv_usage(self) -> float:
+        capacity = self.max_num_seqs * self.max_model_len
+        return min(1.0, self.kv_tokens / capacity) if capacity else 0.0
+
+    def render(self) -> str:
+        labels = f'model_name="{_escape(self.model_name)}",engine="0"'
+        lines: list[str] = []
+
+        def gauge(name: str, doc: str, value: float) -> None:
+            lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} gauge",
+                          f"{name}{{{labels}}} {_num(value)}"])
+
+        def counter(name: str, doc: str, values: dict[str, float]) -> None:
+            # prometheus_client exposition: TYPE uses the base name, samples get _total.
+            lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} counter"])
+            for extra, value in values.items():
+                lab = labels + extra
+                lines.append(f"{name}_total{{{lab}}} {_num(value)}")
+                lines.append(f"{name}_created{{{lab}}} {_num(self.created)}")
+
+        def histogram(name: str, doc: str, h: Histogram) -> None:
+            lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} histogram"])
+            for b, c in zip(h.buckets, h.counts, strict=True):
+                lines.append(f'{name}_bucket{{{labels},le="{_num(b)}"}} {_num(c)}')
+            lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {_num(h.n)}')
+            lines.append(f"{name}_count{{{labels}}} {_num(h.n)}")
+            lines.append(f"{name}_sum{{{labels}}} {_num(h.total)}")
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+              self.running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+              self.waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              self.kv_usage())
+        counter("vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                {"": self.prompt_tokens})
+        counter("vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.", {"": 0})
+        counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                {"": 0})
+        counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                {"": self.prompt_tokens})
+        counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                {"": self.generation_tokens})
+        counter("vllm:request_success", "Count of successfully processed requests.",
+                {f',finished_reason="{r}"': v for r, v in self.success.items()})
+        histogram("vllm:time_to_first_token_seconds",
+                  "Histogram of time to first token in seconds.", self.ttft)
+        histogram("vllm:e2e_request_latency_seconds",
+                  "Histogram of e2e request latency in seconds.", self.e2e)
+        return "\n".join(lines) + "\n"
+
+
+def _escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(v: float) -> str:
+    return repr(float(v))
+
+
+# ----------------------------------------------------------------------- serving
+
+
+def _log(msg: str, level: str = "INFO") -> None:
+    print(f"{level} {time.strftime('%m-%d %H:%M:%S')} [fake_vllm] {msg}", file=sys.stderr,
+          flush=True)
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _count_tokens(text: str) -> int:
+    return len(text.split())
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    return ""
+
+
+class FakeVLLM:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.names: list[str] = list(args.served_model_name)
+        self.api_keys: list[str] = [k for k in (args.api_key or []) if k]
+        self.token_delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0") or 0)
+        self.stats = Stats(self.names[0], args.max_num_seqs, args.max_model_len)
+        self.slots = asyncio.Semaphore(args.max_num_seqs)
+        self.created = int(time.time())
+
+    # -- app ---------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            return await self.auth_middleware(request, handler)
+
+        app = web.Application(middlewares=[auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_route("*", "/ping", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_keys and request.method != "OPTIONS" and request.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token not in self.api_keys:
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": FAKE_VERSION})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.stats.render().encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm",
+                "root": self.args.model,
+                "parent": None,
+                "max_model_len": self.args.max_model_len,
+                "permission": [{
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }],
+            }
+            for name in self.names
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    # -- request parsing ----------------------------------------------------
+    async def _parse(
+        self, request: web.Request
+    ) -> tuple[dict[str, Any] | None, web.Response | None]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None, _error(400, "Invalid JSON body.", "BadRequestError")
+        if not isinstance(body, dict):
+            return None, _error(400, "Request body must be a JSON object.", "BadRequestError")
+        model = body.get("model") or self.names[0]
+        if model not in self.names:
+            return None, _error(404, f"The model `{model}` does not exist.", "NotFoundError",
+                                "model")
+        body["model"] = model
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            return None, _error(400, f"max_tokens must be at least 1, got {limit}.",
+                                "BadRequestError", "max_tokens")
+        return body, None
+
+    def _reply_words(self, model: str, asked: str, limit: int | None) -> tuple[list[str], str]:
+        words = f"fake-vllm {model} echo: {asked}".split()
+        if limit is not None and limit < len(words):
+            return words[:limit], "length"
+        return words, "stop"
+
+    # -- generation ---------------------------------------------------------
+    async def _generate(self, words: list[str], prompt_tokens: int) -> AsyncIterator[str]:
+        """Yield deltas (words with their leading space), keeping the metrics live."""
+        st = self.stats
+        st.waiting += 1
+        waiting = True
+        start = time.monotonic()
+        try:
+            async with self.slots:
+                st.waiting -= 1
+                waiting = False
+                st.running += 1
+                st.kv_tokens += prompt_tokens
+                try:
+                    for i, word in enumerate(words):
+                        if self.token_delay > 0:
+                            await asyncio.sleep(self.token_delay)
+                        if i == 0:
+                            st.prompt_tokens += prompt_tokens
+                            st.ttft.observe(time.monotonic() - start)
+                        st.generation_tokens += 1
+                        st.kv_tokens += 1
+                        yield word if i == 0 else " " + word
+                finally:
+                    st.running -= 1
+                    st.kv_tokens -= prompt_tokens + len(words)
+                    st.kv_tokens = max(st.kv_tokens, 0)
+        finally:
+            if waiting:
+                st.waiting -= 1
+
+    def _finished(self, reason: str, start: float) -> None:
+        self.stats.success[reason] += 1
+        self.stats.e2e.observe(time.monotonic() - start)
+
+    @staticmethod
+    def _usage(prompt: int, completion: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                "completion_tokens": completion, "prompt_tokens_details": None}
+
+    async def _sse_start(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+        })
+        await resp.prepare(request)
+        return resp
+
+    @staticmethod
+    async def _sse(resp: web.StreamResponse, obj: Any) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+        await resp.write(f"data: {data}\n\n".encode())
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        start = time.monotonic()
+        body, err = await self._parse(request)
+        if err is not None:
+            return err
+        assert body is not None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _error(400, "messages must be a non-empty list.", "BadRequestError",
+                          "messages")
+        model = body["model"]
+        asked = ""
+        for m in reversed(messages):
+            if isinstance(m, dict) and m.get("role") == "user":
+                asked = _content_text(m.get("content"))
+                break
+        prompt_tokens = sum(
+            _count_tokens(_content_text(m.get("content"))) + 1
+            for m in messages if isinstance(m, dict)
+        )
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        words, reason = self._reply_words(model, asked, limit)
+        req_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        if not body.get("stream"):
+            async with aclosing(self._generate(words, prompt_tokens)) as gen:
+                text = "".join([d async for d in gen])
+            self._finished(reason, start)
+            return web.json_response({
+                "id": req_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None,
+                                "annotations": None, "audio": None, "function_call": None,
+                                "tool_calls": [], "reasoning_content": None},
+                    "logprobs": None, "finish_reason": reason, "stop_reason": None,
+                }],
+                "service_tier": None, "system_fingerprint": None,
+                "usage": self._usage(prompt_tokens, len(words)),
+                "prompt_logprobs": None, "kv_transfer_params": None,
+            })
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            return {"id": req_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish}]}
+
+        resp = await self._sse_start(request)
+        await self._sse(resp, chunk({"role": "assistant", "content": ""}, None))
+        n = 0
+        async with aclosing(self._generate(words, prompt_tokens)) as gen:
+            async for delta in gen:
+                n += 1
+                last = n == len(words)
+                await self._sse(resp, chunk({"content": delta}, reason if last else None))
+        self._finished(reason, start)
+        if include_usage:
+            await self._sse(resp, {"id": req_id, "object": "chat.completion.chunk",
+                                   "created": created, "model": model, "choices": [],
+                                   "usage": self._usage(prompt_tokens, n)})
+        await self._sse(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        start = time.monotonic()
+        body, err = await self._parse(request)
+        if err is not None:
+            return err
+        assert body is not None
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [" ".join(str(p) for p in prompt)]
+        else:
+            return _error(400, "prompt must be a string, a list of strings or token ids.",
+                          "BadRequestError", "prompt")
+        model = body["model"]
+        limit = body.get("max_tokens")
+        if limit is None:
+            limit = 16  # OpenAI's and vLLM's default for /v1/completions
+        req_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        plans = [(p, *self._reply_words(model, p, limit)) for p in prompts]
+        prompt_total = sum(_count_tokens(p) for p in prompts)
+
+        if not body.get("stream"):
+            choices = []
+            completion_total = 0
+            for i, (p, words, reason) in enumerate(plans):
+                async with aclosing(self._generate(words, _count_tokens(p))) as gen:
+                    text = "".join([d async for d in gen])
+                self._finished(reason, start)
+                completion_total += len(words)
+                choices.append({"index": i, "text": text, "logprobs": None,
+                                "finish_reason": reason, "stop_reason": None,
+                                "prompt_logprobs": None})
+            return web.json_response({
+                "id": req_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "service_tier": None, "system_fingerprint": None,
+                "usage": self._usage(prompt_total, completion_total),
+                "kv_transfer_params": None,
+            })
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = await self._sse_start(request)
+        completion_total = 0
+        for i, (p, words, reason) in enumerate(plans):
+            n = 0
+            async with aclosing(self._generate(words, _count_tokens(p))) as gen:
+                async for delta in gen:
+                    n += 1
+                    last = n == len(words)
+                    await self._sse(resp, {
+                        "id": req_id, "object": "text_completion", "created": created,
+                        "model": model,
+                        "choices": [{"index": i, "text": delta, "logprobs": None,
+                                     "finish_reason": reason if last else None,
+                                     "stop_reason": None}],
+                    })
+            completion_total += n
+            self._finished(reason, start)
+        if include_usage:
+            await self._sse(resp, {"id": req_id, "object": "text_completion",
+                                   "created": created, "model": model, "choices": [],
+                                   "usage": self._usage(prompt_total, completion_total)})
+        await self._sse(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+# -------------------------------------------------------------------------- main
+
+
+async def serve(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    if args.disable_log_requests is not None:
+        _log("--disable-log-requests is deprecated (vLLM 0.10/0.11) and removed in "
+             "vLLM 0.12; use --enable-log-requests / --no-enable-log-requests", "WARNING")
+    _log(f"non-default args: model={args.model!r} served_model_name={args.served_model_name} "
+         f"tensor_parallel_size={args.tensor_parallel_size} "
+         f"gpu_memory_utilization={args.gpu_memory_utilization} "
+         f"max_model_len={args.max_model_len} dtype={args.dtype}")
+    _log(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}")
+
+    startup_delay = float(os.environ.get("FAKE_VLLM_STARTUP_DELAY", "0") or 0)
+    if startup_delay > 0:
+        _log(f"loading model weights (FAKE_VLLM_STARTUP_DELAY={startup_delay}s)")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=startup_delay)
+            _log("received signal during startup; exiting")
+            return 0
+        except TimeoutError:
+            pass
+
+    fake = FakeVLLM(args)
+    runner = web.AppRunner(fake.make_app(), access_log=None, handle_signals=False,
+                           shutdown_timeout=0.2)
+    await runner.setup()
+    host = args.host  # None -> every interface, as vLLM/uvicorn do
+    site = web.TCPSite(runner, host=host, port=args.port)
+    try:
+        await site.start()
+    except OSError as e:
+        _log(f"cannot bind {host or '0.0.0.0'}:{args.port}: {e}", "ERROR")
+        await runner.cleanup()
+        return 1
+    shown = host if host is not None else "0.0.0.0"
+    _log(f"Starting vLLM API server 0 on http://{shown}:{args.port} "
+         f"(fake vllm serving model {args.model} as {fake.names}, "
+         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    _log("Application startup complete.")
+    await stop.wait()
+    _log("Shutting down FastAPI HTTP server.")
+    await runner.cleanup()
+    return 0
+
+
+def _import_aiohttp() -> None:
+    # Imported only once the command line is known to be good: aiohttp takes a
+    # noticeable share of a second to import, which `vllm --version` and argparse
+    # errors should not pay.
+    global web
+    from aiohttp import web as aiohttp_web
+
+    web = aiohttp_web
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    _import_aiohttp()
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""A throwaway etcd for tests: one member on free loopback ports.
+
+Tests talk to a real etcd rather than a fake, so the same contract suite that
+covers the embedded store covers the real thing (see tests/test_store_contract.py).
+
+`LLMGW_TEST_ETCD=host:port` points the tests at an etcd someone else runs
+instead; such an etcd cannot be stopped, so tests that need `stop()` or
+`restart()` skip on it. Without an etcd binary the tests skip, except under
+`CI=true`, where a missing etcd must fail the run rather than hide it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+logger = logging.getLogger(__name__)
+
+# A single member on loopback is healthy in under a second (restart on an
+# existing data dir: under 2 s, see shared/FINDINGS.md); 10 s leaves room
+# for a loaded CI machine without letting a broken etcd stall the suite.
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+
+
+def find_etcd_binary() -> str | None:
+    found = shutil.which("etcd")
+    if found:
+        return found
+    return "/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None
+
+
+def free_port() -> int:
+    # The port is free now, not reserved: another process could take it
+    # before etcd binds. Loopback-only tests make that race rare.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd member. `endpoint` is "127.0.0.1:P" for the store's client."""
+
+    def __init__(self, binary: str, data_dir: Path) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.name = f"llmgw-test-{self.client_port}"
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.external = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path = data_dir.parent / f"{self.name}.log"
+
+    def _command(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            # Tests do not survive power loss; fsync would only slow them.
+            "--unsafe-no-fsync",
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        log = self._log_path.open("ab")
+        try:
+            self._proc = subprocess.Popen(
+                self._command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            log.close()  # the child keeps its own descriptor
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        url = f"http://127.0.0.1:{self.client_port}/health"
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self._proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200 and b'"true"' in resp.read():
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd not healthy after {START_TIMEOUT_S}s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it lingers (an etcd without quorum ignores SIGTERM)."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("etcd %s ignored SIGTERM; killing it", self.name)
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def restart(self) -> None:
+        """Stop and start on the same ports and data dir: the data survives."""
+        self.stop()
+        self.start()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self._log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class ExternalEtcd:
+    """An etcd the tests did not start (LLMGW_TEST_ETCD); never stopped by them."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.external = True
+
+    def stop(self) -> None:
+        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot stop")
+
+    def start(self) -> None:
+        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot start")
+
+    def restart(self) -> None:
+        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot restart")
+
+
+def missing_etcd(reason: str) -> None:
+    """Skip outside CI; under CI=true a missing etcd is a failure, never a skip."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (CI=true: etcd is required)", pytrace=False)
+    pytest.skip(reason)
+
+
+class EtcdFixture:
+    """Owns the temporary directory and the server for one test session."""
+
+    def __init__(self) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.server: EtcdServer | ExternalEtcd | None = None
+
+    def start(self) -> EtcdServer | ExternalEtcd:
+        external = os.environ.get("LLMGW_TEST_ETCD", "").strip()
+        if external:
+            self.server = ExternalEtcd(external)
+            return self.server
+        binary = find_etcd_binary()
+        if binary is None:
+            missing_etcd("no etcd binary on PATH or at /usr/bin/etcd (apt-get install etcd-server)")
+            raise AssertionError("unreachable")
+        self._tmp = tempfile.TemporaryDirectory(prefix="llmgw-etcd-")
+        server = EtcdServer(binary, Path(self._tmp.name) / "data")
+        server.start()
+        self.server = server
+        return server
+
+    def stop(self) -> None:
+        if isinstance(self.server, EtcdServer):
+            self.server.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,166 @@
+"""Real gateway and agent processes for tests, as an operator would run them.
+
+Each process runs `python -m app.cli ...` in its own session so that a test
+can SIGKILL or SIGTERM it, and teardown kills whatever it left (engines
+included: they share the agent's process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_BIN = ROOT / "tests" / "fakes" / "bin"
+SECRET = "test-secret-0123456789abcdef"
+ADMIN = "test-admin-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+            if last:
+                return last
+        except (httpx.HTTPError, OSError) as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", *self.args], cwd=ROOT, env=self.env,
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return self
+
+    def signal(self, sig: int) -> None:
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError):
+            if sig == signal.SIGKILL:
+                os.killpg(self.popen.pid, sig)  # engines too, as a node crash would
+            else:
+                self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass
+class GatewayProc(Proc):
+    port: int = 0
+    gateway_id: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10,
+                            headers={"Authorization": f"Bearer {ADMIN}"})
+
+    def leader(self) -> dict[str, Any]:
+        with self.admin() as c:
+            r = c.get("/admin/leader")
+            r.raise_for_status()
+            return dict(r.json())
+
+
+@dataclass
+class Cluster:
+    """Gateways (and agents) under one tmp dir, all killed at teardown."""
+
+    tmp: Path
+    etcd: str | None
+    prefix: str
+    procs: list[Proc] = field(default_factory=list)
+    ttl: int = 10
+
+    def base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        env.update({"LLMGW_SECRET": SECRET, "LLMGW_ADMIN_TOKEN": ADMIN,
+                    "PYTHONUNBUFFERED": "1", "LLMGW_LOG_LEVEL": "info"})
+        env["PATH"] = f"{FAKE_BIN}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def gateway(self, name: str, **settings: str) -> GatewayProc:
+        port = free_port()
+        env = self.base_env()
+        env.update({"LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": name,
+                    "LLMGW_LEASE_TTL": str(self.ttl),
+                    "LLMGW_DATA_DIR": str(self.tmp / name)})
+        if self.etcd:
+            env.update({"LLMGW_ETCD_ENDPOINTS": self.etcd, "LLMGW_ETCD_PREFIX": self.prefix})
+        env.update({f"LLMGW_{k.upper()}": v for k, v in settings.items()})
+        gw = GatewayProc(name, ["serve"], env, self.tmp / f"{name}.log", port=port,
+                         gateway_id=name)
+        gw.start()
+        self.procs.append(gw)
+        wait_for(lambda: httpx.get(gw.url + "/readyz", timeout=1).status_code == 200,
+                 20, f"gateway {name} ready")
+        return gw
+
+    def agent(self, node: str, gateways: list[GatewayProc], *extra: str) -> Proc:
+        from app.control.keys import node_token
+
+        env = self.base_env()
+        env.pop("LLMGW_SECRET")
+        env["LLMGW_AGENT_TOKEN"] = node_token(SECRET, node)
+        args = ["agent", "--gateway", ",".join(g.url for g in gateways), "--node", node,
+                "--work-dir", str(self.tmp / f"agent-{node}"), *extra]
+        proc = Proc(f"agent-{node}", args, env, self.tmp / f"agent-{node}.log").start()
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.kill()
+
+
+def make_key(gw: GatewayProc, name: str = "tests") -> str:
+    with gw.admin() as admin:
+        r = admin.post("/admin/keys", json={"name": name})
+        assert r.status_code == 201, r.text
+        return str(r.json()["key"])
