@@ -54,7 +54,9 @@ def test_sigterm_hands_over_within_2s(three: list[GatewayProc]) -> None:
     took = time.monotonic() - stopped
     print(f"SIGTERM handover: {took:.2f} s")
     assert new != leader
-    assert old.wait(10) == 0, old.output()[-2000:]
+    # uvicorn re-raises the signal once its graceful shutdown is done.
+    assert old.wait(10) in (0, -signal.SIGTERM), old.output()[-2000:]
+    assert f"gateway {old.gateway_id} stopped" in old.output()
 
 
 def test_model_put_on_a_reaches_b_and_c_within_1s(three: list[GatewayProc]) -> None:

@@ -91,10 +91,6 @@ def _wait_healthy(p: Proc, timeout: float = 10.0) -> Proc:
     return p
 
 
-def _start(workdir: Path, args: list[str], env: dict[str, str]) -> Proc:
-    return _wait_healthy(_spawn(workdir, args, env))
-
-
 def _stop(p: Proc) -> None:
     if p.proc.poll() is None:
         p.proc.terminate()
@@ -110,11 +106,12 @@ TOKEN_DELAY = 0.15
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
-    """Two fakes, spawned together so their start-ups overlap.
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """Three fakes, spawned together so their start-ups overlap.
 
     ``server``: key required, two served names, every flag the brief lists.
     ``slow``: FAKE_VLLM_TOKEN_DELAY and FAKE_VLLM_STARTUP_DELAY set, no key.
+    ``doomed``: 5 s per token; the SIGTERM test kills it mid-stream.
     """
     workdir = tmp_path_factory.mktemp("fake-vllm")
     main = _spawn(
@@ -129,22 +126,24 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Pr
     slow = _spawn(workdir, ["--served-model-name", "slow"],
                   _env(FAKE_VLLM_TOKEN_DELAY=str(TOKEN_DELAY),
                        FAKE_VLLM_STARTUP_DELAY=str(STARTUP_DELAY)))
+    doomed = _spawn(workdir, [], _env(FAKE_VLLM_TOKEN_DELAY="5"))
     try:
         _wait_healthy(main)
         _wait_healthy(slow)
-        yield main, slow
+        _wait_healthy(doomed)
+        yield main, slow, doomed
     finally:
-        _stop(main)
-        _stop(slow)
+        for p in (main, slow, doomed):
+            _stop(p)
 
 
 @pytest.fixture
-def server(servers: tuple[Proc, Proc]) -> Proc:
+def server(servers: tuple[Proc, Proc, Proc]) -> Proc:
     return servers[0]
 
 
 @pytest.fixture
-def slow_server(servers: tuple[Proc, Proc]) -> Proc:
+def slow_server(servers: tuple[Proc, Proc, Proc]) -> Proc:
     return servers[1]
 
 
@@ -409,8 +408,10 @@ async def test_startup_delay_and_running_gauge_during_slow_stream(
         assert running == 0
 
 
-async def test_sigterm_exits_cleanly_with_stream_in_flight(tmp_path: Path) -> None:
-    p = _start(tmp_path, [], _env(FAKE_VLLM_TOKEN_DELAY="5"))
+async def test_sigterm_exits_cleanly_with_stream_in_flight(
+    servers: tuple[Proc, Proc, Proc],
+) -> None:
+    p = servers[2]
     try:
         async with aiohttp.ClientSession() as s, s.post(
             p.base + "/v1/chat/completions",

@@ -488,6 +488,41 @@ async def test_etcd_prefix_gets_its_slash(
         await sibling.close()
 
 
+async def test_etcd_frozen_calls_time_out(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
+) -> None:
+    timeout = 1.0
+    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=timeout)
+    try:
+        lease = await store.grant(60)
+        await store.put("before", b"1")
+        etcd_server.pause()
+        try:
+            for call in _every_call(store, lease):
+                began = time.monotonic()
+                with pytest.raises(StoreUnavailable) as raised:
+                    await asyncio.wait_for(call(), timeout * 3)
+                assert timeout * 0.9 < time.monotonic() - began < timeout * 2
+                assert raised.value.__cause__ is not None
+        finally:
+            etcd_server.resume()
+        kv = await store.get("before")
+        assert kv is not None and kv.value == b"1"
+    finally:
+        await store.close()
+
+
+def _every_call(store: Store, lease: int) -> list[Callable[[], Awaitable[object]]]:
+    return [
+        lambda: store.get("before"),
+        lambda: store.put("during", b"x"),
+        lambda: store.range(""),
+        lambda: store.txn([Compare.absent("x")], [Put("x", b"1")]),
+        lambda: store.keepalive(lease),
+        lambda: store.grant(10),
+    ]
+
+
 async def test_etcd_down_then_back(
     etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
 ) -> None:
@@ -501,15 +536,7 @@ async def test_etcd_down_then_back(
         await asyncio.sleep(0.2)  # the watch is established before etcd goes
 
         etcd_server.stop()
-        calls: list[Callable[[], Awaitable[object]]] = [
-            lambda: store.get("before"),
-            lambda: store.put("during", b"x"),
-            lambda: store.range(""),
-            lambda: store.txn([Compare.absent("x")], [Put("x", b"1")]),
-            lambda: store.keepalive(lease),
-            lambda: store.grant(10),
-        ]
-        for call in calls:
+        for call in _every_call(store, lease):
             began = time.monotonic()
             with pytest.raises(StoreUnavailable) as raised:
                 await asyncio.wait_for(call(), timeout * 3)

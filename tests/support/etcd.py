@@ -108,11 +108,22 @@ class EtcdServer:
         self.stop()
         raise RuntimeError(f"etcd not healthy after {START_TIMEOUT_S}s: {self.log_tail()}")
 
+    def pause(self) -> None:
+        """SIGSTOP: etcd keeps its sockets open but answers nothing, like a hung
+        or partitioned member. Calls must time out rather than fail fast."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it lingers (an etcd without quorum ignores SIGTERM)."""
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
+        proc.send_signal(signal.SIGCONT)  # a paused etcd would hold SIGTERM pending
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=STOP_TIMEOUT_S)
@@ -143,6 +154,12 @@ class ExternalEtcd:
 
     def stop(self) -> None:
         pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot stop")
+
+    def pause(self) -> None:
+        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot pause")
+
+    def resume(self) -> None:
+        pass
 
     def start(self) -> None:
         pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot start")

@@ -123,6 +123,7 @@ class Cluster:
         env.update({"LLMGW_SECRET": SECRET, "LLMGW_ADMIN_TOKEN": ADMIN,
                     "PYTHONUNBUFFERED": "1", "LLMGW_LOG_LEVEL": "info"})
         env["PATH"] = f"{FAKE_BIN}{os.pathsep}{env.get('PATH', '')}"
+        env["FAKE_VLLM_PYTHON"] = sys.executable  # the fake needs this venv's aiohttp
         return env
 
     def gateway(self, name: str, **settings: str) -> GatewayProc:

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Lint, type-check, then the whole test suite (real etcd, gateways, agents,
+# engines). Expects scripts/install.sh to have run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m ruff check app tests
+.venv/bin/python -m mypy
+.venv/bin/python -m pytest -q --durations=10 "$@"
