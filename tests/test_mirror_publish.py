@@ -1,0 +1,114 @@
+"""The mirror follows the store, and the publisher turns it into router tables."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from app.control import state as s
+from app.control.keys import engine_key, hash_client_key
+from app.control.mirror import Mirror, wait_for_revision
+from app.publish import Publisher
+from app.router.table import RouteTable
+from app.store.base import Event, WatchBatch
+from app.store.embedded import EmbeddedStore
+
+SECRET = "mirror-test-secret-0123456789"
+
+
+def test_a_compacted_batch_is_refused_so_the_reader_resyncs() -> None:
+    mirror = Mirror(None)  # type: ignore[arg-type]  # apply() touches no store
+    assert mirror.apply(WatchBatch([Event("put", "a", b"1", 2, create_revision=2)], 2))
+    assert mirror.get("a") is not None and mirror.revision == 2
+    assert not mirror.apply(WatchBatch([], 9, compacted=True))
+    assert mirror.revision == 2  # nothing folded in across the gap
+    # An event the mirror already saw (a resync raced the watch) is ignored.
+    assert mirror.apply(WatchBatch([Event("delete", "a", b"", 2)], 2))
+    assert mirror.get("a") is not None
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[EmbeddedStore]:
+    st = await EmbeddedStore.open(tmp_path / "state.db", log_limit=4, expiry_interval=None)
+    yield st
+    await st.close()
+
+
+async def test_mirror_follows_and_catches_up_after_a_stop(store: EmbeddedStore) -> None:
+    mirror = Mirror(store)
+    seen: list[set[str]] = []
+    mirror.subscribe(seen.append)
+    await store.put("a", b"1")
+    mirror.start()
+    try:
+        assert await wait_for_revision(mirror, (await store.put("b", b"2")), 2)
+        assert mirror.get("a") is not None and mirror.get("b") is not None
+
+        # Changes the watch could not replay (the log holds 4 events) while
+        # the mirror was stopped: a restart re-reads in full.
+        await mirror.stop()
+        await store.delete("a")
+        for i in range(8):
+            last = await store.put(f"k{i}", b"x")
+        mirror.start()
+        assert await wait_for_revision(mirror, last, 2)
+        assert mirror.get("a") is None
+        assert {kv.key for kv in mirror.items("k")} == {f"k{i}" for i in range(8)}
+        assert any("a" in changed for changed in seen)
+    finally:
+        await mirror.stop()
+
+
+async def test_publisher_routes_only_ready_non_draining_replicas(store: EmbeddedStore) -> None:
+    mirror = Mirror(store)
+    table = RouteTable()
+    Publisher(mirror, table, SECRET)
+    mirror.start()
+
+    async def write(key: str, value: s.BaseModel) -> None:
+        rev = await store.put(key, value.model_dump_json().encode())
+        assert await wait_for_revision(mirror, rev, 2)
+        await asyncio.sleep(0)  # the publish is scheduled with call_soon
+
+    try:
+        await write(s.MODELS + "m", s.StoredModel(name="m", model="w", aliases=["al"]))
+        assert table.resolve("al") == "m" and table.resolve("m") == "m"
+        rep = s.Replica(id="m-1", model="m", node="n", gpus=[0], weights="w")
+        await write(s.REPLICAS + "m-1", rep)
+        assert table.endpoints("m") == ()
+        await write(s.STATUS + "m-1", s.ReplicaStatus(id="m-1", node="n", phase="starting",
+                                                     url="http://127.0.0.1:9"))
+        assert table.endpoints("m") == ()
+        await write(s.STATUS + "m-1", s.ReplicaStatus(id="m-1", node="n", phase="ready",
+                                                     url="http://127.0.0.1:9"))
+        (ep,) = table.endpoints("m")
+        assert ep.url == "http://127.0.0.1:9" and ep.key == engine_key(SECRET, "m-1")
+        assert ep.key not in repr(ep)
+        await write(s.REPLICAS + "m-1", rep.model_copy(update={"draining_since": 1.0}))
+        assert table.endpoints("m") == ()
+
+        digest = hash_client_key("sk-test")
+        await write(s.KEYS + digest, s.ClientKey(id="k1", name="t", created=0, models=["m"]))
+        grant = table.grant(digest)
+        assert grant is not None and grant.allows("m") and not grant.allows("other")
+    finally:
+        await mirror.stop()
+
+
+def test_choose_prefers_the_least_busy_replica() -> None:
+    from app.router.table import Endpoint
+
+    table = RouteTable()
+    a, b = Endpoint("a", "http://a", "ka"), Endpoint("b", "http://b", "kb")
+    table.set_endpoints({"m": [a, b]})
+    with table.acquire(a), table.acquire(a):
+        assert table.choose("m", set()) == b
+        with table.acquire(b), table.acquire(b), table.acquire(b):
+            assert table.choose("m", set()) == a
+    assert table.inflight("a") == 0 and table.inflight("b") == 0
+    assert table.choose("m", {"a", "b"}) is None
+    picks = {table.choose("m", set()).replica_id for _ in range(4)}  # type: ignore[union-attr]
+    assert picks == {"a", "b"}  # idle replicas share the load
