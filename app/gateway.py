@@ -95,7 +95,8 @@ class Gateway:
         self._store = await self._store_factory(st)
         self._mirror = Mirror(self._store)
         Publisher(self._mirror, self.table, self.secret)
-        await self._mirror.resync()
+        # Loads in the background, retrying while the store is unreachable;
+        # /readyz says no until it has.
         self._mirror.start()
         info = s.GatewayInfo(id=st.gateway_id, url=st.public_url, version=__version__,
                              started=time.time())
@@ -114,7 +115,12 @@ class Gateway:
 
     async def _elect(self) -> None:
         while True:
-            await self.elector.tick()
+            try:
+                await self.elector.tick()
+            except Exception:
+                # tick() handles store failures; anything else is a bug, but
+                # the loop must outlive it or this gateway never leads again.
+                logger.exception("election step crashed")
             await asyncio.sleep(self.settings.election_interval)
 
     async def _run_local_agent(self) -> None:

@@ -210,28 +210,29 @@ class Agent:
 
     async def observe(self) -> None:
         """Updates each engine's phase from its process and its API."""
+        await asyncio.gather(*(self._check(rid, e) for rid, e in list(self.running.items())))
+
+    async def _check(self, rid: str, entry: _Running) -> None:
         assert self._health is not None
-        for rid, entry in list(self.running.items()):
-            if entry.phase == "failed":
-                continue
-            code = entry.proc.exit_code()
-            if code is not None:
-                tail = entry.proc.log_tail()
-                self._fail(entry, f"engine exited with code {code}: {tail}")
-                logger.warning("engine of %s exited with code %d", rid, code)
-                continue
-            try:
-                async with self._health.get(
-                    entry.proc.url + "/v1/models",
-                    headers={"Authorization": f"Bearer {entry.proc.spec.key}"},
-                ) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
-            if ok and entry.phase != "ready":
-                logger.info("replica %s is ready at %s", rid, entry.proc.url)
-            entry.phase = "ready" if ok else "starting"
-            entry.detail = "" if ok else entry.detail
+        if entry.phase == "failed":
+            return
+        code = entry.proc.exit_code()
+        if code is not None:
+            self._fail(entry, f"engine exited with code {code}: {entry.proc.log_tail()}")
+            logger.warning("engine of %s exited with code %d", rid, code)
+            return
+        try:
+            async with self._health.get(
+                entry.proc.url + "/v1/models",
+                headers={"Authorization": f"Bearer {entry.proc.spec.key}"},
+            ) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok and entry.phase != "ready":
+            logger.info("replica %s is ready at %s", rid, entry.proc.url)
+        entry.phase = "ready" if ok else "starting"
+        entry.detail = "" if ok else entry.detail
 
     def statuses(self) -> list[ReplicaStatus]:
         now = time.time()

@@ -79,10 +79,14 @@ class Mirror:
                         logger.warning("watch reported a gap at revision %d; resyncing",
                                        batch.revision)
                         break
+                continue  # a gap: re-read at once
             except StoreError as exc:
                 logger.warning("mirror lost the store (%s); retrying in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+            except Exception:
+                # A bug must not leave the router on a copy that never changes.
+                logger.exception("mirror crashed; resyncing in %.1f s", backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="mirror")

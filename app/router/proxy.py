@@ -25,7 +25,7 @@ import aiohttp
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.router.table import Endpoint, KeyGrant, RouteTable
+from app.router.table import Endpoint, KeyGrant, Lease, RouteTable
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,6 @@ class Proxy:
                 break
             tried.add(ep.replica_id)
             lease = self._table.acquire(ep)
-            lease.__enter__()
             try:
                 upstream = await self._session.post(
                     ep.url + path, data=payload,
@@ -145,13 +144,13 @@ class Proxy:
                              "Content-Type": "application/json"},
                 )
             except (aiohttp.ClientError, TimeoutError) as exc:
-                lease.__exit__(None, None, None)
+                lease.release()
                 last_error = f"replica {ep.replica_id} unreachable ({type(exc).__name__})"
                 logger.warning("%s; trying another", last_error)
                 continue
             if upstream.status in _RETRY_STATUSES:
                 upstream.release()
-                lease.__exit__(None, None, None)
+                lease.release()
                 last_error = f"replica {ep.replica_id} answered {upstream.status}"
                 logger.warning("%s; trying another", last_error)
                 continue
@@ -159,16 +158,11 @@ class Proxy:
                 # The engine refused *our* key: a gateway/engine mismatch
                 # (another secret?), not the client's fault.
                 upstream.release()
-                lease.__exit__(None, None, None)
+                lease.release()
                 logger.error("replica %s refused the engine key", ep.replica_id)
                 return openai_error(502, f"replica {ep.replica_id} refused the gateway",
                                     "server_error", "upstream_auth")
-            return StreamingResponse(
-                _relay(upstream, lease, ep),
-                status_code=upstream.status,
-                media_type=upstream.headers.get("Content-Type", "application/json"),
-                headers={"X-Llmgw-Replica": ep.replica_id, "Cache-Control": "no-cache"},
-            )
+            return _Relay(upstream, lease, ep)
         return openai_error(
             503, f"No replica of '{model}' can take the request now: {last_error}.",
             "service_unavailable", "no_ready_replica",
@@ -193,16 +187,39 @@ class Proxy:
         return handler
 
 
-async def _relay(
-    upstream: aiohttp.ClientResponse, lease: Any, ep: Endpoint
-) -> AsyncIterator[bytes]:
-    """Streams the engine's bytes as they come (SSE included), then releases."""
-    try:
-        async for chunk in upstream.content.iter_any():
-            yield chunk
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        # Bytes already reached the client: nothing to retry, end the stream.
-        logger.warning("replica %s broke off mid-response: %s", ep.replica_id, exc)
-    finally:
-        upstream.release()
-        lease.__exit__(None, None, None)
+class _Relay(StreamingResponse):
+    """Streams the engine's bytes as they come (SSE included).
+
+    The upstream response and the in-flight lease are released when the
+    response ends, however it ends: also when the client left before the
+    first chunk, where a generator's own `finally` would never run.
+    """
+
+    def __init__(self, upstream: aiohttp.ClientResponse, lease: Lease, ep: Endpoint) -> None:
+        self._upstream = upstream
+        self._lease = lease
+        self._ep = ep
+        super().__init__(
+            self._chunks(),
+            status_code=upstream.status,
+            media_type=upstream.headers.get("Content-Type", "application/json"),
+            headers={"X-Llmgw-Replica": ep.replica_id, "Cache-Control": "no-cache"},
+        )
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._upstream.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Bytes already reached the client: nothing to retry; end the stream.
+            logger.warning("replica %s broke off mid-response: %s", self._ep.replica_id, exc)
+
+    def _release(self) -> None:
+        self._upstream.release()
+        self._lease.release()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()

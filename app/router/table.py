@@ -4,15 +4,14 @@ It is replaced wholesale by `publish_*` calls from the control side (the
 router never imports the control plane; main.py wires them, DESIGN
 invariant 8) and read on every request without any I/O.
 
-Choosing an endpoint returns a lease (`async with table.acquire(...)`) so
+Taking an endpoint returns a lease (`with table.acquire(ep):`) so
 the in-flight count drops even when a client disconnects mid-stream.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -96,14 +95,36 @@ class RouteTable:
         rotated = eps[start:] + eps[:start]
         return min(rotated, key=lambda e: self._inflight.get(e.replica_id, 0))
 
-    @contextmanager
-    def acquire(self, ep: Endpoint) -> Iterator[Endpoint]:
+    def acquire(self, ep: Endpoint) -> Lease:
+        """Counts one request in flight on `ep` until the lease is released."""
         self._inflight[ep.replica_id] = self._inflight.get(ep.replica_id, 0) + 1
-        try:
-            yield ep
-        finally:
-            left = self._inflight[ep.replica_id] - 1
-            if left:
-                self._inflight[ep.replica_id] = left
-            else:
-                del self._inflight[ep.replica_id]
+        return Lease(self, ep)
+
+    def _release(self, ep: Endpoint) -> None:
+        left = self._inflight.get(ep.replica_id, 0) - 1
+        if left > 0:
+            self._inflight[ep.replica_id] = left
+        else:
+            self._inflight.pop(ep.replica_id, None)
+
+
+class Lease:
+    """One request in flight on an endpoint. Release is idempotent."""
+
+    __slots__ = ("_released", "_table", "endpoint")
+
+    def __init__(self, table: RouteTable, ep: Endpoint) -> None:
+        self._table = table
+        self.endpoint = ep
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._table._release(self.endpoint)
+
+    def __enter__(self) -> Endpoint:
+        return self.endpoint
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
