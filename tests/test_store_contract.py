@@ -9,7 +9,9 @@ away and coming back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -558,4 +560,110 @@ async def test_etcd_down_then_back(
     finally:
         if watcher is not None:
             await watcher.stop()
+        await store.close()
+
+
+async def test_etcd_watch_cut_before_its_replay_skips_nothing(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
+) -> None:
+    """etcd answers a watch from an old revision with "created" (headed with
+    the *current* revision) and replays the history up to 100 ms later. etcd
+    is killed the moment "created" is read, inside that window: the watch
+    must reopen from the start revision, not from the header's, and deliver
+    every event once, in order, then go on with the live ones."""
+    if isinstance(etcd_server, ExternalEtcd):
+        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot kill")
+    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=1.0)
+    killed = asyncio.Event()
+
+    class KillOnCreated(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not killed.is_set() and "created" in record.getMessage():
+                etcd_server.kill()  # synchronous: nothing more is sent
+                killed.set()
+
+    etcd_log = logging.getLogger("app.store.etcd")
+    handler, level = KillOnCreated(logging.DEBUG), etcd_log.level
+    watcher = None
+    try:
+        old = [await store.put(f"jobs/{i}", str(i).encode()) for i in range(3)]
+        await store.put("elsewhere", b"not watched")
+        await store.delete("jobs/0")
+        deleted = (await store.range("")).revision
+        etcd_log.setLevel(logging.DEBUG)
+        etcd_log.addHandler(handler)
+        watcher = Watcher(store, "jobs/", old[0])
+        await asyncio.wait_for(killed.wait(), WAIT_S)
+        etcd_log.removeHandler(handler)
+        etcd_log.setLevel(level)
+
+        etcd_server.start()
+        new: list[int] = []
+        async with asyncio.timeout(15):
+            for i in range(3, 5):
+                while True:
+                    try:
+                        new.append(await store.put(f"jobs/{i}", str(i).encode()))
+                        break
+                    except StoreUnavailable:
+                        await asyncio.sleep(0.1)
+        expected = [
+            ("put", "jobs/0", old[0]),
+            ("put", "jobs/1", old[1]),
+            ("put", "jobs/2", old[2]),
+            ("delete", "jobs/0", deleted),
+            ("put", "jobs/3", new[0]),
+            ("put", "jobs/4", new[1]),
+        ]
+        # Read up to the last write, so a gap shows as a diff, not a timeout.
+        events: list[Event] = []
+        async with asyncio.timeout(15):
+            while not events or events[-1].mod_revision < new[-1]:
+                batch = await watcher.next_batch(timeout=15)
+                assert not batch.compacted, batch
+                events.extend(batch.events)
+        assert [(e.kind, e.key, e.mod_revision) for e in events] == expected
+        await asyncio.sleep(0.3)
+        assert watcher.batches.empty(), "an event was delivered twice"
+    finally:
+        etcd_log.removeHandler(handler)
+        etcd_log.setLevel(level)
+        if watcher is not None:
+            await watcher.stop()
+        await store.close()
+
+
+def _etcd_watchers(endpoint: str) -> int:
+    """etcd's own count of open watchers, from its metrics."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=2.0) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                return int(float(line.split()[1]))
+    raise AssertionError("etcd reports no etcd_debugging_mvcc_watcher_total")
+
+
+async def test_etcd_watch_ends_its_stream_when_the_reader_stops(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
+) -> None:
+    if isinstance(etcd_server, ExternalEtcd):
+        pytest.skip("LLMGW_TEST_ETCD: other clients' watchers would skew the count")
+    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=2.0)
+    try:
+        before = await asyncio.to_thread(_etcd_watchers, etcd_server.endpoint)
+        first = await store.put("k", b"1")
+        closed = store.watch("", first)
+        batch = await anext(closed)
+        assert [e.mod_revision for e in batch.events] == [first]
+        cancelled = Watcher(store, "", first + 1)  # waiting in a read when cancelled
+        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(_etcd_watchers, etcd_server.endpoint) == before + 2
+        await closed.aclose()  # type: ignore[attr-defined]
+        await cancelled.stop()
+        for _ in range(int(WAIT_S / 0.05)):
+            left = await asyncio.to_thread(_etcd_watchers, etcd_server.endpoint)
+            if left == before:
+                break
+            await asyncio.sleep(0.05)
+        assert left == before, "a stopped watch left its stream open in etcd"
+    finally:
         await store.close()

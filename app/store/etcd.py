@@ -10,14 +10,15 @@ every other status come out as raw `grpc.aio.AioRpcError`. All of them become
 `StoreUnavailable` (cause chained) except "lease not found", which is
 `LeaseExpired`, and the rest, which are `StoreError`.
 
-What this adapter does not guarantee: etcd3aio's watch resumes after a
-reconnect from the revision after the last response it saw, and it counts the
-"created" response (whose header carries the *current* revision, not the
-replayed one) as seen. A stream cut in the ~100 ms between etcd accepting a
-watch from an old revision and sending the replay would skip that replay
-silently. Readers that resync on start and on `compacted` are not harmed in
-the steady state; a reader that needs every event must re-read after a
-reconnect.
+Watches run on our own loop over the gRPC Watch stream, not etcd3aio's
+`WatchService.watch`: that one resumes a cut stream from the revision after
+the last *response* it saw, "created" included, whose header carries the
+current revision rather than the replayed one, so a cut between etcd
+accepting a watch from an old revision and sending the replay (up to 100 ms,
+etcd's sync interval) would skip the replay silently. Ours resumes from the
+revision after the last *event* delivered (or the start revision), so a
+reconnect never skips an event: anything not replayable is reported as
+`compacted`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 # grpc ships no type information; etcd3aio raises its AioRpcError unmapped for
 # every status other than UNAVAILABLE/DEADLINE_EXCEEDED/UNAUTHENTICATED/
@@ -45,10 +46,9 @@ from etcd3aio import (
 # The protobuf Compare is not re-exported; KVService has builders for value and
 # create revision but none for mod revision, so all three are built here alike.
 from etcd3aio._protobuf import Compare as PbCompare
-from etcd3aio._protobuf import RequestOp
+from etcd3aio._protobuf import RequestOp, WatchCreateRequest, WatchRequest
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
-from etcd3aio.watch import WatchService
 
 from app.store.base import (
     Compare,
@@ -70,6 +70,15 @@ logger = logging.getLogger(__name__)
 _UNAVAILABLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
+# A watch stream that fails with one of these is reopened; any other status
+# (permission, bad request) is raised as StoreError to the reader.
+_WATCH_RETRY_CODES = _UNAVAILABLE_CODES | {
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+}
+_WATCH_MIN_BACKOFF = 0.1
 _PB_EVENT_DELETE = 1  # mvccpb.Event.EventType.DELETE
 _PB_RESULT = {"==": PbCompare.EQUAL, "!=": PbCompare.NOT_EQUAL}
 _PB_TARGET = {"create": PbCompare.CREATE, "mod": PbCompare.MOD, "value": PbCompare.VALUE}
@@ -118,9 +127,9 @@ class EtcdStore:
         # "/llmgw" would also match "/llmgw2/...": a prefix names a folder.
         self._prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         self._timeout = timeout
-        # etcd3aio's default reconnect cap is 5 s; a watch that feeds the
-        # router should notice a restarted etcd sooner. Lower costs only a few
-        # more connection attempts while etcd is down.
+        # Cap of the watch's reconnect backoff (it starts at 0.1 s). A watch
+        # that feeds the router should notice a restarted etcd soon; lower
+        # costs only a few more connection attempts while etcd is down.
         self._watch_max_backoff = watch_max_backoff
         self._client: Etcd3Client | None = None
         self._closed = False
@@ -134,11 +143,7 @@ class EtcdStore:
     async def connect(self) -> None:
         """Opens the gRPC channel. It connects lazily: a down etcd is reported by
         the first call, not here, so a gateway can start while etcd restarts."""
-        client = Etcd3Client(
-            self._endpoints,
-            watch_reconnect_backoff_seconds=min(0.25, self._watch_max_backoff),
-            watch_max_reconnect_backoff_seconds=self._watch_max_backoff,
-        )
+        client = Etcd3Client(self._endpoints)
         await client.connect()
         self._client = client
         self._closed = False
@@ -163,8 +168,14 @@ class EtcdStore:
             raise StoreUnavailable("etcd store is not connected")
         return self._client.lease
 
-    def _watch_service(self) -> WatchService | None:
-        return None if self._client is None else self._client.watch
+    def _open_watch_stream(self) -> Any | None:
+        """A new bidirectional Watch call on the client's channel (None once
+        closed). Only the stub and the token of etcd3aio's WatchService are
+        used: its `watch()` resumes from the wrong revision (module doc)."""
+        service = None if self._client is None else self._client.watch
+        if service is None:
+            return None
+        return service._stub.Watch(metadata=service._metadata or None)
 
     # -- keys -----------------------------------------------------------------
 
@@ -296,69 +307,101 @@ class EtcdStore:
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchBatch]:
         """See `Store.watch`.
 
-        Created and progress responses carry no events and are not yielded: a
-        reader learns nothing from them it cannot get from the next event.
-        etcd3aio reconnects a cut stream by itself; this loop restarts the
-        watch only when etcd cancels it (compaction) or the stream ends or
-        fails in a way etcd3aio does not retry.
+        `next_revision` is the only resume point: the start revision until an
+        event is delivered, then the last delivered event's revision + 1. It
+        never moves on a "created" or progress header, which carry the
+        store's current revision, not the stream's position; so a stream cut
+        anywhere (even between "created" and a replay of old revisions) is
+        reopened from the first revision not yet delivered, and every event
+        arrives once, in order. Transient gRPC failures reopen the stream
+        with backoff (0.1 s doubling to `watch_max_backoff`); other statuses
+        raise StoreError. Created and progress responses are not yielded.
         """
-        start, end = self._range_bounds(prefix)
+        key, range_end = self._range_bounds(prefix)
         next_revision = start_revision
-        backoff = 0.25
+        backoff = _WATCH_MIN_BACKOFF
         while not self._closed:
-            pause = backoff
-            service = self._watch_service()
-            if service is None:
+            call = self._open_watch_stream()
+            if call is None:
                 return
-            # Declared as an AsyncIterator, but it is an async generator: it
-            # must be closed to cancel its gRPC stream when this loop leaves it.
-            responses = cast(
-                AsyncGenerator[Any, None],
-                service.watch(start, range_end=end, start_revision=next_revision),
-            )
+            compacted = False
             try:
-                async for resp in responses:
+                await call.write(
+                    WatchRequest(
+                        create_request=WatchCreateRequest(
+                            key=key, range_end=range_end, start_revision=next_revision
+                        )
+                    )
+                )
+                while True:
+                    resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        logger.warning("etcd watch stream on %r ended; reopening", prefix)
+                        break
                     if resp.compact_revision > 0:
                         # etcd cancels a watch it cannot replay and never says
-                        # so again (etcd3aio would wait forever on the dead
-                        # stream). Report it, then go on from now: the reader
-                        # resyncs with a range read that is at least as new.
-                        current = await self._current_revision()
-                        if current is None:
-                            return
-                        yield WatchBatch([], current, compacted=True)
-                        next_revision = current + 1
-                        pause = 0.0
+                        # so again. Report it (below), then go on from now.
+                        compacted = True
                         break
                     if resp.canceled:
                         logger.warning(
                             "etcd cancelled the watch on %r: %s", prefix, resp.cancel_reason
                         )
                         break
-                    events = [e for e in map(self._event, resp.events) if e is not None]
-                    if not events:
+                    if resp.created:
+                        logger.debug(
+                            "etcd watch on %r created from revision %d (store at %d)",
+                            prefix,
+                            next_revision,
+                            resp.header.revision,
+                        )
+                        if next_revision == 0:
+                            # "From now" is pinned to the revision it meant, so
+                            # a reconnect does not move it on silently.
+                            next_revision = int(resp.header.revision) + 1
                         continue
-                    # The last event's revision, not the header's: a replay of
-                    # a long history may come in several responses, each
-                    # headed with the current revision.
-                    next_revision = events[-1].mod_revision + 1
-                    backoff = 0.25
-                    yield WatchBatch(events, events[-1].mod_revision)
-                else:
-                    logger.warning("etcd watch stream on %r ended; restarting", prefix)
-            except (grpc.aio.AioRpcError, EtcdError) as exc:
+                    if not resp.events:
+                        continue  # a progress notification: nothing moves
+                    # The last event's revision, never the header's: a replay
+                    # comes in several responses, each headed with the
+                    # current revision. Raw events, so keys we drop count too.
+                    next_revision = int(resp.events[-1].kv.mod_revision) + 1
+                    events = [e for e in map(self._event, resp.events) if e is not None]
+                    if events:
+                        backoff = _WATCH_MIN_BACKOFF
+                        yield WatchBatch(events, events[-1].mod_revision)
+            except grpc.aio.AioRpcError as exc:
                 if self._closed:
                     return
+                code = exc.code()
+                if code not in _WATCH_RETRY_CODES:
+                    raise StoreError(f"etcd watch: {code.name} {exc.details() or ''}") from exc
                 logger.warning(
-                    "etcd watch on %r failed (%s); restarting in %.2fs", prefix, exc, backoff
+                    "etcd watch on %r failed (%s %s); reopening from revision %d in %.2fs",
+                    prefix,
+                    code.name,
+                    exc.details() or "",
+                    next_revision,
+                    backoff,
                 )
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and (task is None or task.cancelling() == 0):
+                    return  # close() cancelled the call under us, not our reader
+                raise
             finally:
-                await responses.aclose()
+                call.cancel()
             if self._closed:
                 return
-            if pause > 0:
-                await asyncio.sleep(pause)
-                backoff = min(backoff * 2, self._watch_max_backoff)
+            if compacted:
+                current = await self._current_revision()
+                if current is None:
+                    return
+                yield WatchBatch([], current, compacted=True)
+                next_revision = current + 1
+                continue
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._watch_max_backoff)
 
     def _event(self, pb: Any) -> Event | None:
         key = self._relative(pb.kv.key)

@@ -132,6 +132,15 @@ class EtcdServer:
             proc.kill()
             proc.wait(timeout=STOP_TIMEOUT_S)
 
+    def kill(self) -> None:
+        """SIGKILL, at once: etcd sends nothing more (no graceful shutdown that
+        could still flush a pending watch response). The data dir survives."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
     def restart(self) -> None:
         """Stop and start on the same ports and data dir: the data survives."""
         self.stop()
@@ -157,6 +166,9 @@ class ExternalEtcd:
 
     def pause(self) -> None:
         pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot pause")
+
+    def kill(self) -> None:
+        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot kill")
 
     def resume(self) -> None:
         pass
