@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from app import __version__
-from app.api import admin, agent, errors
+from app.api import admin, agent, docs, errors
 from app.gateway import Gateway
 from app.settings import Settings
 
@@ -34,9 +34,12 @@ def create_app(settings: Settings) -> FastAPI:
         version=__version__,
         summary="One OpenAI-compatible endpoint over a fleet of GPU nodes",
         lifespan=lifespan,
+        docs_url=None,  # served by app/api/docs.py without a CDN
+        redoc_url=None,
     )
     app.state.gateway = gw
     errors.install(app)
+    docs.install(app)
 
     @app.get("/healthz", tags=["probes"], summary="The process is up")
     async def healthz() -> dict[str, str]:

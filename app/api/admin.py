@@ -10,9 +10,10 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from app.gateway import Gateway
 
 _SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
+# Declares the scheme (Swagger UI's "Authorize" button); we answer its errors.
+_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
 
 
 class KeyRequest(BaseModel):
@@ -47,13 +50,12 @@ class LeaderView(BaseModel):
 
 
 def routes(gw: Gateway) -> APIRouter:
-    def require_admin(request: Request) -> None:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        expected = gw.admin_token
-        if scheme.lower() != "bearer" or not token:
+    def require_admin(
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if creds is None or not creds.credentials:
             raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
-        if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
             raise Problem(401, "Unauthorized", "wrong admin token")
 
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
