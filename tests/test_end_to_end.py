@@ -3,20 +3,20 @@ the official openai client gets answers through every gateway."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 import openai
 import pytest
 
-from tests.support.procs import Cluster, GatewayProc, make_key, wait_for
-
-
-def replicas(gw: GatewayProc) -> list[dict[str, Any]]:
-    with gw.admin() as admin:
-        r = admin.get("/admin/replicas")
-        r.raise_for_status()
-        return list(r.json())
+from tests.support.procs import (
+    Cluster,
+    GatewayProc,
+    make_key,
+    put_model,
+    replicas,
+    routes,
+    wait_for,
+    wait_ready,
+)
 
 
 @pytest.fixture
@@ -33,19 +33,15 @@ def test_vllm_replica_serves_through_every_gateway(
     gws, key = fleet
     spec = {"model": "acme/tiny-chat", "aliases": ["tiny"], "engine": "vllm", "gpus": 1,
             "replicas": {"min": 1, "max": 1}}
-    with gws[1].admin() as admin:
-        assert admin.put("/admin/models/tiny-chat", json=spec).status_code == 201
-
-    ready = wait_for(lambda: [r for r in replicas(gws[2]) if r["phase"] == "ready"],
-                     30, "a ready replica")
-    rep = ready[0]
+    put_model(gws[1], "tiny-chat", spec)
+    rep = wait_ready(gws[2])
     assert rep["model"] == "tiny-chat" and rep["node"] == "node-1" and len(rep["gpus"]) == 1
     assert rep["url"].startswith("http://127.0.0.1:")
 
     for gw in gws:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
         # Every gateway's router learns of the ready replica through its watch.
-        wait_for(lambda c=client: _answers(c), 5, f"{gw.name} routing")
+        wait_for(lambda g=gw: routes(g, key, "tiny"), 5, f"{gw.name} routing")
         for name in ("tiny-chat", "tiny"):
             chat = client.chat.completions.create(
                 model=name, messages=[{"role": "user", "content": f"hello via {gw.name}"}])
@@ -85,13 +81,3 @@ def _down(url: str) -> bool:
         return False
     except httpx.TransportError:
         return True
-
-
-def _answers(client: openai.OpenAI) -> bool:
-    try:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-        return True
-    except openai.APIStatusError as exc:
-        if exc.status_code == 503:
-            return False
-        raise

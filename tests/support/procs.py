@@ -165,3 +165,34 @@ def make_key(gw: GatewayProc, name: str = "tests") -> str:
         r = admin.post("/admin/keys", json={"name": name})
         assert r.status_code == 201, r.text
         return str(r.json()["key"])
+
+
+def replicas(gw: GatewayProc) -> list[dict[str, Any]]:
+    with gw.admin() as admin:
+        r = admin.get("/admin/replicas")
+        r.raise_for_status()
+        return list(r.json())
+
+
+def put_model(gw: GatewayProc, name: str, spec: dict[str, Any]) -> None:
+    with gw.admin() as admin:
+        r = admin.put(f"/admin/models/{name}", json=spec)
+        assert r.status_code in (200, 201), r.text
+
+
+def wait_ready(gw: GatewayProc, timeout: float = 30) -> dict[str, Any]:
+    """The first ready replica, as /admin/replicas shows it."""
+    ready = wait_for(lambda: [r for r in replicas(gw) if r["phase"] == "ready"],
+                     timeout, "a ready replica")
+    return dict(ready[0])
+
+
+def routes(gw: GatewayProc, key: str, model: str) -> bool:
+    """Whether `gw` answers a chat completion for `model` (False on 503)."""
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+                   headers={"Authorization": f"Bearer {key}"},
+                   json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    if r.status_code == 503:
+        return False
+    assert r.status_code == 200, r.text
+    return True
