@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -43,8 +44,20 @@ def serve(args: argparse.Namespace) -> None:
     settings = _settings(host=args.host, port=args.port)
     assert isinstance(settings, Settings)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=5)
+    gateway = app.state.gateway
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            # Before uvicorn waits for open requests: end the agents' long
+            # polls (they move to another gateway) and the in-process agent's
+            # loops, so a clean stop does not sit out the grace period.
+            gateway.begin_shutdown()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    Server(config).run()
 
 
 def agent(args: argparse.Namespace) -> None:

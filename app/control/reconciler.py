@@ -97,10 +97,11 @@ class Reconciler:
 
     async def run(self) -> None:
         while True:
+            seen = self._mirror.revision
             try:
                 await self.tick()
             except StoreError as exc:
                 logger.warning("reconcile pass failed: %s", exc)
             except Exception:
                 logger.exception("reconcile pass crashed")
-            await self._mirror.wait_changed(self._interval)
+            await self._mirror.wait_past(seen, self._interval)

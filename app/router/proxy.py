@@ -34,6 +34,10 @@ _RETRY_STATUSES = {502, 503}
 _MAX_ATTEMPTS = 3
 
 
+class _Retry(Exception):
+    """This replica cannot take the request now; another may."""
+
+
 def openai_error(
     status: int, message: str, type_: str, code: str | None = None, param: str | None = None
 ) -> JSONResponse:
@@ -125,9 +129,9 @@ class Proxy:
             )
         body["model"] = name  # engines serve the catalog name, not the alias
         payload = json.dumps(body).encode()
-        return await self._send(name, path, payload)
+        return await self._send(name, path, payload, stream=body.get("stream") is True)
 
-    async def _send(self, model: str, path: str, payload: bytes) -> Response:
+    async def _send(self, model: str, path: str, payload: bytes, stream: bool) -> Response:
         assert self._session is not None, "Proxy.start() was not awaited"
         tried: set[str] = set()
         last_error = "no ready replica"
@@ -136,33 +140,39 @@ class Proxy:
             if ep is None:
                 break
             tried.add(ep.replica_id)
-            lease = self._table.acquire(ep)
+            taken = self._table.acquire(ep)
+            lease: Lease | None = taken
             try:
                 upstream = await self._session.post(
                     ep.url + path, data=payload,
                     headers={"Authorization": f"Bearer {ep.key}",
                              "Content-Type": "application/json"},
                 )
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                lease.release()
-                last_error = f"replica {ep.replica_id} unreachable ({type(exc).__name__})"
+                if upstream.status in _RETRY_STATUSES:
+                    upstream.release()
+                    raise _Retry(f"answered {upstream.status}")
+                if upstream.status == 401:
+                    # The engine refused *our* key: a gateway/engine mismatch
+                    # (another secret?), not the client's fault.
+                    upstream.release()
+                    logger.error("replica %s refused the engine key", ep.replica_id)
+                    return openai_error(502, f"replica {ep.replica_id} refused the gateway",
+                                        "server_error", "upstream_auth")
+                if stream:
+                    relay, lease = _Relay(upstream, taken, ep), None  # it releases the lease
+                    return relay
+                # Read whole: nothing has reached the client yet, so a failure
+                # here is still retried, and the answer keeps its length.
+                body = await upstream.read()
+                return Response(body, status_code=upstream.status,
+                                media_type=upstream.headers.get("Content-Type"),
+                                headers={"X-Llmgw-Replica": ep.replica_id})
+            except (aiohttp.ClientError, TimeoutError, _Retry) as exc:
+                last_error = f"replica {ep.replica_id} failed ({exc or type(exc).__name__})"
                 logger.warning("%s; trying another", last_error)
-                continue
-            if upstream.status in _RETRY_STATUSES:
-                upstream.release()
-                lease.release()
-                last_error = f"replica {ep.replica_id} answered {upstream.status}"
-                logger.warning("%s; trying another", last_error)
-                continue
-            if upstream.status == 401:
-                # The engine refused *our* key: a gateway/engine mismatch
-                # (another secret?), not the client's fault.
-                upstream.release()
-                lease.release()
-                logger.error("replica %s refused the engine key", ep.replica_id)
-                return openai_error(502, f"replica {ep.replica_id} refused the gateway",
-                                    "server_error", "upstream_auth")
-            return _Relay(upstream, lease, ep)
+            finally:
+                if lease is not None:  # also on cancellation (the client left)
+                    lease.release()
         return openai_error(
             503, f"No replica of '{model}' can take the request now: {last_error}.",
             "service_unavailable", "no_ready_replica",

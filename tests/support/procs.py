@@ -8,6 +8,7 @@ included: they share the agent's process group).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -143,10 +144,11 @@ class Cluster:
                  20, f"gateway {name} ready")
         return gw
 
-    def agent(self, node: str, gateways: list[GatewayProc], *extra: str) -> Proc:
+    def agent(self, node: str, gateways: list[GatewayProc], *extra: str,
+              env_extra: dict[str, str] | None = None) -> Proc:
         from app.control.keys import node_token
 
-        env = self.base_env()
+        env = self.base_env() | (env_extra or {})
         env.pop("LLMGW_SECRET")
         env["LLMGW_AGENT_TOKEN"] = node_token(SECRET, node)
         args = ["agent", "--gateway", ",".join(g.url for g in gateways), "--node", node,
@@ -196,3 +198,19 @@ def routes(gw: GatewayProc, key: str, model: str) -> bool:
         return False
     assert r.status_code == 200, r.text
     return True
+
+
+def kill_engine(url: str) -> int:
+    """SIGKILLs the engine serving `url` (found by its --port argument); returns its pid."""
+    port = url.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a == b"--port" and b == port.encode() for a, b in itertools.pairwise(args)):
+            os.kill(int(proc.name), signal.SIGKILL)
+            return int(proc.name)
+    raise AssertionError(f"no engine process serves {url}")
