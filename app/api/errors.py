@@ -6,6 +6,7 @@ a 500 without a traceback in the body (the traceback goes to the log).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -14,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from app.router.proxy import openai_error
+from app.router.proxy import openai_error_body
 from app.store.base import StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResp
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, media_type="application/problem+json",
                         headers=headers)
+
+
+def openai_error(status: int, message: str, type_: str) -> JSONResponse:
+    return JSONResponse(json.loads(openai_error_body(message, type_)), status_code=status)
 
 
 def _is_openai(request: Request) -> bool:
