@@ -46,8 +46,14 @@ def test_v1_errors_are_openai_shaped(gw: GatewayProc) -> None:
     assert err["code"] == "invalid_api_key"
     _openai_error(httpx.get(gw.url + "/v1/models"), 401)
 
+    _openai_error(httpx.get(gw.url + "/v1/nowhere", headers=auth), 404)
+    _openai_error(httpx.get(chat, headers=auth), 405)
+    _openai_error(httpx.post(chat, content=b"x" * (33 * 1024 * 1024), headers=auth), 413)
+
     # The official client maps them to its typed errors.
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     bad = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-wrong", max_retries=0)

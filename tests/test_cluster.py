@@ -6,6 +6,7 @@ import signal
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.support.procs import Cluster, GatewayProc, make_key, wait_for
@@ -74,3 +75,5 @@ def test_model_put_on_a_reaches_b_and_c_within_1s(three: list[GatewayProc]) -> N
 
     wait_for(lambda: listed(b) and listed(c), 1.0, "the model on gateways B and C")
     print(f"catalog propagation: {time.monotonic() - put_at:.3f} s")
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key=client_key, max_retries=0)
+    assert client.models.retrieve("fast").root == "propagated"  # type: ignore[attr-defined]

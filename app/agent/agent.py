@@ -139,6 +139,7 @@ class Agent:
         self._reported: dict[str, tuple[Phase, str, str]] = {}
         self._last_full_report = float("-inf")
         self._converge_lock = asyncio.Lock()
+        self.heartbeat_every = cfg.heartbeat_interval
         self._health: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -154,7 +155,12 @@ class Agent:
     # --- steps -------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        await self.client.call("PUT", "", body=self.inventory().model_dump(mode="json"))
+        answer = await self.client.call("PUT", "", body=self.inventory().model_dump(mode="json"))
+        # The node's key lives `ttl` seconds past each heartbeat: beat at
+        # least three times per TTL, whatever the gateways are set to.
+        ttl = float(answer.get("ttl") or 0)
+        if ttl > 0:
+            self.heartbeat_every = min(self.cfg.heartbeat_interval, ttl / 3)
 
     async def poll(self, wait: float) -> bool:
         """Fetches the assignments; True when they changed."""
@@ -258,17 +264,19 @@ class Agent:
 
     # --- loops ---------------------------------------------------------------------
 
-    async def _every(self, interval: float, step: Callable[[], Any], what: str) -> None:
+    async def _every(
+        self, every: Callable[[], float], step: Callable[[], Any], what: str
+    ) -> None:
         while True:
             try:
                 await step()
             except (GatewayUnreachable, PermissionError) as exc:
                 logger.warning("%s failed: %s", what, exc)
-                await asyncio.sleep(max(interval, 1.0))  # no busy loop on a dead gateway
+                await asyncio.sleep(max(every(), 1.0))  # no busy loop on a dead gateway
             except Exception:
                 logger.exception("%s crashed", what)
-                await asyncio.sleep(max(interval, 1.0))
-            await asyncio.sleep(interval)
+                await asyncio.sleep(max(every(), 1.0))
+            await asyncio.sleep(every())
 
     async def _poll_step(self) -> None:
         if await self.poll(self.cfg.poll_wait):
@@ -283,9 +291,9 @@ class Agent:
 
     async def run(self) -> None:
         await asyncio.gather(
-            self._every(self.cfg.heartbeat_interval, self.heartbeat, "heartbeat"),
-            self._every(0.0, self._poll_step, "assignment poll"),
-            self._every(self.cfg.observe_interval, self._observe_step, "engine check"),
+            self._every(lambda: self.heartbeat_every, self.heartbeat, "heartbeat"),
+            self._every(lambda: 0.0, self._poll_step, "assignment poll"),
+            self._every(lambda: self.cfg.observe_interval, self._observe_step, "engine check"),
         )
 
     async def shutdown(self) -> None:

@@ -122,11 +122,13 @@ class Proxy:
         path, method = scope["path"], scope["method"]
         try:
             grant = self._authenticate(scope)
-            if path == "/v1/models":
+            if path == "/v1/models" or path.startswith("/v1/models/"):
                 if method != "GET":
                     raise _error(405, f"{method} is not allowed on {path}.",
                                  "invalid_request_error")
-                await _send_json(send, 200, self._models(grant))
+                ident = path[len("/v1/models/"):]
+                await _send_json(send, 200, self._model(grant, ident) if ident
+                                 else self._models(grant))
             elif path in _FORWARDED:
                 if method != "POST":
                     raise _error(405, f"{method} is not allowed on {path}.",
@@ -165,14 +167,23 @@ class Proxy:
                          "invalid_api_key")
         return grant
 
-    def _models(self, grant: KeyGrant) -> bytes:
-        data = [
+    def _listed(self, grant: KeyGrant) -> list[dict[str, Any]]:
+        return [
             {"id": ident, "object": "model", "created": entry.created,
              "owned_by": "llmgw", "root": entry.name}
             for entry in self._table.catalog() if grant.allows(entry.name)
             for ident in (entry.name, *entry.aliases)
         ]
-        return json.dumps({"object": "list", "data": data}).encode()
+
+    def _models(self, grant: KeyGrant) -> bytes:
+        return json.dumps({"object": "list", "data": self._listed(grant)}).encode()
+
+    def _model(self, grant: KeyGrant, ident: str) -> bytes:
+        for entry in self._listed(grant):
+            if entry["id"] == ident:
+                return json.dumps(entry).encode()
+        raise _error(404, f"The model '{ident}' does not exist or you do not have access to it.",
+                     "invalid_request_error", "model_not_found", "model")
 
     async def _forward(self, grant: KeyGrant, path: str, receive: Receive,
                        send: Send) -> None:
@@ -318,6 +329,7 @@ def openapi_paths() -> dict[str, Any]:
 
     return {
         "/v1/models": op("List the models this key may use", "get"),
+        "/v1/models/{model}": op("One model, by name or alias", "get"),
         "/v1/chat/completions": op("Chat completion, forwarded to a replica", "post"),
         "/v1/completions": op("Text completion, forwarded to a replica", "post"),
         "/v1/embeddings": op("Embeddings, forwarded to a replica", "post"),
