@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.control.keys import node_token
+from app.settings import Settings
 
 
 def _logging(level: str) -> None:
@@ -23,9 +24,7 @@ def _logging(level: str) -> None:
     )
 
 
-def _settings(**overrides: object) -> object:
-    from app.settings import Settings
-
+def _settings(**overrides: object) -> Settings:
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
     except ValidationError as exc:
@@ -39,10 +38,8 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.main import create_app
-    from app.settings import Settings
 
     settings = _settings(host=args.host, port=args.port)
-    assert isinstance(settings, Settings)
     app = create_app(settings)
     gateway = app.state.gateway
 

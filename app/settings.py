@@ -12,7 +12,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Values a careless copy of an example file would leave in place.
@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     # dead etcd visible (503 on writes) sooner.
     etcd_timeout: float = 5.0
     # The embedded store, the generated secret and admin token live here.
-    data_dir: Path = Path("~/.local/share/llmgw").expanduser()
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".local/share/llmgw")
 
     # --- secrets ------------------------------------------------------------
     # Engine keys and node tokens are derived from it (HMAC). Required with
@@ -113,6 +113,8 @@ class Settings(BaseSettings):
     def _derive(self) -> Settings:
         if self.uses_etcd and self.secret is None:
             raise ValueError("LLMGW_SECRET is required when LLMGW_ETCD_ENDPOINTS is set")
+        if self.uses_etcd and self.admin_token is None:
+            raise ValueError("LLMGW_ADMIN_TOKEN is required when LLMGW_ETCD_ENDPOINTS is set")
         if not self.gateway_id:
             self.gateway_id = f"{socket.gethostname()}-{self.port}"
         if not self.public_url:

@@ -1,0 +1,69 @@
+"""The composition root: no globals, so one process can hold several gateways."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from app.main import create_app
+from app.settings import Settings
+
+ADMIN = "in-process-admin-token-0123"
+
+
+async def test_three_differently_configured_gateways_in_one_process(tmp_path: Path) -> None:
+    apps = [
+        create_app(Settings(data_dir=tmp_path / name, gateway_id=name, port=port,
+                            admin_token=f"{ADMIN}-{name}", local_agent=False))
+        for name, port in (("one", 18001), ("two", 18002), ("three", 18003))
+    ]
+    gateways = [app.state.gateway for app in apps]
+    await asyncio.gather(*(gw.start() for gw in gateways))
+    try:
+        for app, name in zip(apps, ("one", "two", "three"), strict=True):
+            headers = {"Authorization": f"Bearer {ADMIN}-{name}"}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gw", headers=headers) as client:
+                async def leader(c: httpx.AsyncClient = client) -> dict[str, object]:
+                    return dict((await c.get("/admin/leader")).json())
+
+                for _ in range(100):
+                    view = await leader()
+                    if view["is_leader"]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert view == {"gateway": name, "leader": name, "is_leader": True}
+                # Each has its own admin token and its own store.
+                other = "one" if name != "one" else "two"
+                r = await client.get("/admin/models",
+                                     headers={"Authorization": f"Bearer {ADMIN}-{other}"})
+                assert r.status_code == 401
+                r = await client.put(f"/admin/models/only-{name}", json={"model": "w"})
+                assert r.status_code == 201
+                names = [m["name"] for m in (await client.get("/admin/models")).json()]
+                assert names == [f"only-{name}"]
+    finally:
+        await asyncio.gather(*(gw.stop() for gw in gateways))
+
+
+def test_settings_refuse_weak_or_missing_secrets(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="LLMGW_SECRET is required"):
+        Settings(etcd_endpoints="127.0.0.1:2379", admin_token="a" * 20)
+    with pytest.raises(ValidationError, match="LLMGW_ADMIN_TOKEN is required"):
+        Settings(etcd_endpoints="127.0.0.1:2379", secret="s" * 20)
+    with pytest.raises(ValidationError, match="at least 16 characters"):
+        Settings(secret="changeme")
+    with pytest.raises(ValidationError, match="placeholder"):
+        Settings(secret="changethis".ljust(16, " "))
+    s = Settings(data_dir=tmp_path, port=9999)
+    assert s.local_agent is True and s.gateway_id.endswith("-9999")
+    s.ensure_local_secrets()
+    assert s.secret is not None and len(s.secret.get_secret_value()) >= 32
+    assert (tmp_path / "secret").stat().st_mode & 0o077 == 0  # readable by the owner only
+    again = Settings(data_dir=tmp_path)
+    again.ensure_local_secrets()
+    assert again.secret == s.secret  # kept across restarts
