@@ -10,6 +10,8 @@ export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 
 need_apt=()
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+# haproxy: the load balancer tests run compose/haproxy.cfg in front of gateways.
+[ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null || need_apt+=(haproxy)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v gcc >/dev/null || need_apt+=(build-essential)
 command -v cmake >/dev/null || need_apt+=(cmake)

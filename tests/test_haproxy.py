@@ -1,0 +1,95 @@
+"""compose/haproxy.cfg in front of two real gateways: a client keeps being
+answered, streams included, when one gateway dies."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.procs import (
+    ROOT,
+    Cluster,
+    free_port,
+    make_key,
+    put_model,
+    routes,
+    wait_for,
+)
+
+
+@pytest.fixture
+def haproxy_bin() -> str:
+    found = shutil.which("haproxy") or ("/usr/sbin/haproxy"
+                                         if Path("/usr/sbin/haproxy").exists() else None)
+    if found is None:
+        msg = "haproxy is not installed (apt-get install haproxy; scripts/install.sh does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return found
+
+
+def shipped_config(port: int, gateways: list[int]) -> str:
+    """compose/haproxy.cfg with loopback addresses instead of compose's names."""
+    text = (ROOT / "compose" / "haproxy.cfg").read_text()
+    text = text.replace("bind :8080", f"bind 127.0.0.1:{port}")
+    for i, gw_port in enumerate(gateways, start=1):
+        text, n = re.subn(rf"gateway{i}:8080", f"127.0.0.1:{gw_port}", text)
+        assert n == 1, f"compose/haproxy.cfg no longer names gateway{i}:8080"
+    return text
+
+
+@pytest.fixture
+def balanced(cluster: Cluster, haproxy_bin: str) -> Iterator[tuple[Cluster, str, str]]:
+    gws = [cluster.gateway("gw-a"), cluster.gateway("gw-b")]
+    cluster.agent("node-1", gws, "--gpus", "1")
+    key = make_key(gws[0])
+    put_model(gws[0], "m", {"model": "acme/m", "aliases": ["chat"], "gpus": 1})
+    for gw in gws:
+        wait_for(lambda g=gw: routes(g, key, "m"), 30, f"{gw.name} routing")
+    port = free_port()
+    cfg = cluster.tmp / "haproxy.cfg"
+    cfg.write_text(shipped_config(port, [g.port for g in gws]))
+    proc = subprocess.Popen([haproxy_bin, "-db", "-f", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, 10,
+                 "haproxy up")
+        yield cluster, url, key
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+def test_clients_are_answered_through_a_gateway_dying(
+    balanced: tuple[Cluster, str, str],
+) -> None:
+    cluster, url, key = balanced
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+    def ask(i: int) -> None:
+        chat = client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": f"through the lb {i}"}])
+        assert f"through the lb {i}" in (chat.choices[0].message.content or "")
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="chat", stream=True,
+            messages=[{"role": "user", "content": f"streamed {i}"}]) if c.choices)
+        assert f"streamed {i}" in text
+
+    for i in range(4):
+        ask(i)
+    dead = cluster.procs[0]
+    assert dead.name == "gw-a"
+    dead.signal(signal.SIGKILL)
+    for i in range(4, 12):
+        ask(i)  # refused connections are redispatched to the live gateway
