@@ -130,14 +130,17 @@ class Gateway:
     async def _run_local_agent(self) -> None:
         """All-in-one mode: an agent in this process, reaching us over loopback."""
         st = self.settings
-        url = f"http://127.0.0.1:{st.port}"
+        host = "127.0.0.1" if st.host in ("0.0.0.0", "::", "") else st.host
+        url = f"http://{host}:{st.port}"
         await _wait_http(url + "/healthz")
-        gpus = declared(st.local_gpus) if st.local_gpus is not None else discover()
+        # nvidia-smi can take seconds: not on the event loop.
+        gpus = (declared(st.local_gpus) if st.local_gpus is not None
+                else await asyncio.to_thread(discover))
         self.agent = Agent(AgentConfig(
             gateways=[url], node=st.local_node, token=node_token(self.secret, st.local_node),
             gpus=gpus, engines=available_engines(gpus, st.vllm_bin),
             work_dir=st.data_dir / "agent", vllm_bin=resolve_vllm(st.vllm_bin),
-            advertise_host="127.0.0.1",
+            advertise_host=host,
         ))
         await self.agent.start()
         await self.agent.run()

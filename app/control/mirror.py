@@ -149,9 +149,9 @@ class Mirror:
         return self._kvs.get(key)
 
     def items(self, prefix: str) -> Iterator[KeyValue]:
-        for key in sorted(self._kvs):
-            if key.startswith(prefix):
-                yield self._kvs[key]
+        # Sort only the matches: one scan of the keys, not a sort of them all.
+        for key in sorted(k for k in self._kvs if k.startswith(prefix)):
+            yield self._kvs[key]
 
     def parsed(self, prefix: str, cls: type[T]) -> dict[str, T]:
         """Values under `prefix` parsed as `cls`, by the key's last part.
