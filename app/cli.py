@@ -74,17 +74,19 @@ def agent(args: argparse.Namespace) -> None:
         gpus=gpus, engines=available_engines(gpus, vllm_env),
         work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
+        stop_engines_on_exit=args.stop_engines_on_exit,
     )
 
     async def main() -> None:
         a = Agent(cfg)
-        await a.start()
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
+        # Before start(): a stop during adoption must still be a clean one.
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         try:
+            await a.start()
             await a.run()
         except asyncio.CancelledError:
             pass
@@ -127,7 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--advertise-host", default=None,
                     help="address engines are reported at (default: the local address "
                     "of this host's route to the gateway)")
-    ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--work-dir", default=None,
+                    help="engine logs and the record of running engines")
+    ap.add_argument("--stop-engines-on-exit", action="store_true",
+                    help="stop this node's engines when the agent stops (default: leave "
+                    "them running; the next agent run adopts them)")
     ap.set_defaults(func=agent)
 
     cp = sub.add_parser("ctl", help="operator commands")

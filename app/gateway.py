@@ -141,6 +141,8 @@ class Gateway:
             gpus=gpus, engines=available_engines(gpus, st.vllm_bin),
             work_dir=st.data_dir / "agent", vllm_bin=resolve_vllm(st.vllm_bin),
             advertise_host=host,
+            # All-in-one: stopping `llmgw serve` stops the whole system.
+            stop_engines_on_exit=True,
         ))
         await self.agent.start()
         await self.agent.run()

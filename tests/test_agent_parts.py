@@ -72,3 +72,29 @@ def test_engine_environment_keeps_our_secrets_out(monkeypatch: pytest.MonkeyPatc
     cmd = command(spec, "127.0.0.1", 9, "unused")
     assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
     assert cmd[cmd.index("--model_alias") + 1] == "m"
+
+
+def test_an_engine_is_adopted_only_if_its_pid_still_names_the_same_process(
+    tmp_path: Path,
+) -> None:
+    from app.agent.engines import EngineProcess, start_ticks
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        ticks = start_ticks(proc.pid)
+        assert ticks is not None
+        record = {"replica_id": "r", "model": "m", "weights": "w", "engine": "vllm",
+                  "gpus": [0], "host": "127.0.0.1", "port": 1, "log": str(tmp_path / "l"),
+                  "pid": proc.pid, "ticks": ticks}
+        adopted = EngineProcess.adopt(record)
+        assert adopted is not None and adopted.pid == proc.pid
+        assert adopted.exit_code() is None and adopted.spec.key == ""
+        assert adopted.record() == record
+        # Same pid, another start time: a stranger that reused the pid.
+        assert EngineProcess.adopt(record | {"ticks": ticks + 1}) is None
+        proc.kill()
+        proc.wait()
+        assert start_ticks(proc.pid) is None
+        assert adopted.exit_code() == -1
+    finally:
+        proc.kill()

@@ -16,6 +16,7 @@ one fails, so a gateway's death costs an agent one failed request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -121,6 +122,9 @@ class AgentConfig:
     work_dir: Path
     vllm_bin: str = "vllm"
     advertise_host: str = ""
+    # Engines outlive the agent unless this is set: a restarted agent (an
+    # upgrade, a crash) adopts them instead of reloading every model.
+    stop_engines_on_exit: bool = False
     heartbeat_interval: float = 5.0
     observe_interval: float = 1.0
     poll_wait: float = 25.0
@@ -141,10 +145,47 @@ class Agent:
         self._converge_lock = asyncio.Lock()
         self.heartbeat_every = cfg.heartbeat_interval
         self._health: aiohttp.ClientSession | None = None
+        # Until the first assignment arrives, what this node should run is
+        # unknown: converging then would stop every adopted engine.
+        self.synced = False
+        self._state_path = cfg.work_dir / "engines.json"
 
     async def start(self) -> None:
         await self.client.start()
         self._health = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        self.adopt()
+
+    # --- engines left by an earlier run ---------------------------------------------
+
+    def adopt(self) -> list[str]:
+        """Takes over the engines an earlier run of this agent left running."""
+        try:
+            records = json.loads(self._state_path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable %s: %s", self._state_path, exc)
+            return []
+        adopted = []
+        for rec in records:
+            proc = EngineProcess.adopt(rec)
+            if proc is None:
+                logger.info("engine of %s is gone; not adopted", rec.get("replica_id"))
+                continue
+            self.running[proc.spec.replica_id] = _Running(proc)
+            adopted.append(proc.spec.replica_id)
+            logger.info("adopted engine of %s (pid %s, %s)",
+                        proc.spec.replica_id, proc.pid, proc.url)
+        return adopted
+
+    def _save(self) -> None:
+        """Records the running engines (no keys) for a later run to adopt."""
+        records = [e.proc.record() for e in self.running.values()
+                   if e.proc.exit_code() is None]
+        self._state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(records))
+        tmp.replace(self._state_path)
 
     def inventory(self) -> NodeInfo:
         return NodeInfo(
@@ -168,6 +209,7 @@ class Agent:
             "GET", "/assignments", params={"since": self.fingerprint, "wait": str(wait)},
             timeout=wait + 10.0,
         )
+        self.synced = True
         if answer["fingerprint"] == self.fingerprint:
             return False
         self.fingerprint = answer["fingerprint"]
@@ -183,15 +225,20 @@ class Agent:
     async def converge(self) -> tuple[list[str], list[str]]:
         """Starts missing engines, stops unwanted ones, restarts failed ones
         after a backoff. Returns (started, stopped) replica ids."""
+        if not self.synced:
+            return [], []
         async with self._converge_lock:
             started, stopped = [], []
-            for rid in [r for r in self.running if r not in self.desired]:
+            for rid in [r for r, e in self.running.items()
+                        if r not in self.desired or not e.proc.runs(self.desired[r])]:
                 await self.running.pop(rid).proc.stop()
                 self._reported.pop(rid, None)
                 stopped.append(rid)
             now = self._clock()
             for rid, spec in self.desired.items():
                 cur = self.running.get(rid)
+                if cur is not None:
+                    cur.proc.spec = spec  # an adopted engine learns its key here
                 if cur is not None and (cur.phase != "failed" or now < cur.retry_at):
                     continue
                 proc = EngineProcess(spec, self.host, free_port(self.host),
@@ -206,6 +253,8 @@ class Agent:
                 failures = cur.failures if cur else 0
                 self.running[rid] = _Running(proc, failures=failures)
                 started.append(rid)
+            if started or stopped:
+                self._save()
             return started, stopped
 
     def _fail(self, entry: _Running, detail: str) -> None:
@@ -285,6 +334,8 @@ class Agent:
             await self.report()
 
     async def _observe_step(self) -> None:
+        if not self.synced:
+            return  # adopted engines have no key yet to be checked with
         await self.converge()  # restarts failed engines once their backoff ends
         await self.observe()
         await self.report()
@@ -296,11 +347,18 @@ class Agent:
             self._every(lambda: self.cfg.observe_interval, self._observe_step, "engine check"),
         )
 
-    async def shutdown(self) -> None:
-        """Stops every engine this agent started (they die with the node's agent)."""
+    async def shutdown(self, stop_engines: bool | None = None) -> None:
+        """Stops the agent; its engines too if asked (default: the config's)."""
+        if stop_engines is None:
+            stop_engines = self.cfg.stop_engines_on_exit
         async with self._converge_lock:
-            await asyncio.gather(*(e.proc.stop() for e in self.running.values()))
-            self.running.clear()
+            if stop_engines:
+                await asyncio.gather(*(e.proc.stop() for e in self.running.values()))
+                self.running.clear()
+            else:
+                logger.info("leaving %d engines running for the next run to adopt",
+                            len(self.running))
+            self._save()
         await self.client.close()
         if self._health is not None:
             await self._health.close()

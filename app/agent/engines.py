@@ -25,6 +25,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from app.control.state import Engine, GpuInfo
 
@@ -83,8 +84,25 @@ def environment(spec: EngineSpec) -> dict[str, str]:
     return env
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (field 22 of /proc/PID/stat), None if it is gone.
+
+    Pids are reused: a pid and its start time together name one process, so
+    an agent never adopts, or kills, a stranger that got an old engine's pid.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+    if fields[0] in ("Z", "X"):
+        return None  # exited, not yet reaped
+    return int(fields[19])
+
+
 class EngineProcess:
-    """One engine process and its log file."""
+    """One engine process and its log file: one this agent started, or one
+    a previous run of the agent started and this one adopted."""
 
     def __init__(self, spec: EngineSpec, host: str, port: int, log_path: Path) -> None:
         self.spec = spec
@@ -92,6 +110,37 @@ class EngineProcess:
         self.port = port
         self.log_path = log_path
         self._proc: asyncio.subprocess.Process | None = None
+        self._pid: int | None = None  # set for an adopted engine (not our child)
+        self._ticks: int | None = None
+
+    @classmethod
+    def adopt(cls, record: dict[str, Any]) -> EngineProcess | None:
+        """The engine `record` describes, if that very process still runs.
+
+        Its key is not recorded (keys are derived, never stored): it is set
+        from the next assignment, before the engine is checked or reported.
+        """
+        pid, ticks = int(record["pid"]), int(record["ticks"])
+        if start_ticks(pid) != ticks:
+            return None
+        spec = EngineSpec(replica_id=record["replica_id"], model=record["model"],
+                          weights=record["weights"], engine=record["engine"],
+                          gpus=tuple(record["gpus"]), key="")
+        proc = cls(spec, record["host"], int(record["port"]), Path(record["log"]))
+        proc._pid, proc._ticks = pid, ticks
+        return proc
+
+    def record(self) -> dict[str, Any]:
+        """What a later run of the agent needs to adopt this engine (no key)."""
+        return {"replica_id": self.spec.replica_id, "model": self.spec.model,
+                "weights": self.spec.weights, "engine": self.spec.engine,
+                "gpus": list(self.spec.gpus), "host": self.host, "port": self.port,
+                "log": str(self.log_path), "pid": self.pid, "ticks": self._ticks}
+
+    def runs(self, spec: EngineSpec) -> bool:
+        """Whether this engine serves `spec` (keys aside)."""
+        return (self.spec.model, self.spec.weights, self.spec.engine, self.spec.gpus) == (
+            spec.model, spec.weights, spec.engine, spec.gpus)
 
     @property
     def url(self) -> str:
@@ -99,7 +148,7 @@ class EngineProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self._proc.pid if self._proc else self._pid
 
     async def start(self, vllm_bin: str) -> None:
         cmd = command(self.spec, self.host, self.port, vllm_bin)
@@ -110,11 +159,17 @@ class EngineProcess:
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
                 env=environment(self.spec),
             )
+        self._ticks = start_ticks(self._proc.pid)
         logger.info("started %s engine for %s (pid %d, port %d)",
                     self.spec.engine, self.spec.replica_id, self._proc.pid, self.port)
 
     def exit_code(self) -> int | None:
-        return None if self._proc is None else self._proc.returncode
+        """None while it runs. An adopted engine's real code is unknown: -1."""
+        if self._proc is not None:
+            return self._proc.returncode
+        if self._pid is not None and start_ticks(self._pid) == self._ticks:
+            return None
+        return -1
 
     def log_tail(self, lines: int = 5) -> str:
         try:
@@ -128,8 +183,11 @@ class EngineProcess:
         return "\n".join(tail).replace(self.spec.key, "***")
 
     async def stop(self) -> None:
+        if self._proc is None:
+            await self._stop_adopted()
+            return
         proc = self._proc
-        if proc is None or proc.returncode is not None:
+        if proc.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -140,6 +198,23 @@ class EngineProcess:
                 proc.kill()
             await proc.wait()
         logger.info("stopped engine for %s", self.spec.replica_id)
+
+    async def _stop_adopted(self) -> None:
+        """Not our child: signal it and watch /proc until it is gone."""
+        if self._pid is None or self.exit_code() is not None:
+            return
+        loop = asyncio.get_running_loop()
+        for sig, grace in ((signal.SIGTERM, _STOP_GRACE), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, sig)
+            deadline = loop.time() + grace
+            while loop.time() < deadline:
+                if self.exit_code() is not None:
+                    logger.info("stopped adopted engine for %s", self.spec.replica_id)
+                    return
+                await asyncio.sleep(0.1)
+        logger.error("adopted engine of %s (pid %d) would not stop",
+                     self.spec.replica_id, self._pid)
 
 
 def resolve_vllm(configured: str) -> str:

@@ -77,6 +77,12 @@ class Proc:
         assert self.popen is not None
         return self.popen.wait(timeout)
 
+    def kill_alone(self) -> None:
+        """SIGKILL for this process only: its children (engines) live on."""
+        assert self.popen is not None
+        self.popen.kill()
+        self.popen.wait(5)
+
     def kill(self) -> None:
         if self.popen is None:
             return
@@ -200,17 +206,32 @@ def routes(gw: GatewayProc, key: str, model: str) -> bool:
     return True
 
 
-def kill_engine(url: str) -> int:
-    """SIGKILLs the engine serving `url` (found by its --port argument); returns its pid."""
-    port = url.rsplit(":", 1)[1]
+def engine_pids(flag: str, value: str) -> list[int]:
+    """Pids of live processes whose command line has `flag value` (e.g. --port 8123)."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             args = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if any(a == b"--port" and b == port.encode() for a, b in itertools.pairwise(args)):
-            os.kill(int(proc.name), signal.SIGKILL)
-            return int(proc.name)
-    raise AssertionError(f"no engine process serves {url}")
+        pairs = itertools.pairwise(args)
+        if state != "Z" and any(a == flag.encode() and b == value.encode() for a, b in pairs):
+            found.append(int(proc.name))
+    return found
+
+
+def engine_pid(url: str) -> int:
+    """The pid of the engine serving `url` (found by its --port argument)."""
+    pids = engine_pids("--port", url.rsplit(":", 1)[1])
+    assert len(pids) == 1, f"expected one engine serving {url}, found {pids}"
+    return pids[0]
+
+
+def kill_engine(url: str) -> int:
+    """SIGKILLs the engine serving `url`; returns its pid."""
+    pid = engine_pid(url)
+    os.kill(pid, signal.SIGKILL)
+    return pid

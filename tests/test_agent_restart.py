@@ -1,0 +1,61 @@
+"""An agent that restarts (an upgrade, a crash) adopts the engines it left
+running instead of starting them again: no reload, no GPU used twice."""
+
+from __future__ import annotations
+
+import signal
+
+from tests.support.procs import (
+    Cluster,
+    Proc,
+    engine_pid,
+    engine_pids,
+    make_key,
+    put_model,
+    replicas,
+    routes,
+    wait_for,
+    wait_ready,
+)
+
+
+def test_restarted_agent_adopts_its_engines(cluster: Cluster) -> None:
+    gw = cluster.gateway("gw-a")
+    agent = cluster.agent("node-1", [gw], "--gpus", "1")
+    key = make_key(gw)
+    put_model(gw, "m", {"model": "acme/m", "gpus": 1})
+    rep = wait_ready(gw)
+    wait_for(lambda: routes(gw, key, "m"), 5, "routing")
+    pid = engine_pid(rep["url"])
+
+    # A clean stop leaves the engine serving, through the gateway too.
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(15) == 0, agent.output()[-2000:]
+    assert engine_pid(rep["url"]) == pid
+    assert routes(gw, key, "m")
+
+    adopted = "adopted engine of " + rep["id"]
+
+    def adopt(*flags: str) -> Proc:
+        """Starts an agent for node-1 and waits until *it* adopted the engine
+        (the agents of one node share a log file)."""
+        before = agent.output().count(adopted)
+        new = cluster.agent("node-1", [gw], "--gpus", "1", *flags)
+        wait_for(lambda: new.output().count(adopted) > before, 15, "adoption")
+        return new
+
+    for _ in ("restart after SIGTERM", "restart after SIGKILL"):
+        agent = adopt()
+        wait_for(lambda: [(r["id"], r["phase"], r["url"]) for r in replicas(gw)]
+                 == [(rep["id"], "ready", rep["url"])], 10, "the same replica ready")
+        assert engine_pid(rep["url"]) == pid  # the very same process
+        assert engine_pids("--served-model-name", "m") == [pid]  # and no second one
+        assert routes(gw, key, "m")
+        agent.kill_alone()  # a crash: the agent dies, its engine does not
+
+    agent = adopt("--stop-engines-on-exit")
+    wait_for(lambda: routes(gw, key, "m"), 10, "routing")
+    # Asked to, the agent stops an adopted engine (not its child) on exit.
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(20) == 0, agent.output()[-2000:]
+    assert engine_pids("--served-model-name", "m") == []
