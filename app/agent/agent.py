@@ -21,7 +21,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -128,7 +128,6 @@ class AgentConfig:
     heartbeat_interval: float = 5.0
     observe_interval: float = 1.0
     poll_wait: float = 25.0
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class Agent:
