@@ -49,15 +49,16 @@ class Reconciler:
         self._interval = interval
         self._wall = wall
         self._new_suffix = new_suffix
-        # Our own writes must be in the mirror before the next pass plans on
-        # it, or a replica just created would be created twice.
-        self._seen_revision = 0
+        # The revision of our last write. It must be in the mirror before the
+        # next pass plans on it, or a replica just created would be created
+        # twice.
+        self.written_revision = 0
         self.last_unplaced: dict[str, str] = {}
 
     async def tick(self) -> TickResult:
         if not self._elector.is_leader:
             return TickResult(skipped="not leader")
-        if not self._mirror.ready or self._mirror.revision < self._seen_revision:
+        if not self._mirror.ready or self._mirror.revision < self.written_revision:
             return TickResult(skipped="mirror behind our last write")
         p = plan(
             self._mirror.models(), self._mirror.nodes(), self._mirror.replicas(),
@@ -93,7 +94,7 @@ class Reconciler:
         res = await self._store.txn(self._elector.fence(), ops)
         if not res.succeeded:
             raise NotLeader("the leader key changed under us; write refused")
-        self._seen_revision = max(self._seen_revision, res.revision)
+        self.written_revision = max(self.written_revision, res.revision)
 
     async def run(self) -> None:
         while True:
