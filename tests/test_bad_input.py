@@ -92,7 +92,10 @@ def test_admin_errors_are_problem_json(gw: GatewayProc) -> None:
     r = httpx.put(gw.url + "/admin/models/m2", json={"model": "v", "aliases": ["a1"]},
                   headers=auth)
     assert r.status_code == 409
-    assert httpx.get(gw.url + "/admin/models/m1", headers=auth).json()["aliases"] == ["a1"]
+    m1 = httpx.get(gw.url + "/admin/models/m1", headers=auth).json()
+    assert m1["aliases"] == ["a1"]
+    # No node to run it: any gateway can say why (placement is pure).
+    assert m1["status"] == {"wanted": 1, "replicas": 0, "ready": 0, "unplaced": "no nodes"}
 
 
 def test_keys_are_shown_once_and_stored_hashed(gw: GatewayProc, solo: Cluster) -> None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from app.api.errors import Problem
 from app.control import state as s
 from app.control.keys import hash_client_key, new_client_key
+from app.control.placement import NoFit, place
 from app.store.base import Compare, Delete
 
 if TYPE_CHECKING:
@@ -75,16 +76,33 @@ def routes(gw: Gateway) -> APIRouter:
 
     # --- catalog -----------------------------------------------------------------
 
+    def with_status(model: s.StoredModel) -> dict[str, Any]:
+        """The spec, and how its replicas stand. Placement is a pure function
+        of the mirrored state, so any gateway can say why a replica is not
+        placed, not only the leader."""
+        replicas = gw.mirror.replicas()
+        statuses = gw.mirror.statuses()
+        mine = [r for r in replicas.values()
+                if r.model == model.name and r.draining_since is None]
+        ready = sum(1 for r in mine if (st := statuses.get(r.id)) and st.phase == "ready")
+        unplaced = None
+        if len(mine) < model.replicas.min:
+            fit = place(model.name, model, gw.mirror.nodes(), replicas)
+            unplaced = str(fit) if isinstance(fit, NoFit) else None
+        return model.model_dump() | {"status": {
+            "wanted": model.replicas.min, "replicas": len(mine), "ready": ready,
+            "unplaced": unplaced}}
+
     @r.get("/models")
-    async def list_models() -> list[s.StoredModel]:
-        return list(gw.mirror.models().values())
+    async def list_models() -> list[dict[str, Any]]:
+        return [with_status(m) for m in gw.mirror.models().values()]
 
     @r.get("/models/{name:path}")
-    async def get_model(name: str) -> s.StoredModel:
+    async def get_model(name: str) -> dict[str, Any]:
         model = gw.mirror.models().get(name)
         if model is None:
             raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
-        return model
+        return with_status(model)
 
     @r.put("/models/{name:path}")
     async def put_model(name: str, spec: s.ModelSpec, response: Response) -> s.StoredModel:
