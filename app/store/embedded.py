@@ -39,6 +39,7 @@ from app.store.base import (
     TxnResult,
     WatchBatch,
 )
+from app.store.sqlite import connect, prefix_end, translated
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +51,7 @@ LOG_LIMIT = 10_000
 # seconds long; a longer interval only leaves dead keys visible longer.
 EXPIRY_INTERVAL_S = 0.5
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta (name, value) VALUES ('revision', 1);
-CREATE TABLE IF NOT EXISTS kv (
-    key BLOB PRIMARY KEY,
-    value BLOB NOT NULL,
-    create_revision INTEGER NOT NULL,
-    mod_revision INTEGER NOT NULL,
-    lease INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS kv_by_lease ON kv (lease) WHERE lease != 0;
-"""
+
 
 
 @dataclass(slots=True)
@@ -76,29 +66,6 @@ class _Write:
 
     revision: int
     events: list[Event] = field(default_factory=list)
-
-
-def _prefix_end(prefix: bytes) -> bytes | None:
-    """The first key after every key starting with `prefix` (None: no bound)."""
-    buf = bytearray(prefix)
-    while buf:
-        if buf[-1] < 0xFF:
-            buf[-1] += 1
-            return bytes(buf)
-        buf.pop()
-    return None
-
-
-@contextlib.contextmanager
-def _translated(operation: str) -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.OperationalError as exc:
-        # Locked by another process, disk full, I/O error: a write cannot be
-        # made now, which callers treat like an unreachable etcd.
-        raise StoreUnavailable(f"embedded store {operation}: {exc}") from exc
-    except sqlite3.Error as exc:
-        raise StoreError(f"embedded store {operation}: {exc}") from exc
 
 
 class EmbeddedStore:
@@ -116,7 +83,7 @@ class EmbeddedStore:
         self._log_limit = log_limit
         self._leases: dict[int, _Lease] = {}
         self._log: deque[Event] = deque()
-        with _translated("open"):
+        with translated("open"):
             row = db.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()
         self._revision = int(row[0])
         # Watches can replay from `_floor` on; nothing before this process.
@@ -139,7 +106,7 @@ class EmbeddedStore:
         leases from an earlier process and, unless `expiry_interval` is None,
         starts the lease expiry loop (tests pass None and call
         `expire_leases()` themselves)."""
-        db = cls._connect(path)
+        db = connect(path)
         try:
             store = cls(db, clock, log_limit=log_limit)
             dropped = store._drop_leased_keys()
@@ -153,26 +120,6 @@ class EmbeddedStore:
                 store._expire_loop(expiry_interval), name="embedded-store-lease-expiry"
             )
         return store
-
-    @staticmethod
-    def _connect(path: Path) -> sqlite3.Connection:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _translated("open"):
-            # Autocommit mode: transactions are opened explicitly in _writing.
-            db = sqlite3.connect(path, isolation_level=None)
-            try:
-                db.execute("PRAGMA journal_mode = WAL")
-                db.execute("PRAGMA synchronous = NORMAL")
-                # Held for the life of the connection: a second process on the
-                # same file would break "the only lease holder" and gets
-                # "database is locked" at once instead.
-                db.execute("PRAGMA locking_mode = EXCLUSIVE")
-                db.execute("PRAGMA busy_timeout = 0")
-                db.executescript(_SCHEMA)
-            except BaseException:
-                db.close()
-                raise
-        return db
 
     async def close(self) -> None:
         if self._closed:
@@ -194,7 +141,7 @@ class EmbeddedStore:
         if self._closed:
             raise StoreUnavailable("embedded store is closed")
         write = _Write(self._revision + 1)
-        with _translated(operation):
+        with translated(operation):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield write
@@ -266,19 +213,19 @@ class EmbeddedStore:
 
     async def get(self, key: str) -> KeyValue | None:
         self._check_open()
-        with _translated("get"):
+        with translated("get"):
             return self._row(key)
 
     async def range(self, prefix: str) -> RangeResult:
         self._check_open()
         start = prefix.encode()
-        end = _prefix_end(start)
+        end = prefix_end(start)
         sql = "SELECT key, value, create_revision, mod_revision, lease FROM kv WHERE key >= ?"
         args: tuple[bytes, ...] = (start,)
         if end is not None:
             sql += " AND key < ?"
             args = (start, end)
-        with _translated("range"):
+        with translated("range"):
             rows = self._db.execute(sql + " ORDER BY key", args).fetchall()
         kvs = [
             KeyValue(bytes(r[0]).decode(), bytes(r[1]), int(r[2]), int(r[3]), int(r[4]))

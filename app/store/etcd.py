@@ -24,85 +24,43 @@ reconnect never skips an event: anything not replayable is reported as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-# grpc ships no type information; etcd3aio raises its AioRpcError unmapped for
-# every status other than UNAVAILABLE/DEADLINE_EXCEEDED/UNAUTHENTICATED/
-# PERMISSION_DENIED, so the status code has to be read here.
-import grpc  # type: ignore[import-untyped]
+import grpc  # type: ignore[import-untyped]  # no type information shipped
 from etcd3aio import (
     Etcd3Client,
-    EtcdConnectionError,
-    EtcdError,
-    EtcdTransientError,
     SortOrder,
     SortTarget,
     prefix_range_end,
 )
-
-# The protobuf Compare is not re-exported; KVService has builders for value and
-# create revision but none for mod revision, so all three are built here alike.
-from etcd3aio._protobuf import Compare as PbCompare
-from etcd3aio._protobuf import RequestOp, WatchCreateRequest, WatchRequest
+from etcd3aio._protobuf import WatchCreateRequest, WatchRequest
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
 from app.store.base import (
     Compare,
-    Delete,
     Event,
     KeyValue,
     LeaseExpired,
     Op,
-    Put,
     RangeResult,
     StoreError,
     StoreUnavailable,
     TxnResult,
     WatchBatch,
 )
+from app.store.etcd_wire import (
+    PB_EVENT_DELETE,
+    WATCH_MIN_BACKOFF,
+    WATCH_RETRY_CODES,
+    pb_compare,
+    pb_op,
+    translated,
+)
 
 logger = logging.getLogger(__name__)
-
-_UNAVAILABLE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
-# A watch stream that fails with one of these is reopened; any other status
-# (permission, bad request) is raised as StoreError to the reader.
-_WATCH_RETRY_CODES = _UNAVAILABLE_CODES | {
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-}
-_WATCH_MIN_BACKOFF = 0.1
-_PB_EVENT_DELETE = 1  # mvccpb.Event.EventType.DELETE
-_PB_RESULT = {"==": PbCompare.EQUAL, "!=": PbCompare.NOT_EQUAL}
-_PB_TARGET = {"create": PbCompare.CREATE, "mod": PbCompare.MOD, "value": PbCompare.VALUE}
-
-
-@contextlib.contextmanager
-def _translated(operation: str) -> Iterator[None]:
-    """Turns etcd3aio and gRPC failures into the store's typed errors."""
-    try:
-        yield
-    except (EtcdConnectionError, EtcdTransientError) as exc:
-        raise StoreUnavailable(f"etcd {operation}: {exc}") from exc
-    except TimeoutError as exc:
-        raise StoreUnavailable(f"etcd {operation}: no answer in time") from exc
-    except grpc.aio.AioRpcError as exc:
-        code, detail = exc.code(), exc.details() or ""
-        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
-            raise LeaseExpired(f"etcd {operation}: {detail}") from exc
-        if code in _UNAVAILABLE_CODES:
-            raise StoreUnavailable(f"etcd {operation}: {code.name} {detail}") from exc
-        raise StoreError(f"etcd {operation}: {code.name} {detail}") from exc
-    except EtcdError as exc:
-        raise StoreError(f"etcd {operation}: {exc}") from exc
-
 
 class EtcdStore:
     """The `Store` contract on etcd. No I/O until `connect()`; `open()` does both.
@@ -202,13 +160,13 @@ class EtcdStore:
     # -- reads and writes -----------------------------------------------------
 
     async def get(self, key: str) -> KeyValue | None:
-        with _translated("get"):
+        with translated("get"):
             resp = await self._kv.get(self._full(key), timeout=self._timeout)
         return self._key_value(resp.kvs[0]) if resp.kvs else None
 
     async def range(self, prefix: str) -> RangeResult:
         start, end = self._range_bounds(prefix)
-        with _translated("range"):
+        with translated("range"):
             resp = await self._kv.get(
                 start,
                 range_end=end,
@@ -220,58 +178,32 @@ class EtcdStore:
         return RangeResult(kvs, resp.header.revision)
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        with _translated("put"):
+        with translated("put"):
             resp = await self._kv.put(self._full(key), value, lease=lease, timeout=self._timeout)
         return int(resp.header.revision)
 
     async def delete(self, key: str) -> bool:
-        with _translated("delete"):
+        with translated("delete"):
             resp = await self._kv.delete(self._full(key), timeout=self._timeout)
         return bool(resp.deleted > 0)
 
     async def txn(
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
-        pb_compares = [self._pb_compare(c) for c in compares]
-        with _translated("txn"):
+        pb_compares = [pb_compare(c, self._full(c.key)) for c in compares]
+        with translated("txn"):
             resp = await self._kv.txn(
                 pb_compares,
-                [self._pb_op(op) for op in success],
-                [self._pb_op(op) for op in failure],
+                [pb_op(op, self._full(op.key)) for op in success],
+                [pb_op(op, self._full(op.key)) for op in failure],
                 timeout=self._timeout,
             )
         return TxnResult(bool(resp.succeeded), int(resp.header.revision))
 
-    def _pb_compare(self, compare: Compare) -> Any:
-        pb = PbCompare(
-            result=_PB_RESULT[compare.op],
-            target=_PB_TARGET[compare.target],
-            key=self._full(compare.key),
-        )
-        if compare.target == "value":
-            if not isinstance(compare.expected, bytes):
-                raise TypeError(f"value compare on {compare.key!r} needs bytes")
-            pb.value = compare.expected
-        else:
-            if not isinstance(compare.expected, int):
-                raise TypeError(f"{compare.target} compare on {compare.key!r} needs an int")
-            if compare.target == "create":
-                pb.create_revision = compare.expected
-            else:
-                pb.mod_revision = compare.expected
-        return pb
-
-    def _pb_op(self, op: Op) -> RequestOp:
-        if isinstance(op, Put):
-            return KVService.txn_op_put(self._full(op.key), op.value, lease=op.lease)
-        if isinstance(op, Delete):
-            return KVService.txn_op_delete(self._full(op.key))
-        raise TypeError(f"not a store op: {op!r}")
-
     # -- leases ---------------------------------------------------------------
 
     async def grant(self, ttl: int) -> int:
-        with _translated("grant"):
+        with translated("grant"):
             resp = await self._lease.grant(ttl, timeout=self._timeout)
         if resp.error:
             raise StoreError(f"etcd grant: {resp.error}")
@@ -283,7 +215,7 @@ class EtcdStore:
         because a client-side "alive" flag stays true while etcd is down."""
         call = self._lease.keep_alive(lease)
         try:
-            with _translated("keepalive"):
+            with translated("keepalive"):
                 async with asyncio.timeout(self._timeout):
                     resp = await call.read()
         finally:
@@ -297,7 +229,7 @@ class EtcdStore:
 
     async def revoke(self, lease: int) -> None:
         try:
-            with _translated("revoke"):
+            with translated("revoke"):
                 await self._lease.revoke(lease, timeout=self._timeout)
         except LeaseExpired:
             pass  # already gone: revoking is idempotent by contract
@@ -319,7 +251,7 @@ class EtcdStore:
         """
         key, range_end = self._range_bounds(prefix)
         next_revision = start_revision
-        backoff = _WATCH_MIN_BACKOFF
+        backoff = WATCH_MIN_BACKOFF
         while not self._closed:
             call = self._open_watch_stream()
             if call is None:
@@ -368,13 +300,13 @@ class EtcdStore:
                     next_revision = int(resp.events[-1].kv.mod_revision) + 1
                     events = [e for e in map(self._event, resp.events) if e is not None]
                     if events:
-                        backoff = _WATCH_MIN_BACKOFF
+                        backoff = WATCH_MIN_BACKOFF
                         yield WatchBatch(events, events[-1].mod_revision)
             except grpc.aio.AioRpcError as exc:
                 if self._closed:
                     return
                 code = exc.code()
-                if code not in _WATCH_RETRY_CODES:
+                if code not in WATCH_RETRY_CODES:
                     raise StoreError(f"etcd watch: {code.name} {exc.details() or ''}") from exc
                 logger.warning(
                     "etcd watch on %r failed (%s %s); reopening from revision %d in %.2fs",
@@ -408,7 +340,7 @@ class EtcdStore:
         if key is None:
             return None
         kv = pb.kv
-        if pb.type == _PB_EVENT_DELETE:
+        if pb.type == PB_EVENT_DELETE:
             return Event("delete", key, b"", kv.mod_revision)
         return Event("put", key, bytes(kv.value), kv.mod_revision, kv.lease, kv.create_revision)
 
@@ -417,7 +349,7 @@ class EtcdStore:
         delay = 0.25
         while not self._closed:
             try:
-                with _translated("revision"):
+                with translated("revision"):
                     start, _ = self._range_bounds("")
                     resp = await self._kv.get(start, count_only=True, timeout=self._timeout)
                 return int(resp.header.revision)
