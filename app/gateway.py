@@ -25,6 +25,7 @@ from app.control.keys import hash_client_key, node_token
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
+from app.metrics import GatewayMetrics
 from app.publish import Publisher
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
@@ -62,8 +63,9 @@ class Gateway:
         self.admin_token = settings.admin_token.get_secret_value()
         self._store_factory = store_factory
         self.table = RouteTable()
-        self.proxy = Proxy(self.table, hash_client_key,
-                           settings.connect_timeout, settings.request_timeout)
+        self.metrics = GatewayMetrics(self)
+        self.proxy = Proxy(self.table, hash_client_key, settings.connect_timeout,
+                           settings.request_timeout, observer=self.metrics)
         self._store: Store | None = None
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None

@@ -11,7 +11,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
 from app.api import admin, agent, docs, errors
@@ -63,6 +64,11 @@ def create_app(settings: Settings) -> GatewayApp:
     @app.get("/healthz", tags=["probes"], summary="The process is up")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", tags=["probes"], summary="Prometheus metrics of this gateway",
+             response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz", tags=["probes"], summary="The state mirror is loaded")
     async def readyz() -> JSONResponse:

@@ -154,10 +154,9 @@ def routes(gw: Gateway) -> APIRouter:
         out = []
         for rid, rep in gw.mirror.replicas().items():
             st = statuses.get(rid)
-            phase = "stopping" if rep.draining_since is not None else (
-                st.phase if st else "pending")
             out.append(rep.model_dump() | {
-                "phase": phase, "url": st.url if st else "", "detail": st.detail if st else "",
+                "phase": s.replica_phase(rep, st),
+                "url": st.url if st else "", "detail": st.detail if st else "",
                 # Requests this gateway has in flight on it now.
                 "inflight": gw.table.inflight(rid),
             })

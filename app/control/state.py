@@ -161,3 +161,11 @@ class GatewayInfo(_Stored):
 class LeaderInfo(_Stored):
     id: str
     url: str
+
+
+def replica_phase(rep: Replica, status: ReplicaStatus | None) -> str:
+    """A replica's phase as the fleet shows it: `stopping` once the leader
+    drains it, `pending` until its agent has reported, else the agent's."""
+    if rep.draining_since is not None:
+        return "stopping"
+    return status.phase if status is not None else "pending"

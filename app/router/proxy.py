@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -51,6 +52,18 @@ _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 class _Retry(Exception):
     """This replica cannot take the request now; another may."""
+
+
+class RequestObserver(Protocol):
+    """Told how each forwarded request ended. Metrics implement it; the
+    router never imports them (it declares what it needs, here)."""
+
+    def observe(self, model: str, status: int, seconds: float) -> None: ...
+
+
+# The model label of a request whose model is unknown: client-chosen strings
+# must not become label values (one time series per typo).
+UNKNOWN_MODEL = "(unknown)"
 
 
 class _ClientGone(Exception):
@@ -97,9 +110,11 @@ class Proxy:
         hash_key: Callable[[str], str],
         connect_timeout: float,
         request_timeout: float,
+        observer: RequestObserver | None = None,
     ) -> None:
         self._table = table
         self._hash_key = hash_key
+        self._observer = observer
         self._timeout = aiohttp.ClientTimeout(total=request_timeout,
                                               sock_connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
@@ -120,6 +135,8 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        started = time.perf_counter()
+        outcome = _Outcome()
         try:
             grant = self._authenticate(scope)
             if path == "/v1/models" or path.startswith("/v1/models/"):
@@ -129,26 +146,32 @@ class Proxy:
                 ident = path[len("/v1/models/"):]
                 await _send_json(send, 200, self._model(grant, ident) if ident
                                  else self._models(grant))
-            elif path in _FORWARDED:
-                if method != "POST":
-                    raise _error(405, f"{method} is not allowed on {path}.",
-                                 "invalid_request_error")
-                await self._forward(grant, path, receive, send)
-            else:
+                return
+            if path not in _FORWARDED:
                 raise _error(404, f"Unknown path {path}.", "invalid_request_error",
                              "unknown_url")
+            if method != "POST":
+                raise _error(405, f"{method} is not allowed on {path}.",
+                             "invalid_request_error")
+            await self._forward(grant, path, receive, send, outcome)
         except _Reply as r:
+            outcome.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
             await _send_json(send, r.status, r.body, extra)
         except _ClientGone:
-            pass
+            outcome.status = 499  # nginx's "client closed request"
         except Exception:
             logger.exception("unhandled error on %s %s", method, path)
+            outcome.status = 500
             body = openai_error_body("Internal error in the gateway.", "server_error")
             try:
                 await _send_json(send, 500, body)
             except RuntimeError:
                 pass  # the response had started (a stream): the client sees it cut
+        finally:
+            if self._observer is not None and path in _FORWARDED:
+                self._observer.observe(outcome.model, outcome.status,
+                                       time.perf_counter() - started)
 
     def _authenticate(self, scope: Scope) -> KeyGrant:
         token = ""
@@ -186,7 +209,7 @@ class Proxy:
                      "invalid_request_error", "model_not_found", "model")
 
     async def _forward(self, grant: KeyGrant, path: str, receive: Receive,
-                       send: Send) -> None:
+                       send: Send, outcome: _Outcome) -> None:
         body = _parse(await _read_body(receive))
         requested = body.get("model")
         if not isinstance(requested, str) or not requested:
@@ -198,12 +221,15 @@ class Proxy:
                 404, f"The model '{requested}' does not exist or you do not have access to it.",
                 "invalid_request_error", "model_not_found", "model",
             )
+        outcome.model = name
         body["model"] = name  # engines serve the catalog name, not the alias
         payload = json.dumps(body).encode()
-        await self._send(name, path, payload, body.get("stream") is True, receive, send)
+        outcome.status = await self._send(name, path, payload, body.get("stream") is True,
+                                          receive, send)
 
     async def _send(self, model: str, path: str, payload: bytes, stream: bool,
-                    receive: Receive, send: Send) -> None:
+                    receive: Receive, send: Send) -> int:
+        """Forwards to a replica; returns the status the client got."""
         assert self._session is not None, "Proxy.start() was not awaited"
         tried: set[str] = set()
         last_error = "no ready replica"
@@ -231,13 +257,13 @@ class Proxy:
                                  "server_error", "upstream_auth")
                 if stream:
                     await _relay(upstream, ep, receive, send)
-                    return
+                    return upstream.status
                 # Read whole: nothing has reached the client yet, so a failure
                 # here is still retried, and the answer keeps its length.
                 answer = await upstream.read()
                 await _send_json(send, upstream.status, answer,
                                  [(b"x-llmgw-replica", ep.replica_id.encode())])
-                return
+                return upstream.status
             except (aiohttp.ClientError, TimeoutError, _Retry) as exc:
                 last_error = f"replica {ep.replica_id} failed ({exc or type(exc).__name__})"
                 logger.warning("%s; trying another", last_error)
@@ -245,6 +271,16 @@ class Proxy:
                 lease.release()  # also when the client left (cancellation)
         raise _error(503, f"No replica of '{model}' can take the request now: {last_error}.",
                      "service_unavailable", "no_ready_replica")
+
+
+class _Outcome:
+    """How one request ended, for the observer."""
+
+    __slots__ = ("model", "status")
+
+    def __init__(self) -> None:
+        self.model = UNKNOWN_MODEL
+        self.status = 500
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -1,0 +1,46 @@
+"""GET /metrics: requests counted as the proxy reports them, the fleet read
+from the mirror at scrape time."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.procs import FAKE_BIN, Cluster, make_key, put_model, routes, wait_for
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:
+    gw = solo.gateway("metrics", local_node="gpu-1", local_gpus="2",
+                      vllm_bin=str(FAKE_BIN / "vllm"))
+    key = make_key(gw)
+    put_model(gw, "m", {"model": "acme/m", "aliases": ["a"], "gpus": 1})
+    wait_for(lambda: routes(gw, key, "m"), 30, "routing")
+    before = scrape(gw.url).get(("llmgw_requests_total", (("code", "200"), ("model", "m"))), 0)
+
+    auth = {"Authorization": f"Bearer {key}"}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(3):
+        assert httpx.post(gw.url + "/v1/chat/completions", headers=auth,
+                          json={"model": "a", **chat}).status_code == 200
+    assert httpx.post(gw.url + "/v1/chat/completions", headers=auth,
+                      json={"model": "no-such-model", **chat}).status_code == 404
+
+    m = scrape(gw.url)
+    assert m[("llmgw_requests_total", (("code", "200"), ("model", "m")))] == before + 3
+    # An unknown model is not a label value: clients cannot mint time series.
+    assert m[("llmgw_requests_total", (("code", "404"), ("model", "(unknown)")))] == 1
+    assert not any("no-such-model" in str(k) for k in m)
+    assert m[("llmgw_request_duration_seconds_count", (("model", "m"),))] >= before + 3
+    assert m[("llmgw_leader", ())] == 1 and m[("llmgw_mirror_ready", ())] == 1
+    assert m[("llmgw_replicas", (("model", "m"), ("phase", "ready")))] == 1
+    assert m[("llmgw_replicas_wanted", (("model", "m"),))] == 1
+    assert m[("llmgw_node_gpus", (("node", "gpu-1"),))] == 2
+    (inflight,) = [v for (name, _), v in m.items() if name == "llmgw_replica_inflight"]
+    assert inflight == 0
