@@ -153,9 +153,3 @@ def _load_or_create(path: Path) -> str:
     path.touch(mode=0o600)
     path.write_text(value + "\n")
     return value
-
-
-def default_settings(**overrides: object) -> Settings:
-    """Settings from the environment, with explicit overrides winning."""
-    return Settings(**overrides)  # type: ignore[arg-type]
-

@@ -108,7 +108,6 @@ class NodeInfo(_Stored):
     name: str
     gpus: list[GpuInfo] = Field(default_factory=list)
     engines: list[Engine] = Field(default_factory=list)
-    agent_url: str = ""
     address: str = ""
     version: str = ""
 
