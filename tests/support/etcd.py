@@ -11,6 +11,7 @@ instead; such an etcd cannot be stopped, so tests that need `stop()` or
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -60,6 +61,8 @@ class EtcdServer:
         self.name = f"llmgw-test-{self.client_port}"
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.external = False
+        # Set by EtcdCluster for a member of several; alone, a cluster of one.
+        self.initial_cluster = f"{self.name}=http://127.0.0.1:{self.peer_port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = data_dir.parent / f"{self.name}.log"
 
@@ -74,7 +77,7 @@ class EtcdServer:
             "--advertise-client-urls", client,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster", self.initial_cluster,
             # Tests do not survive power loss; fsync would only slow them.
             "--unsafe-no-fsync",
         ]  # fmt: skip
@@ -82,6 +85,13 @@ class EtcdServer:
     def start(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
+        self.launch()
+        self._wait_healthy()
+
+    def launch(self) -> None:
+        """Starts the process without waiting: a member of several is healthy
+        only once enough of the others run too."""
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self._log_path.open("ab")
         try:
             self._proc = subprocess.Popen(
@@ -89,7 +99,6 @@ class EtcdServer:
             )
         finally:
             log.close()  # the child keeps its own descriptor
-        self._wait_healthy()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -152,6 +161,44 @@ class EtcdServer:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+class EtcdCluster:
+    """Several members on loopback, for failover tests."""
+
+    def __init__(self, binary: str, root: Path, size: int = 3) -> None:
+        self.members = [EtcdServer(binary, root / f"member-{i}" / "data") for i in range(size)]
+        initial = ",".join(m.initial_cluster for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> None:
+        for m in self.members:
+            m.launch()
+        for m in self.members:
+            m._wait_healthy()
+
+    def leader(self) -> EtcdServer:
+        """The member etcd's Raft elected, asked through its HTTP gateway."""
+        for m in self.members:
+            req = urllib.request.Request(
+                f"http://{m.endpoint}/v3/maintenance/status", data=b"{}", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=2.0) as resp:
+                    status = json.loads(resp.read())
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                continue
+            if status.get("leader") == status["header"]["member_id"]:
+                return m
+        raise RuntimeError("no etcd member says it leads")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
 
 
 class ExternalEtcd:
