@@ -10,17 +10,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.etcd import EtcdCluster, find_etcd_binary, missing_etcd
+from tests.support.etcd import EtcdCluster, etcd_binary
 from tests.support.procs import Cluster, make_key, put_model, replicas, routes, wait_for
 
 
 @pytest.fixture
 def etcd3(tmp_path: Path) -> Iterator[EtcdCluster]:
-    binary = find_etcd_binary()
-    if binary is None:
-        missing_etcd("no etcd binary")
-        raise AssertionError("unreachable")
-    cluster = EtcdCluster(binary, tmp_path / "etcd")
+    cluster = EtcdCluster(etcd_binary(), tmp_path / "etcd")
     cluster.start()
     try:
         yield cluster

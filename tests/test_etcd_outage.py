@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.etcd import EtcdServer, find_etcd_binary, missing_etcd
+from tests.support.etcd import EtcdServer, etcd_binary
 from tests.support.procs import (
     ADMIN,
     Cluster,
@@ -25,11 +25,7 @@ from tests.support.procs import (
 @pytest.fixture
 def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """An etcd of this test's own: stopping the shared one would hit other tests."""
-    binary = find_etcd_binary()
-    if binary is None:
-        missing_etcd("no etcd binary")
-        raise AssertionError("unreachable")
-    server = EtcdServer(binary, tmp_path / "etcd")
+    server = EtcdServer(etcd_binary(), tmp_path / "etcd")
     server.start()
     try:
         yield server

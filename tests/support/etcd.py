@@ -234,6 +234,15 @@ def missing_etcd(reason: str) -> None:
     pytest.skip(reason)
 
 
+def etcd_binary() -> str:
+    """The etcd to start: fails under CI, skips elsewhere, when there is none."""
+    binary = find_etcd_binary()
+    if binary is None:
+        missing_etcd("no etcd binary on PATH or at /usr/bin/etcd (apt-get install etcd-server)")
+        raise AssertionError("unreachable")
+    return binary
+
+
 class EtcdFixture:
     """Owns the temporary directory and the server for one test session."""
 
@@ -246,10 +255,7 @@ class EtcdFixture:
         if external:
             self.server = ExternalEtcd(external)
             return self.server
-        binary = find_etcd_binary()
-        if binary is None:
-            missing_etcd("no etcd binary on PATH or at /usr/bin/etcd (apt-get install etcd-server)")
-            raise AssertionError("unreachable")
+        binary = etcd_binary()
         self._tmp = tempfile.TemporaryDirectory(prefix="llmgw-etcd-")
         server = EtcdServer(binary, Path(self._tmp.name) / "data")
         server.start()
