@@ -84,7 +84,7 @@ def routes(gw: Gateway) -> APIRouter:
         statuses = gw.mirror.statuses()
         mine = [r for r in replicas.values()
                 if r.model == model.name and r.draining_since is None]
-        ready = sum(1 for r in mine if (st := statuses.get(r.id)) and st.phase == "ready")
+        ready = sum(1 for r in mine if s.replica_phase(r, statuses.get(r.id)) == "ready")
         unplaced = None
         if len(mine) < model.replicas.min:
             fit = place(model.name, model, gw.mirror.nodes(), replicas)

@@ -6,13 +6,12 @@ a 500 without a traceback in the body (the traceback goes to the log).
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from app.router.proxy import openai_error_body
@@ -46,8 +45,9 @@ def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResp
                         headers=headers)
 
 
-def openai_error(status: int, message: str, type_: str) -> JSONResponse:
-    return JSONResponse(json.loads(openai_error_body(message, type_)), status_code=status)
+def openai_error(status: int, message: str, type_: str) -> Response:
+    return Response(openai_error_body(message, type_), status_code=status,
+                    media_type="application/json")
 
 
 def _is_openai(request: Request) -> bool:
@@ -56,21 +56,21 @@ def _is_openai(request: Request) -> bool:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(Problem)
-    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+    async def _problem(request: Request, exc: Problem) -> Response:
         if _is_openai(request):
             return openai_error(exc.status, exc.detail or exc.title,
                                 _OPENAI_TYPES.get(exc.status, "server_error"))
         return problem(exc.status, exc.title, exc.detail, **exc.extra)
 
     @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> Response:
         if _is_openai(request):
             return openai_error(exc.status_code, str(exc.detail),
                                 _OPENAI_TYPES.get(exc.status_code, "invalid_request_error"))
         return problem(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         errors = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
             for e in exc.errors()
@@ -89,7 +89,7 @@ def install(app: FastAPI) -> None:
                        "routing goes on from the last known state. Retry later.")
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.error("unhandled error on %s %s", request.method, request.url.path,
                      exc_info=exc)
         if _is_openai(request):
