@@ -91,6 +91,14 @@ class Settings(BaseSettings):
     # Longest a whole upstream request may take (long generations need long).
     request_timeout: float = 600.0
 
+    # --- the catalog ------------------------------------------------------------
+    # Comma-separated folders a model given as a file path must lie under (on
+    # the nodes; the gateway checks the path's shape, not its existence). A
+    # path elsewhere is refused, so an admin token cannot point engines at
+    # /etc or another tenant's weights. Add the folders your nodes keep
+    # weights in; hub ids ("org/name") need none.
+    model_roots: str = "/models,/var/lib/llmgw/models"
+
     # The operator's own vLLM executable: used as it is, never installed over.
     # Empty: `vllm` on PATH, and only on nodes with GPUs.
     vllm_bin: str = ""
@@ -129,6 +137,10 @@ class Settings(BaseSettings):
     @property
     def uses_etcd(self) -> bool:
         return bool(self.endpoints)
+
+    @property
+    def model_root_list(self) -> list[str]:
+        return [r.strip().rstrip("/") or "/" for r in self.model_roots.split(",") if r.strip()]
 
     @property
     def endpoints(self) -> list[str]:

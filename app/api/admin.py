@@ -8,8 +8,10 @@ reads what was written.
 from __future__ import annotations
 
 import hmac
+import json
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
@@ -20,7 +22,7 @@ from app.api.errors import Problem
 from app.control import state as s
 from app.control.keys import hash_client_key, new_client_key
 from app.control.placement import NoFit, place
-from app.store.base import Compare, Delete
+from app.store.base import Compare, Delete, Op, Put
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -85,13 +87,16 @@ def routes(gw: Gateway) -> APIRouter:
         mine = [r for r in replicas.values()
                 if r.model == model.name and r.draining_since is None]
         ready = sum(1 for r in mine if s.replica_phase(r, statuses.get(r.id)) == "ready")
+        failed = [{"id": r.id, "node": r.node, "detail": st.detail}
+                  for r in mine if (st := statuses.get(r.id)) is not None
+                  and s.replica_phase(r, st) == "failed"]
         unplaced = None
         if len(mine) < model.replicas.min:
             fit = place(model.name, model, gw.mirror.nodes(), replicas)
             unplaced = str(fit) if isinstance(fit, NoFit) else None
         return model.model_dump() | {"status": {
             "wanted": model.replicas.min, "replicas": len(mine), "ready": ready,
-            "unplaced": unplaced}}
+            "failed": failed, "unplaced": unplaced}}
 
     @r.get("/models")
     async def list_models() -> list[dict[str, Any]]:
@@ -104,37 +109,74 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
         return with_status(model)
 
+    def check_roots(spec: s.ModelSpec) -> None:
+        if not spec.model.startswith("/"):
+            return
+        roots = gw.settings.model_root_list
+        if not any(spec.model == root or spec.model.startswith(root.rstrip("/") + "/")
+                   for root in roots):
+            msg = (f"{spec.model!r} is not under a model root ({', '.join(roots)}); "
+                   "set LLMGW_MODEL_ROOTS on the gateways to allow another folder")
+            raise Problem(422, "Invalid request body", msg,
+                          errors=[{"loc": ["body", "model"], "msg": msg, "type": "value_error"}])
+
+    async def write_catalog(decide: Callable[[], list[Op]]) -> int:
+        """Applies a catalog change decided on the mirror's catalog, conditioned
+        on that catalog being the one the decision read (`catalog/serial`, see
+        state.py). On a race lost to another gateway it waits for the winner's
+        write and decides again, so the loser gets the answer the new catalog
+        gives (409: the alias is now taken) rather than an overwrite."""
+        for _ in range(5):
+            serial = gw.mirror.get(s.CATALOG_SERIAL)
+            seen = serial.mod_revision if serial is not None else 0
+            ops = decide()
+            bump = Put(s.CATALOG_SERIAL, json.dumps({"by": gw.settings.gateway_id}).encode())
+            res = await gw.store.txn([Compare.modified_at(s.CATALOG_SERIAL, seen)], [*ops, bump])
+            if res.succeeded:
+                await settle(res.revision)
+                return res.revision
+            # Someone else's write came first: read it, then decide again.
+            current = await gw.store.get(s.CATALOG_SERIAL)
+            await settle(current.mod_revision if current is not None else res.revision)
+        raise Problem(409, "Catalog busy", "the catalog kept changing under this request; retry")
+
     @r.put("/models/{name:path}")
     async def put_model(name: str, spec: s.ModelSpec, response: Response) -> s.StoredModel:
         try:
             s.check_name(name, "model name")
         except ValueError as exc:
             raise Problem(400, "Invalid model name", str(exc)) from None
-        models = gw.mirror.models()
-        taken = {n: n for n in models} | {a: m.name for m in models.values() for a in m.aliases}
-        for ident in (name, *spec.aliases):
-            owner = taken.get(ident)
-            if owner is not None and owner != name:
-                raise Problem(409, "Name already in use",
-                              f"{ident!r} already names model {owner!r}")
-        existed = name in models
-        created = models[name].created if existed else time.time()
-        stored = s.StoredModel(name=name, created=created, **spec.model_dump())
-        rev = await gw.store.put(s.MODELS + name, stored.model_dump_json().encode())
-        await settle(rev)
-        response.status_code = 200 if existed else 201
-        return stored
+        check_roots(spec)
+        result: dict[str, Any] = {}
 
-    async def delete(key: str) -> bool:
-        res = await gw.store.txn([Compare(key, "create", "!=", 0)], [Delete(key)])
-        if res.succeeded:
-            await settle(res.revision)
-        return res.succeeded
+        def decide() -> list[Op]:
+            models = gw.mirror.models()
+            taken = {n: n for n in models} | {
+                a: m.name for m in models.values() for a in m.aliases}
+            for ident in (name, *spec.aliases):
+                owner = taken.get(ident)
+                if owner is not None and owner != name:
+                    raise Problem(409, "Name already in use",
+                                  f"{ident!r} already names model {owner!r}")
+            existed = name in models
+            created = models[name].created if existed else time.time()
+            stored = s.StoredModel(name=name, created=created, **spec.model_dump())
+            result.update(stored=stored, existed=existed)
+            return [Put(s.MODELS + name, stored.model_dump_json().encode())]
+
+        await write_catalog(decide)
+        response.status_code = 200 if result["existed"] else 201
+        stored: s.StoredModel = result["stored"]
+        return stored
 
     @r.delete("/models/{name:path}", status_code=204)
     async def delete_model(name: str) -> Response:
-        if not await delete(s.MODELS + name):
-            raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
+        def decide() -> list[Op]:
+            if name not in gw.mirror.models():
+                raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
+            return [Delete(s.MODELS + name)]
+
+        await write_catalog(decide)
         return Response(status_code=204)
 
     # --- fleet -----------------------------------------------------------------------
@@ -180,7 +222,14 @@ def routes(gw: Gateway) -> APIRouter:
     @r.delete("/keys/{key_id}", status_code=204)
     async def delete_key(key_id: str) -> Response:
         for digest, rec in gw.mirror.client_keys().items():
-            if rec.id == key_id and await delete(s.KEYS + digest):
+            kv = gw.mirror.get(s.KEYS + digest)
+            if rec.id != key_id or kv is None:
+                continue
+            # The very record read: a key re-created meanwhile is not deleted.
+            res = await gw.store.txn([Compare.created_at(kv.key, kv.create_revision)],
+                                     [Delete(kv.key)])
+            if res.succeeded:
+                await settle(res.revision)
                 return Response(status_code=204)
         raise Problem(404, "No such key", f"no client key has id {key_id!r}")
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
@@ -24,7 +25,7 @@ from pydantic import BaseModel
 from app.api.errors import Problem
 from app.control import state as s
 from app.control.keys import check_node_token, engine_key
-from app.store.base import LeaseExpired
+from app.store.base import Compare, LeaseExpired, Put
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -47,6 +48,29 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]]]:
     return fp, out
 
 
+def check_engine_url(url: str, node: s.NodeInfo | None) -> str | None:
+    """Why `url` is not an engine address this node may report, or None.
+
+    Gateways send prompts and the replica's engine key to this URL: a node
+    that could name any URL (another host, a path, https to a look-alike)
+    could collect both. So it must be plain http on the node's own address.
+    """
+    if node is None or not node.address:
+        return "the node has not reported its address"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"{url!r} is not a URL: {exc}"
+    if parts.scheme != "http" or parts.hostname is None or port is None:
+        return f"{url!r} is not http://HOST:PORT"
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        return f"{url!r} has more than a scheme, host and port"
+    if parts.hostname != node.address.strip("[]").lower():
+        return f"{url!r} is not on the node's address {node.address}"
+    return None
+
+
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
     """Returns when the first of `waits` does; cancels the others."""
     tasks = [asyncio.ensure_future(w) for w in waits]
@@ -64,30 +88,58 @@ def routes(gw: Gateway) -> APIRouter:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not check_node_token(gw.secret, node, token.strip()):
             raise Problem(401, "Unauthorized", f"not a valid agent token for node {node!r}")
+        # Answer only from state we have (DESIGN invariant 9): a gateway whose
+        # mirror has not loaded would hand an agent an empty assignment list,
+        # and the agent would stop every engine on its node.
+        if not gw.ready:
+            raise Problem(503, "State not loaded",
+                          "this gateway has not loaded the fleet's state yet; ask another")
 
     @r.put("")
     async def heartbeat(node: str, info: s.NodeInfo, request: Request) -> dict[str, Any]:
         authorize(request, node)
         if info.name != node:
             raise Problem(400, "Node name mismatch", f"body names {info.name!r}, path {node!r}")
-        current = gw.mirror.get(s.NODES + node)
         body = info.model_dump_json().encode()
-        if current is not None and current.lease:
-            try:
-                await gw.store.keepalive(current.lease)
-                if current.value != body:
-                    await gw.store.put(s.NODES + node, body, lease=current.lease)
-                return {"node": node, "ttl": gw.settings.node_ttl}
-            except LeaseExpired:
-                pass
-        lease = await gw.store.grant(gw.settings.node_ttl)
-        await gw.store.put(s.NODES + node, body, lease=lease)
-        return {"node": node, "ttl": gw.settings.node_ttl}
+        answer = {"node": node, "ttl": gw.settings.node_ttl}
+        # The node key is bound to a lease any gateway renews. Read from the
+        # mirror first (no store read in the common case), then from the store
+        # when the mirror proves stale. Every write is conditioned on the key
+        # as read, so a lagging gateway never rewrites the key onto a lease it
+        # no longer holds, nor renews a stale lease believing it keeps the node.
+        current = gw.mirror.get(s.NODES + node)
+        for _ in range(3):
+            if current is not None and current.lease:
+                try:
+                    await gw.store.keepalive(current.lease)
+                    ops = [] if current.value == body else [
+                        Put(s.NODES + node, body, lease=current.lease)]
+                    res = await gw.store.txn(
+                        [Compare.modified_at(s.NODES + node, current.mod_revision)], ops)
+                    if res.succeeded:
+                        return answer
+                except LeaseExpired:
+                    pass
+                current = await gw.store.get(s.NODES + node)
+                if current is not None and current.lease:
+                    continue
+            seen = current.mod_revision if current is not None else 0
+            lease = await gw.store.grant(gw.settings.node_ttl)
+            res = await gw.store.txn([Compare.modified_at(s.NODES + node, seen)],
+                                     [Put(s.NODES + node, body, lease=lease)])
+            if res.succeeded:
+                return answer
+            await gw.store.revoke(lease)  # another gateway bound the node first
+            current = await gw.store.get(s.NODES + node)
+        raise Problem(409, "Node busy", f"node {node!r} kept changing; retry the heartbeat")
 
     @r.get("/assignments")
     async def get_assignments(
         node: str, request: Request, since: str = "", wait: float = 0.0
     ) -> dict[str, Any]:
+        """This node's replicas. `revision` is the store revision they were
+        read at: an agent never applies an answer older than one it applied,
+        so failing over to a gateway whose watch lags cannot roll it back."""
         authorize(request, node)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
@@ -96,25 +148,35 @@ def routes(gw: Gateway) -> APIRouter:
             fp, replicas = assignments(gw, node)
             left = deadline - loop.time()
             if fp != since or left <= 0 or gw.closing.is_set():
-                return {"fingerprint": fp, "replicas": replicas}
+                return {"fingerprint": fp, "revision": seen, "replicas": replicas}
             await _first(gw.mirror.wait_past(seen, left), gw.closing.wait())
 
     @r.put("/status")
     async def put_status(node: str, report: StatusReport, request: Request) -> dict[str, int]:
         authorize(request, node)
-        replicas = gw.mirror.replicas()
+        inventory = gw.mirror.nodes().get(node)
+        bad = {st.id: why for st in report.replicas
+               if st.url and (why := check_engine_url(st.url, inventory)) is not None}
+        if bad:
+            raise Problem(422, "Engine URL refused",
+                          "; ".join(f"{rid}: {why}" for rid, why in sorted(bad.items())))
         written = 0
         for st in report.replicas:
-            rep = replicas.get(st.id)
-            if rep is None or rep.node != node or st.node != node:
+            rep = gw.mirror.get(s.REPLICAS + st.id)
+            replica = gw.mirror.one(s.REPLICAS + st.id, s.Replica)
+            if rep is None or replica is None or replica.node != node or st.node != node:
                 continue  # removed meanwhile, or not this node's to report
             old = gw.mirror.one(s.STATUS + st.id, s.ReplicaStatus)
             if old is not None and (old.phase, old.url, old.detail) == (
                 st.phase, st.url, st.detail
             ):
                 continue
-            await gw.store.put(s.STATUS + st.id, st.model_dump_json().encode())
-            written += 1
+            # Only while the replica read still exists: a late report must not
+            # re-create the status of a replica the leader has deleted.
+            res = await gw.store.txn(
+                [Compare.created_at(s.REPLICAS + st.id, rep.create_revision)],
+                [Put(s.STATUS + st.id, st.model_dump_json().encode())])
+            written += res.succeeded
         return {"written": written}
 
     return r

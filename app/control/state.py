@@ -8,6 +8,8 @@ upgrade.
 
 from __future__ import annotations
 
+import ipaddress
+import posixpath
 import re
 from typing import Literal
 
@@ -16,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 LEADER = "leader"
 GATEWAYS = "gateways/"
 MODELS = "catalog/models/"
+# Bumped by every catalog write, in the same transaction, which is conditioned
+# on the value read: two admins racing on two gateways (for one alias, say)
+# cannot both win, since the second's condition no longer holds.
+CATALOG_SERIAL = "catalog/serial"
 NODES = "nodes/"
 REPLICAS = "replicas/"
 STATUS = "status/"
@@ -35,6 +41,50 @@ def check_name(value: str, what: str = "name") -> str:
             f"{what} {value!r} must be 1-128 characters of letters, digits and ._:/@+- "
             "starting with a letter or digit"
         )
+    return value
+
+
+# A model hub id: "name" or "org/name", as Hugging Face spells them.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+# Printable, no whitespace: a path is passed to the engine as one argument.
+_PATH = re.compile(r"^/[^\x00-\x20\x7f]{1,511}$")
+
+
+def check_weights(value: str) -> str:
+    """A model's weights: a hub id, or an absolute, normalised file path.
+
+    Typed at the boundary: the value becomes an engine's argument, so one that
+    starts with "-" (an engine flag in disguise) or walks out of a folder with
+    ".." is refused here, before anything runs it. Whether a path lies under
+    the configured model roots is checked by the admin API, which has them.
+    """
+    if value.startswith("/"):
+        if not _PATH.match(value) or posixpath.normpath(value) != value:
+            raise ValueError(
+                f"{value!r} is not an absolute, normalised path (no '..', '//', './' "
+                "or spaces)")
+        return value
+    if not _HUB_ID.match(value) or ".." in value:
+        raise ValueError(
+            f"{value!r} is neither a hub id ('name' or 'org/name': letters, digits and ._-, "
+            "not starting with '-' or '.') nor an absolute path")
+    return value
+
+
+def check_address(value: str) -> str:
+    """A node's address: an IP or a host name; never an address that would make
+    gateways send prompts and engine keys to a cloud metadata service or a
+    multicast group (link-local, multicast, unspecified)."""
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*$", value):
+            raise ValueError(f"address {value!r} is neither an IP address nor a host name"
+                             ) from None
+        return value
+    if ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        raise ValueError(f"address {value!r} is link-local, multicast or unspecified")
     return value
 
 
@@ -62,12 +112,30 @@ class ModelSpec(BaseModel):
 
     model: str = Field(
         ..., min_length=1, max_length=512,
-        description="weights: a hub id or a file path, passed to the engine as it is",
+        description="weights: a hub id ('org/name' or 'name') or an absolute path under the "
+                    "gateway's model roots (LLMGW_MODEL_ROOTS)",
+    )
+    revision: str | None = Field(
+        None, max_length=128,
+        description="for a hub id: the branch, tag or commit of the weights (vLLM's --revision)",
     )
     aliases: list[str] = Field(default_factory=list, description="other names clients may use")
     engine: Engine = "vllm"
     gpus: int = Field(1, ge=0, le=16, description="GPUs per replica (0 for llamacpp)")
     replicas: ReplicaRange = Field(default_factory=lambda: ReplicaRange(min=1, max=1))
+
+    @field_validator("model")
+    @classmethod
+    def _weights(cls, v: str) -> str:
+        return check_weights(v)
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, v: str | None) -> str | None:
+        if v is not None and (not _REVISION.match(v) or ".." in v):
+            raise ValueError(f"revision {v!r} must be letters, digits and ._/-, "
+                             "not starting with '-'")
+        return v
 
     @field_validator("aliases")
     @classmethod
@@ -80,6 +148,8 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _engine_gpus(self) -> ModelSpec:
+        if self.revision is not None and self.model.startswith("/"):
+            raise ValueError("revision applies to a hub id, not to a path")
         if self.engine == "llamacpp":
             if "gpus" in self.model_fields_set and self.gpus != 0:
                 raise ValueError("engine llamacpp runs on CPU nodes: gpus must be 0")
@@ -110,6 +180,16 @@ class NodeInfo(_Stored):
     engines: list[Engine] = Field(default_factory=list)
     address: str = ""
     version: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "node name")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        return check_address(v) if v else v
 
     @property
     def cpu_only(self) -> bool:
