@@ -50,6 +50,16 @@ MAX_BODY = 32 * 1024 * 1024
 _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 
+SessionFactory = Callable[[aiohttp.ClientTimeout], aiohttp.ClientSession]
+
+
+def default_session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+    """The upstream session a gateway uses: its own pool, our timeouts."""
+    # limit=0: the engines, not this pool, bound concurrency.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
 class _Retry(Exception):
     """This replica cannot take the request now; another may."""
 
@@ -102,7 +112,13 @@ async def _send_json(send: Send, status: int, body: bytes,
 
 
 class Proxy:
-    """The ASGI app mounted at /v1 (see `main.create_app`)."""
+    """The ASGI app mounted at /v1 (see `main.create_app`).
+
+    `session_factory` builds the upstream session in `start()` (given the
+    timeouts) and is called once: a test passes its own (tracing, a custom
+    connector) while the request path stays the same aiohttp client code.
+    The proxy closes the session in `stop()` either way.
+    """
 
     def __init__(
         self,
@@ -111,8 +127,10 @@ class Proxy:
         connect_timeout: float,
         request_timeout: float,
         observer: RequestObserver | None = None,
+        session_factory: SessionFactory = default_session,
     ) -> None:
         self._table = table
+        self._session_factory = session_factory
         self._hash_key = hash_key
         self._observer = observer
         self._timeout = aiohttp.ClientTimeout(total=request_timeout,
@@ -120,11 +138,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # limit=0: the engines, not this pool, bound concurrency.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=self._timeout, auto_decompress=False
-        )
+        self._session = self._session_factory(self._timeout)
 
     async def stop(self) -> None:
         if self._session is not None:
