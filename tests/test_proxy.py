@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.proxy import Proxy
-from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
+from app.router.table import REASON_MAX, CatalogEntry, Endpoint, KeyGrant, RouteTable
 
 CLIENT_KEY = "sk-client-key-0123456789"
 CHAT = "/v1/chat/completions"
@@ -275,10 +275,23 @@ async def test_a_client_leaving_mid_stream_frees_its_lease_and_the_engine(rig: R
     await asyncio.wait_for(up.closed.wait(), 2)
 
 
-async def test_no_ready_replica_is_503(rig: Rig) -> None:
+async def test_no_ready_replica_is_503_and_says_why_when_known(rig: Rig) -> None:
     message = _openai_error(await rig.chat("tiny"), 503, "no_ready_replica")
-    assert "'small'" in message
-    # With replicas to try, the 503 names what they answered.
+    assert message == "No replica of 'small' is ready."
+
+    why = "replica smollm2-ab12 failed: engine killed by SIGILL (illegal instruction)"
+    rig.table.set_unavailable({"small": why, "other": "nothing placed: no nodes"})
+    message = _openai_error(await rig.chat("tiny"), 503, "no_ready_replica")
+    assert message == f"No replica of 'small' is ready: {why}"
+    message = _openai_error(await rig.chat("other"), 503, "no_ready_replica")
+    assert message == "No replica of 'other' is ready: nothing placed: no nodes"
+
+    rig.table.set_unavailable({"small": "x" * 5000})  # replaces: "other" has none now
+    message = _openai_error(await rig.chat("small"), 503, "no_ready_replica")
+    assert len(message) < REASON_MAX + 50 and message.endswith("…")
+    assert _openai_error(await rig.chat("other"), 503, "no_ready_replica").endswith("ready.")
+
+    # With replicas to try, the 503 names what they answered instead.
     busy = await rig.upstream("a", "503")
     rig.route("small", ("a", busy.url))
     message = _openai_error(await rig.chat("small"), 503, "no_ready_replica")

@@ -246,7 +246,7 @@ class Proxy:
         """Forwards to a replica; returns the status the client got."""
         assert self._session is not None, "Proxy.start() was not awaited"
         tried: set[str] = set()
-        last_error = "no ready replica"
+        last_error = ""
         for _ in range(_MAX_ATTEMPTS):
             ep = self._table.choose(model, tried)
             if ep is None:
@@ -283,8 +283,12 @@ class Proxy:
                 logger.warning("%s; trying another", last_error)
             finally:
                 lease.release()  # also when the client left (cancellation)
-        raise _error(503, f"No replica of '{model}' can take the request now: {last_error}.",
-                     "service_unavailable", "no_ready_replica")
+        if tried:
+            message = f"No replica of '{model}' can take the request now: {last_error}."
+        else:  # none routable: say why when the control plane told the table
+            why = self._table.unavailable(model)
+            message = f"No replica of '{model}' is ready" + (f": {why}" if why else ".")
+        raise _error(503, message, "service_unavailable", "no_ready_replica")
 
 
 class _Outcome:
