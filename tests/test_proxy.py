@@ -36,7 +36,8 @@ class Upstream:
 
     mode: "ok" answers JSON naming itself; "502"/"503" answer that status;
     "stream" sends one SSE chunk, then the rest once `release` is set;
-    "endless" streams until the connection closes, then sets `closed`.
+    "endless" streams until the connection closes, then sets `closed`;
+    "silent" sends one chunk, then sets `closed` once the connection closes.
     """
 
     def __init__(self, name: str, mode: str) -> None:
@@ -68,6 +69,14 @@ class Upstream:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
+        if self.mode == "silent":  # one chunk, then nothing, like a stalled engine
+            await resp.write(b'data: {"n": 1}\n\n')
+            try:  # aiohttp cancels a handler whose connection is lost
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.closed.set()
+                raise
+            return resp  # not reached: the wait ends only by cancellation
         try:  # endless
             while True:
                 await resp.write(b'data: {"tick": 1}\n\n')
@@ -273,6 +282,21 @@ async def test_a_client_leaving_mid_stream_frees_its_lease_and_the_engine(rig: R
     assert rig.table.inflight("a") == 0
     # The engine sees its connection closed: it stops generating for nobody.
     await asyncio.wait_for(up.closed.wait(), 2)
+
+
+async def test_a_client_leaving_a_silent_stream_frees_it_at_once(rig: Rig) -> None:
+    # The engine sends nothing more for a while (a long prefill, a stall): the
+    # lease and the engine's connection must not wait for its next chunk.
+    up = await rig.upstream("a", "silent")
+    rig.route("small", ("a", up.url))
+    call = AsgiCall(rig.proxy, {"model": "small", "stream": True, "messages": MESSAGES})
+    assert (await call.next())["status"] == 200
+    assert (await call.next())["body"].startswith(b"data: ")
+    call.leave.set()
+    await asyncio.wait_for(call.task, 2)
+    assert rig.table.inflight("a") == 0
+    await asyncio.wait_for(up.closed.wait(), 2)
+    assert call.sent.empty()  # nothing sent after the client left
 
 
 async def test_no_ready_replica_is_503_and_says_why_when_known(rig: Rig) -> None:

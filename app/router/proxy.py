@@ -333,6 +333,14 @@ async def _relay(upstream: aiohttp.ClientResponse, ep: Endpoint, receive: Receiv
                  send: Send) -> None:
     """Streams the engine's bytes as they come, until it ends or the client leaves."""
     disconnected = asyncio.ensure_future(_disconnect(receive))
+    # The client leaving closes the engine's connection at once, so the read
+    # below ends even while the engine is silent (a long prefill, a stall)
+    # instead of holding the lease until its next chunk or the timeout.
+    def on_leave(f: asyncio.Future[None]) -> None:
+        if not f.cancelled():
+            upstream.close()
+
+    disconnected.add_done_callback(on_leave)
     try:
         await send({"type": "http.response.start", "status": upstream.status, "headers": [
             (b"content-type", upstream.headers.get("Content-Type", "text/event-stream").encode()),
@@ -342,18 +350,17 @@ async def _relay(upstream: aiohttp.ClientResponse, ep: Endpoint, receive: Receiv
         try:
             async for chunk in upstream.content.iter_any():
                 if disconnected.done():
-                    # The engine is still generating for nobody: closing our
-                    # side (release below) makes it stop.
-                    return
+                    return  # the engine's connection is closed: it stops generating
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if disconnected.done():
+                return  # our own close, above
             # Bytes already reached the client: nothing to retry; end the stream.
             logger.warning("replica %s broke off mid-response: %s", ep.replica_id, exc)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not disconnected.done():
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
-        if disconnected.done():
-            upstream.close()  # do not drain a generation nobody reads
-        else:
+        if not disconnected.done():
             disconnected.cancel()
             upstream.release()
 
