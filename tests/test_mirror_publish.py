@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -114,18 +114,57 @@ def test_choose_prefers_the_least_busy_replica() -> None:
     assert picks == {"a", "b"}  # idle replicas share the load
 
 
-async def test_a_change_between_read_and_wait_is_not_missed(store: EmbeddedStore) -> None:
+async def _next_change(mirror: Mirror, revision: int, timeout: float) -> bool:
+    """`wait_past` done wrong: waits for the next change after the call."""
+    try:
+        await asyncio.wait_for(mirror._changed.wait(), timeout)
+    except TimeoutError:
+        return False
+    return mirror.revision > revision
+
+
+async def _sees_a_change_landed_before_the_wait(
+        store: EmbeddedStore,
+        wait_past: Callable[[Mirror, int, float], Awaitable[bool]]) -> bool:
+    """The race of a waiter: it reads the mirror's revision, a change lands
+    and is applied, and only then does it wait past what it read. True when
+    that wait returns True in its first step, without waiting for a wake-up."""
     mirror = Mirror(store)
     mirror.start()
     try:
         assert await mirror.wait_for(await store.put("a", b"1"), 2)
-        seen = mirror.revision
-        # The change lands after the caller read the state, before it waits.
-        assert await mirror.wait_for(await store.put("b", b"2"), 2)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        assert await mirror.wait_past(seen, 5)
-        assert loop.time() - started < 0.5
+        seen = mirror.revision  # the caller reads the state...
+        assert await mirror.wait_for(await store.put("b", b"2"), 2)  # ...a change lands...
+        waiter = asyncio.create_task(wait_past(mirror, seen, 5))  # ...then it waits.
+        # One loop step runs the waiter up to its first await: enough only for
+        # a wait that checks the revision before sleeping. No timing involved.
+        await asyncio.sleep(0)
+        if not waiter.done():
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+            return False
+        return waiter.result()
+    finally:
+        await mirror.stop()
+
+
+async def test_a_change_between_read_and_wait_is_not_missed(store: EmbeddedStore) -> None:
+    assert await _sees_a_change_landed_before_the_wait(store, Mirror.wait_past)
+    # The scenario does catch a "wait for the next change" implementation.
+    assert not await _sees_a_change_landed_before_the_wait(store, _next_change)
+
+
+async def test_wait_past_wakes_on_a_later_change_and_times_out_without_one(
+        store: EmbeddedStore) -> None:
+    mirror = Mirror(store)
+    mirror.start()
+    try:
+        assert await mirror.wait_for(await store.put("a", b"1"), 2)
+        waiter = asyncio.create_task(mirror.wait_past(mirror.revision, 5))
+        await asyncio.sleep(0)
+        assert not waiter.done()  # nothing new yet: it waits
+        await store.put("b", b"2")
+        assert await asyncio.wait_for(waiter, 2)
         assert not await mirror.wait_past(mirror.revision, 0.2)  # nothing new: times out
     finally:
         await mirror.stop()

@@ -3,6 +3,8 @@ in-flight count released when a client walks away mid-stream."""
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import openai
 
@@ -19,7 +21,7 @@ from tests.support.procs import (
 
 def test_dead_replica_is_skipped_before_the_first_byte(cluster: Cluster) -> None:
     gw = cluster.gateway("gw-a")
-    cluster.agent("node-1", [gw], "--gpus", "2")
+    agent = cluster.agent("node-1", [gw], "--gpus", "2")
     key = make_key(gw)
     put_model(gw, "m", {"model": "acme/m", "gpus": 1, "replicas": {"min": 2, "max": 2}})
 
@@ -27,16 +29,26 @@ def test_dead_replica_is_skipped_before_the_first_byte(cluster: Cluster) -> None
         ready = [r for r in replicas(gw) if r["phase"] == "ready"]
         return ready if len(ready) == 2 else None
 
-    reps = wait_for(two_ready, 30, "two ready replicas")
+    dead, live = wait_for(two_ready, 30, "two ready replicas")
     wait_for(lambda: routes(gw, key, "m"), 5, "routing")
 
-    # Kill one engine behind the agent's back: the router still lists it.
-    kill_engine(reps[0]["url"])
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-    for i in range(6):
-        chat = client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"still here {i}"}])
-        assert f"still here {i}" in (chat.choices[0].message.content or "")
+    # Kill one engine behind the agent's back, the agent paused so that it
+    # cannot report it: the router still lists the dead replica throughout.
+    agent.signal(signal.SIGSTOP)
+    try:
+        kill_engine(str(dead["url"]))
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        for i in range(6):
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": f"still here {i}"}])
+            assert raw.headers["x-llmgw-replica"] == live["id"]
+            assert f"still here {i}" in (raw.parse().choices[0].message.content or "")
+        assert [r["id"] for r in replicas(gw) if r["phase"] == "ready"] == [dead["id"], live["id"]]
+    finally:
+        agent.signal(signal.SIGCONT)
+    # Least in-flight with round-robin ties sends idle requests to both replicas
+    # in turn: the dead one was chosen first, and the request retried.
+    assert gw.output().count(f"replica {dead['id']} failed (") >= 1
     # The agent notices and reports the replica failed, so it leaves the router.
     wait_for(lambda: any(r["phase"] == "failed" for r in replicas(gw)), 15, "failure seen")
 

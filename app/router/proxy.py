@@ -50,6 +50,16 @@ MAX_BODY = 32 * 1024 * 1024
 _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 
+SessionFactory = Callable[[aiohttp.ClientTimeout], aiohttp.ClientSession]
+
+
+def default_session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+    """The upstream session a gateway uses: its own pool, our timeouts."""
+    # limit=0: the engines, not this pool, bound concurrency.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
 class _Retry(Exception):
     """This replica cannot take the request now; another may."""
 
@@ -102,7 +112,13 @@ async def _send_json(send: Send, status: int, body: bytes,
 
 
 class Proxy:
-    """The ASGI app mounted at /v1 (see `main.create_app`)."""
+    """The ASGI app mounted at /v1 (see `main.create_app`).
+
+    `session_factory` builds the upstream session in `start()` (given the
+    timeouts) and is called once: a test passes its own (tracing, a custom
+    connector) while the request path stays the same aiohttp client code.
+    The proxy closes the session in `stop()` either way.
+    """
 
     def __init__(
         self,
@@ -111,8 +127,10 @@ class Proxy:
         connect_timeout: float,
         request_timeout: float,
         observer: RequestObserver | None = None,
+        session_factory: SessionFactory = default_session,
     ) -> None:
         self._table = table
+        self._session_factory = session_factory
         self._hash_key = hash_key
         self._observer = observer
         self._timeout = aiohttp.ClientTimeout(total=request_timeout,
@@ -120,11 +138,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # limit=0: the engines, not this pool, bound concurrency.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=self._timeout, auto_decompress=False
-        )
+        self._session = self._session_factory(self._timeout)
 
     async def stop(self) -> None:
         if self._session is not None:
@@ -232,7 +246,7 @@ class Proxy:
         """Forwards to a replica; returns the status the client got."""
         assert self._session is not None, "Proxy.start() was not awaited"
         tried: set[str] = set()
-        last_error = "no ready replica"
+        last_error = ""
         for _ in range(_MAX_ATTEMPTS):
             ep = self._table.choose(model, tried)
             if ep is None:
@@ -269,8 +283,12 @@ class Proxy:
                 logger.warning("%s; trying another", last_error)
             finally:
                 lease.release()  # also when the client left (cancellation)
-        raise _error(503, f"No replica of '{model}' can take the request now: {last_error}.",
-                     "service_unavailable", "no_ready_replica")
+        if tried:
+            message = f"No replica of '{model}' can take the request now: {last_error}."
+        else:  # none routable: say why when the control plane told the table
+            why = self._table.unavailable(model)
+            message = f"No replica of '{model}' is ready" + (f": {why}" if why else ".")
+        raise _error(503, message, "service_unavailable", "no_ready_replica")
 
 
 class _Outcome:
@@ -315,6 +333,14 @@ async def _relay(upstream: aiohttp.ClientResponse, ep: Endpoint, receive: Receiv
                  send: Send) -> None:
     """Streams the engine's bytes as they come, until it ends or the client leaves."""
     disconnected = asyncio.ensure_future(_disconnect(receive))
+    # The client leaving closes the engine's connection at once, so the read
+    # below ends even while the engine is silent (a long prefill, a stall)
+    # instead of holding the lease until its next chunk or the timeout.
+    def on_leave(f: asyncio.Future[None]) -> None:
+        if not f.cancelled():
+            upstream.close()
+
+    disconnected.add_done_callback(on_leave)
     try:
         await send({"type": "http.response.start", "status": upstream.status, "headers": [
             (b"content-type", upstream.headers.get("Content-Type", "text/event-stream").encode()),
@@ -324,18 +350,17 @@ async def _relay(upstream: aiohttp.ClientResponse, ep: Endpoint, receive: Receiv
         try:
             async for chunk in upstream.content.iter_any():
                 if disconnected.done():
-                    # The engine is still generating for nobody: closing our
-                    # side (release below) makes it stop.
-                    return
+                    return  # the engine's connection is closed: it stops generating
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if disconnected.done():
+                return  # our own close, above
             # Bytes already reached the client: nothing to retry; end the stream.
             logger.warning("replica %s broke off mid-response: %s", ep.replica_id, exc)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not disconnected.done():
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
-        if disconnected.done():
-            upstream.close()  # do not drain a generation nobody reads
-        else:
+        if not disconnected.done():
             disconnected.cancel()
             upstream.release()
 

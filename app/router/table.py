@@ -14,6 +14,9 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+# Longest reason `set_unavailable` keeps: a log tail is not a 503 message.
+REASON_MAX = 300
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -48,6 +51,7 @@ class RouteTable:
         self._names: dict[str, str] = {}  # name or alias -> model name
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self._keys: dict[str, KeyGrant] = {}
+        self._unavailable: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
         self._rr = itertools.count()
 
@@ -69,6 +73,26 @@ class RouteTable:
     def set_client_keys(self, keys: Mapping[str, KeyGrant]) -> None:
         self._keys = dict(keys)
 
+    def set_unavailable(self, reasons: Mapping[str, str]) -> None:
+        """Why models have no routable replica: catalog name -> one short line.
+
+        E.g. `{"small": "replica smollm2-ab12 failed: engine killed by SIGILL"}`.
+        The proxy's 503 `no_ready_replica` for "small" then reads "No replica
+        of 'small' is ready: replica smollm2-ab12 failed: ...". Like the other
+        setters it replaces the whole mapping: pass every model that has a
+        reason, and a model left out has none. A model that has endpoints
+        ignores its entry (its 503, if all of them fail, names their errors).
+
+        Every client allowed the model reads it: no secrets (engine keys are
+        masked before they reach `status/` details, DESIGN invariant 6).
+        Longer reasons are cut to `REASON_MAX` characters. Read only when a
+        request finds no replica, never on a routed one.
+        """
+        self._unavailable = {
+            m: why if len(why) <= REASON_MAX else why[:REASON_MAX - 1] + "…"
+            for m, why in reasons.items()
+        }
+
     # --- read per request ----------------------------------------------------------
 
     def catalog(self) -> list[CatalogEntry]:
@@ -79,6 +103,10 @@ class RouteTable:
 
     def grant(self, key_hash: str) -> KeyGrant | None:
         return self._keys.get(key_hash)
+
+    def unavailable(self, model: str) -> str | None:
+        """The reason given by `set_unavailable` for `model`, if any."""
+        return self._unavailable.get(model)
 
     def endpoints(self, model: str) -> tuple[Endpoint, ...]:
         return self._endpoints.get(model, ())
