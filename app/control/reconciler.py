@@ -3,6 +3,13 @@
 `tick()` is one pass and returns what it did; `run()` only repeats it, woken
 early by any change the mirror sees (a catalog edit, a node joining), so a
 PUT is acted on at once rather than at the next interval.
+
+A pass plans only on state the leader has: not before its mirror has reached
+the revision at which it took the lead (its predecessor's last writes), nor
+before it has seen its own last write. Each write is conditional on what the
+plan read: a create on the replica key being absent, a drain or a delete on
+the replica's mod revision as mirrored. A write refused for either reason
+ends the pass; the next one plans again on a mirror that has caught up.
 """
 
 from __future__ import annotations
@@ -17,9 +24,14 @@ from app.control import state as s
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
 from app.control.placement import Plan, plan
-from app.store.base import Delete, Put, Store, StoreError
+from app.store.base import Compare, Delete, Put, Store, StoreError
 
 logger = logging.getLogger(__name__)
+
+
+class WriteRefused(Exception):
+    """The store refused a leader write: the `leader` key is no longer ours,
+    or the replica changed since the mirror showed it."""
 
 
 @dataclass
@@ -27,7 +39,8 @@ class TickResult:
     acted: bool = False
     skipped: str = ""
     plan: Plan = field(default_factory=Plan)
-    fenced_out: bool = False
+    # Why the plan was not applied to the end ("" = every write went through).
+    refused: str = ""
 
 
 class Reconciler:
@@ -58,10 +71,21 @@ class Reconciler:
     async def tick(self) -> TickResult:
         if not self._elector.is_leader:
             return TickResult(skipped="not leader")
-        if not self._mirror.ready or self._mirror.revision < self.written_revision:
+        lead = self._elector.lead_revision
+        if not self._mirror.ready or self._mirror.revision < lead:
+            return TickResult(skipped=(
+                "mirror behind the revision at which we took the lead "
+                f"({self._mirror.revision} < {lead})"))
+        if self._mirror.revision < self.written_revision:
             return TickResult(skipped="mirror behind our last write")
+        # One synchronous read of the mirror: the plan and the revisions its
+        # writes are conditioned on come from the same state.
+        models, nodes, replicas = (
+            self._mirror.models(), self._mirror.nodes(), self._mirror.replicas())
+        read_at = {rid: kv.mod_revision for rid in replicas
+                   if (kv := self._mirror.get(s.REPLICAS + rid)) is not None}
         p = plan(
-            self._mirror.models(), self._mirror.nodes(), self._mirror.replicas(),
+            models, nodes, replicas,
             now=self._wall(), drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
         )
         if p.unplaced != self.last_unplaced:
@@ -71,30 +95,40 @@ class Reconciler:
         result = TickResult(plan=p)
         if p.empty:
             return result
-        replicas = self._mirror.replicas()
         try:
             for rep in p.create:
                 logger.info("placing replica %s of %s on %s gpus=%s",
                             rep.id, rep.model, rep.node, rep.gpus)
-                await self._write([Put(s.REPLICAS + rep.id, rep.model_dump_json().encode())])
+                key = s.REPLICAS + rep.id
+                await self._write([Compare.absent(key)],
+                                  [Put(key, rep.model_dump_json().encode())])
             for rid in p.drain:
                 logger.info("draining replica %s", rid)
+                key = s.REPLICAS + rid
                 drained = replicas[rid].model_copy(update={"draining_since": self._wall()})
-                await self._write([Put(s.REPLICAS + rid, drained.model_dump_json().encode())])
+                await self._write([Compare.modified_at(key, read_at[rid])],
+                                  [Put(key, drained.model_dump_json().encode())])
             for rid in p.delete:
                 logger.info("removing replica %s", rid)
-                await self._write([Delete(s.REPLICAS + rid), Delete(s.STATUS + rid)])
-        except NotLeader as exc:
+                key = s.REPLICAS + rid
+                await self._write([Compare.modified_at(key, read_at[rid])],
+                                  [Delete(key), Delete(s.STATUS + rid)])
+        except (NotLeader, WriteRefused) as exc:
             logger.warning("stopped applying the plan: %s", exc)
-            result.fenced_out = True
+            result.refused = str(exc)
         result.acted = True
         return result
 
-    async def _write(self, ops: list[Put | Delete]) -> None:
-        res = await self._store.txn(self._elector.fence(), ops)
-        if not res.succeeded:
-            raise NotLeader("the leader key changed under us; write refused")
+    async def _write(self, conditions: list[Compare], ops: list[Put | Delete]) -> None:
+        res = await self._store.txn(self._elector.fence() + conditions, ops)
+        # Refused or not, the next pass must not plan on a mirror older than
+        # this answer: a refusal means the store holds something we have not
+        # seen yet.
         self.written_revision = max(self.written_revision, res.revision)
+        if not res.succeeded:
+            raise WriteRefused(
+                f"write to {ops[0].key} refused at revision {res.revision}: the leader key "
+                "is no longer ours or the replica changed since it was read")
 
     async def run(self) -> None:
         while True:
