@@ -107,7 +107,8 @@ class Gateway:
                              started=time.time())
         self._elector = Elector(self._store, info, st.lease_ttl)
         reconciler = Reconciler(self._store, self._mirror, self._elector,
-                                drain_seconds=st.drain_seconds, interval=st.reconcile_interval)
+                                drain_seconds=st.drain_seconds, interval=st.reconcile_interval,
+                                node_grace=st.node_grace)
         await self.proxy.start()
         self._tasks = [
             asyncio.create_task(self._elect(), name="election"),

@@ -84,6 +84,19 @@ class Settings(BaseSettings):
     # GPUs the in-process agent declares; unset: discovered with nvidia-smi.
     local_gpus: int | None = None
 
+    # --- restarts and handovers ---------------------------------------------------
+    # Seconds the leader keeps the replicas of a node it has not heard from
+    # (no `nodes/` key), counted from when it first saw the node absent or
+    # took the lead, whichever is later. Meanwhile the router leaves them out
+    # and their GPUs stay reserved. It must cover an agent restart or upgrade
+    # and a gateway handover or `llmgw serve` restart on the embedded store
+    # (which drops every node key until agents beat again): each takes
+    # seconds, plus up to two 5 s heartbeat periods before an agent that
+    # found no gateway beats again. 60 s covers that with room. Longer: a
+    # dead node's models stay unserved longer (node_ttl + node_grace after
+    # its last heartbeat). Shorter: a slow restart reloads every model.
+    node_grace: float = Field(60.0, ge=0)
+
     # --- router -------------------------------------------------------------------
     # Seconds to wait for an engine to accept a connection before trying
     # another replica.

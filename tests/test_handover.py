@@ -80,7 +80,7 @@ def side(store: Store, name: str, suffixes: list[str]) -> Side:
                                            started=0), ttl=10)
     it = iter(suffixes)
     wall = Clock(1000.0)
-    rec = Reconciler(store, mirror, elector, drain_seconds=5, interval=1,
+    rec = Reconciler(store, mirror, elector, drain_seconds=5, interval=1, node_grace=30,
                      wall=wall, new_suffix=lambda: next(it))
     return Side(store, mirror, elector, rec, wall)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from app.control import state as s
@@ -52,7 +52,9 @@ class Reconciler:
         *,
         drain_seconds: float,
         interval: float,
+        node_grace: float,
         wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
     ) -> None:
         self._store = store
@@ -60,18 +62,31 @@ class Reconciler:
         self._elector = elector
         self._drain_seconds = drain_seconds
         self._interval = interval
-        self._wall = wall
+        self._node_grace = node_grace
+        self._wall = wall  # for draining_since, which every gateway reads
+        self._clock = clock  # for the node grace, which only this leader counts
         self._new_suffix = new_suffix
         # The revision of our last write. It must be in the mirror before the
         # next pass plans on it, or a replica just created would be created
         # twice.
         self.written_revision = 0
         self.last_unplaced: dict[str, str] = {}
+        # The lead we hold (its revision) and when we first saw it, by clock.
+        self._term = 0
+        self._led_since = 0.0
+        # Nodes with replicas but no `nodes/` key: when this leader first saw
+        # each one absent.
+        self._absent_since: dict[str, float] = {}
 
     async def tick(self) -> TickResult:
         if not self._elector.is_leader:
             return TickResult(skipped="not leader")
         lead = self._elector.lead_revision
+        if lead != self._term:
+            # A new lead (a handover, a restart): no node has had a chance to
+            # reach us yet, so every grace starts now.
+            self._term, self._led_since = lead, self._clock()
+            self._absent_since.clear()
         if not self._mirror.ready or self._mirror.revision < lead:
             return TickResult(skipped=(
                 "mirror behind the revision at which we took the lead "
@@ -87,6 +102,8 @@ class Reconciler:
         p = plan(
             models, nodes, replicas,
             now=self._wall(), drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
+            absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
+            node_grace=self._node_grace,
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():
@@ -118,6 +135,22 @@ class Reconciler:
             result.refused = str(exc)
         result.acted = True
         return result
+
+    def _absences(self, present: Collection[str], placed_on: set[str]) -> dict[str, float]:
+        """Seconds each node holding replicas has been absent from `nodes/`,
+        counted from when this leader first saw it absent and never from
+        before it took the lead."""
+        now = self._clock()
+        missing = placed_on.difference(present)
+        for node in sorted(missing - self._absent_since.keys()):
+            logger.warning("node %s not heard from: its replicas are out of the router and "
+                           "kept for up to %.0f s", node, self._node_grace)
+        for node in sorted(self._absent_since.keys() - missing):
+            if node in present:
+                logger.info("node %s is back after %.1f s", node,
+                            now - max(self._absent_since[node], self._led_since))
+        self._absent_since = {n: self._absent_since.get(n, now) for n in missing}
+        return {n: now - max(t, self._led_since) for n, t in self._absent_since.items()}
 
     async def _write(self, conditions: list[Compare], ops: list[Put | Delete]) -> None:
         res = await self._store.txn(self._elector.fence() + conditions, ops)
