@@ -96,6 +96,11 @@ class Settings(BaseSettings):
     # dead node's models stay unserved longer (node_ttl + node_grace after
     # its last heartbeat). Shorter: a slow restart reloads every model.
     node_grace: float = Field(60.0, ge=0)
+    # All-in-one mode: stop the in-process agent's engines when `llmgw serve`
+    # stops. Off by default: they keep running and the next `llmgw serve` on
+    # the same data_dir adopts them, so a restart reloads no model. On: a
+    # stop frees the GPUs, and the next start loads every model again.
+    stop_engines_on_exit: bool = False
 
     # --- router -------------------------------------------------------------------
     # Seconds to wait for an engine to accept a connection before trying
