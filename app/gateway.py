@@ -107,7 +107,8 @@ class Gateway:
                              started=time.time())
         self._elector = Elector(self._store, info, st.lease_ttl)
         reconciler = Reconciler(self._store, self._mirror, self._elector,
-                                drain_seconds=st.drain_seconds, interval=st.reconcile_interval)
+                                drain_seconds=st.drain_seconds, interval=st.reconcile_interval,
+                                node_grace=st.node_grace)
         await self.proxy.start()
         self._tasks = [
             asyncio.create_task(self._elect(), name="election"),
@@ -143,8 +144,11 @@ class Gateway:
             gpus=gpus, engines=available_engines(gpus, st.vllm_bin),
             work_dir=st.data_dir / "agent", vllm_bin=resolve_vllm(st.vllm_bin),
             advertise_host=host,
-            # All-in-one: stopping `llmgw serve` stops the whole system.
-            stop_engines_on_exit=True,
+            # By default engines outlive `llmgw serve`: the next run on this
+            # data_dir adopts them (work_dir/engines.json), so a restart or
+            # upgrade reloads no model. The leader keeps their replicas over
+            # the restart for node_grace seconds.
+            stop_engines_on_exit=st.stop_engines_on_exit,
         ))
         await self.agent.start()
         await self.agent.run()
@@ -153,7 +157,7 @@ class Gateway:
         """First step of a clean stop, before open requests are waited for."""
         self.closing.set()
         if self._agent_task is not None:
-            self._agent_task.cancel()  # its engines are stopped in stop()
+            self._agent_task.cancel()  # stop() shuts it down (engines per the settings)
 
     async def stop(self) -> None:
         self.closing.set()

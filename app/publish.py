@@ -22,7 +22,7 @@ from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 logger = logging.getLogger(__name__)
 
 # Keys whose change can alter what the router serves.
-_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS)
+_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES)
 
 
 class Publisher:
@@ -51,10 +51,16 @@ class Publisher:
             for name, spec in sorted(models.items())
         )
         statuses = m.statuses()
+        nodes = m.nodes()
         endpoints: dict[str, list[Endpoint]] = {}
         for rid, rep in sorted(m.replicas().items()):
             st = statuses.get(rid)
             if rep.draining_since is not None or st is None or st.phase != "ready":
+                continue
+            if rep.node not in nodes:
+                # Not heard from (its agent or the node is down, or a restart
+                # dropped its key): the leader keeps the replica for a grace
+                # period, but its last "ready" is no promise.
                 continue
             if rep.model in models:
                 endpoints.setdefault(rep.model, []).append(

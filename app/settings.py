@@ -84,6 +84,24 @@ class Settings(BaseSettings):
     # GPUs the in-process agent declares; unset: discovered with nvidia-smi.
     local_gpus: int | None = None
 
+    # --- restarts and handovers ---------------------------------------------------
+    # Seconds the leader keeps the replicas of a node it has not heard from
+    # (no `nodes/` key), counted from when it first saw the node absent or
+    # took the lead, whichever is later. Meanwhile the router leaves them out
+    # and their GPUs stay reserved. It must cover an agent restart or upgrade
+    # and a gateway handover or `llmgw serve` restart on the embedded store
+    # (which drops every node key until agents beat again): each takes
+    # seconds, plus up to two 5 s heartbeat periods before an agent that
+    # found no gateway beats again. 60 s covers that with room. Longer: a
+    # dead node's models stay unserved longer (node_ttl + node_grace after
+    # its last heartbeat). Shorter: a slow restart reloads every model.
+    node_grace: float = Field(60.0, ge=0)
+    # All-in-one mode: stop the in-process agent's engines when `llmgw serve`
+    # stops. Off by default: they keep running and the next `llmgw serve` on
+    # the same data_dir adopts them, so a restart reloads no model. On: a
+    # stop frees the GPUs, and the next start loads every model again.
+    stop_engines_on_exit: bool = False
+
     # --- router -------------------------------------------------------------------
     # Seconds to wait for an engine to accept a connection before trying
     # another replica.

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from app.control import state as s
 from app.control.leader import Elector, NotLeader
-from app.store.base import Put, Store
+from app.store.base import Compare, Op, Put, Store, StoreUnavailable, TxnResult
 from app.store.embedded import EmbeddedStore
 from app.store.etcd import EtcdStore
 
@@ -82,3 +83,44 @@ async def test_resign_frees_the_leader_key_at_once(store: Store) -> None:
     await a.resign()
     assert await store.get(s.GATEWAYS + "a") is None
     assert (await b.tick()).is_leader
+
+
+class LostAnswers:
+    """A store whose next transaction is applied but its answer lost, as
+    when the connection drops right after etcd committed it."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.lose_next = False
+
+    async def txn(self, compares: Sequence[Compare], success: Sequence[Op],
+                  failure: Sequence[Op] = ()) -> TxnResult:
+        result = await self.inner.txn(compares, success, failure)
+        if self.lose_next:
+            self.lose_next = False
+            raise StoreUnavailable("answer lost")
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_lead_revision_is_the_create_revision_of_our_leader_key(store: Store) -> None:
+    clock = Clock()
+    flaky = LostAnswers(store)
+    a = Elector(flaky, gateway("a"), ttl=10, clock=clock)  # type: ignore[arg-type]
+    b = Elector(store, gateway("b"), ttl=10, clock=clock)
+    assert (await b.tick()).is_leader
+    won = await store.get(s.LEADER)
+    assert won is not None and b.lead_revision == won.create_revision
+    assert (await a.tick()).is_leader is False and a.lead_revision == 0
+
+    await b.resign()
+    assert b.lead_revision == 0
+    # A wins, but the answer is lost: it finds the key bound to its lease.
+    flaky.lose_next = True
+    assert not (await a.tick()).is_leader
+    found = await store.get(s.LEADER)
+    assert found is not None and found.lease == a.lease
+    assert (await a.tick()).is_leader
+    assert a.lead_revision == found.create_revision > won.create_revision

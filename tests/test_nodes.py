@@ -1,15 +1,61 @@
-"""A node that stops heartbeating loses its replicas, which go elsewhere."""
+"""A node that stops heartbeating leaves the router at once, and loses its
+replicas, which go elsewhere, once its grace period is over."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
+from pathlib import Path
 
+from app.control import state as s
+from app.control.mirror import Mirror
+from app.publish import Publisher
+from app.router.table import RouteTable
+from app.store.embedded import EmbeddedStore
 from tests.support.procs import Cluster, make_key, put_model, replicas, routes, wait_for
 
 
+async def test_replicas_of_an_absent_node_leave_the_router_and_come_back_with_it(
+    tmp_path: Path,
+) -> None:
+    store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
+    mirror = Mirror(store)
+    table = RouteTable()
+    Publisher(mirror, table, "nodes-test-secret-0123456789")
+    mirror.start()
+
+    async def write(key: str, value: s.BaseModel | None) -> None:
+        if value is None:
+            assert await store.delete(key)
+        else:
+            await store.put(key, value.model_dump_json().encode())
+        assert await mirror.wait_for((await store.range("")).revision, 2)
+        await asyncio.sleep(0)  # the publish is scheduled with call_soon
+
+    node = s.NodeInfo(name="n1", gpus=[s.GpuInfo(index=0)], engines=["vllm"])
+    try:
+        await write(s.MODELS + "m", s.StoredModel(name="m", model="w"))
+        await write(s.NODES + "n1", node)
+        await write(s.REPLICAS + "m-1", s.Replica(id="m-1", model="m", node="n1", gpus=[0],
+                                                  weights="w"))
+        await write(s.STATUS + "m-1", s.ReplicaStatus(id="m-1", node="n1", phase="ready",
+                                                     url="http://127.0.0.1:9"))
+        assert [e.replica_id for e in table.endpoints("m")] == ["m-1"]
+        # The node's key expires (or a restart dropped it): its last "ready"
+        # is no promise, though the leader keeps the replica for a while.
+        await write(s.NODES + "n1", None)
+        assert table.endpoints("m") == ()
+        await write(s.NODES + "n1", node)
+        assert [e.replica_id for e in table.endpoints("m")] == ["m-1"]
+    finally:
+        await mirror.stop()
+        await store.close()
+
+
 def test_a_dead_nodes_replica_is_replaced_on_another_node(cluster: Cluster) -> None:
-    gw = cluster.gateway("gw-a", node_ttl="3")
+    # A short grace: this test is about what happens once it is over.
+    gw = cluster.gateway("gw-a", node_ttl="3", node_grace="1")
     first = cluster.agent("node-1", [gw], "--gpus", "1")
     key = make_key(gw)
     put_model(gw, "m", {"model": "acme/m", "gpus": 1})

@@ -26,10 +26,12 @@ def suffixes() -> itertools.count[int]:
 
 
 def run_plan(models: list[s.StoredModel], nodes: list[s.NodeInfo],
-             replicas: dict[str, s.Replica], now: float = 100.0) -> Plan:
+             replicas: dict[str, s.Replica], now: float = 100.0,
+             absent_for: dict[str, float] | None = None, node_grace: float = 0.0) -> Plan:
     counter = suffixes()
     return plan({m.name: m for m in models}, {n.name: n for n in nodes}, replicas,
-                now=now, drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}")
+                now=now, drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}",
+                absent_for=absent_for, node_grace=node_grace)
 
 
 def test_places_min_replicas_spread_over_nodes() -> None:
@@ -67,11 +69,24 @@ def test_deleted_model_drains_then_deletes_after_the_drain_period() -> None:
     assert run_plan([], [gpu_node("n1", 1)], {"r1": draining}, now=101.5).delete == ["r1"]
 
 
-def test_replicas_of_a_vanished_node_are_deleted_and_replaced() -> None:
+def test_replicas_of_a_vanished_node_are_deleted_and_replaced_once_its_grace_is_over() -> None:
     rep = s.Replica(id="r1", model="m", node="dead", gpus=[0], weights="org/m")
-    p = run_plan([model("m")], [gpu_node("n2", 1)], {"r1": rep})
+    # Within the grace the replica stays, counts for its model, and holds its GPU.
+    kept = run_plan([model("m")], [gpu_node("n2", 1)], {"r1": rep},
+                    absent_for={"dead": 9.9}, node_grace=10)
+    assert kept.empty and kept.unplaced == {}
+    p = run_plan([model("m")], [gpu_node("n2", 1)], {"r1": rep},
+                 absent_for={"dead": 10.0}, node_grace=10)
     assert p.delete == ["r1"]
     assert [r.node for r in p.create] == ["n2"]
+    # With no grace (the default), at once.
+    assert run_plan([model("m")], [gpu_node("n2", 1)], {"r1": rep}).delete == ["r1"]
+
+
+def test_a_kept_replica_of_an_absent_node_is_still_drained_when_its_model_goes() -> None:
+    rep = s.Replica(id="r1", model="m", node="away", gpus=[0], weights="org/m")
+    p = run_plan([], [], {"r1": rep}, absent_for={"away": 1.0}, node_grace=10)
+    assert p.drain == ["r1"] and p.delete == []
 
 
 def test_changed_spec_replaces_the_replica() -> None:

@@ -65,6 +65,21 @@ class Elector:
         return self._clock() - self._renewed_at < self._ttl * 0.8
 
     @property
+    def lead_revision(self) -> int:
+        """The store revision at which this gateway took the lead; 0 when it
+        does not hold the `leader` key.
+
+        It is the create revision of our `leader` key: the revision of the
+        campaign transaction that won, or, when that answer was lost, the
+        create revision of the key found bound to our lease. Every write of
+        an earlier leader came before it (they were fenced on a key that had
+        to be gone before ours could be created), so a mirror that has
+        reached this revision holds all of them: the reconciler plans only
+        then (docs/architecture.md, Placement).
+        """
+        return self._leader_revision
+
+    @property
     def is_leader(self) -> bool:
         return self._leader_revision != 0 and self._lease_proven()
 

@@ -117,13 +117,25 @@ def plan(
     now: float,
     drain_seconds: float,
     new_suffix: Callable[[], str],
+    absent_for: Mapping[str, float] | None = None,
+    node_grace: float = 0.0,
 ) -> Plan:
-    """One level-based pass: compares desired counts with `replicas/`."""
+    """One level-based pass: compares desired counts with `replicas/`.
+
+    `absent_for` says, per node that has replicas but no `nodes/` key, for
+    how many seconds the caller has counted it absent (a node it does not
+    name counts 0 s). Its replicas are kept, holding their GPUs and counting
+    towards their model's replicas, until that reaches `node_grace`: a
+    restarting agent or a handover must not reload every model
+    (docs/architecture.md, Placement). The router does not route to them
+    meanwhile (app/publish.py).
+    """
+    absent = absent_for or {}
     out = Plan()
     live: dict[str, s.Replica] = {}
     for rid, r in replicas.items():
-        if r.node not in nodes:
-            # The node is gone (its lease expired): nothing there to drain.
+        if r.node not in nodes and absent.get(r.node, 0.0) >= node_grace:
+            # Gone past its grace: nothing there to drain, nothing routes to it.
             out.delete.append(rid)
         elif r.draining_since is not None:
             if now - r.draining_since >= drain_seconds:

@@ -3,6 +3,13 @@
 `tick()` is one pass and returns what it did; `run()` only repeats it, woken
 early by any change the mirror sees (a catalog edit, a node joining), so a
 PUT is acted on at once rather than at the next interval.
+
+A pass plans only on state the leader has: not before its mirror has reached
+the revision at which it took the lead (its predecessor's last writes), nor
+before it has seen its own last write. Each write is conditional on what the
+plan read: a create on the replica key being absent, a drain or a delete on
+the replica's mod revision as mirrored. A write refused for either reason
+ends the pass; the next one plans again on a mirror that has caught up.
 """
 
 from __future__ import annotations
@@ -10,16 +17,21 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from app.control import state as s
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
 from app.control.placement import Plan, plan
-from app.store.base import Delete, Put, Store, StoreError
+from app.store.base import Compare, Delete, Put, Store, StoreError
 
 logger = logging.getLogger(__name__)
+
+
+class WriteRefused(Exception):
+    """The store refused a leader write: the `leader` key is no longer ours,
+    or the replica changed since the mirror showed it."""
 
 
 @dataclass
@@ -27,7 +39,8 @@ class TickResult:
     acted: bool = False
     skipped: str = ""
     plan: Plan = field(default_factory=Plan)
-    fenced_out: bool = False
+    # Why the plan was not applied to the end ("" = every write went through).
+    refused: str = ""
 
 
 class Reconciler:
@@ -39,7 +52,9 @@ class Reconciler:
         *,
         drain_seconds: float,
         interval: float,
+        node_grace: float,
         wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
     ) -> None:
         self._store = store
@@ -47,22 +62,48 @@ class Reconciler:
         self._elector = elector
         self._drain_seconds = drain_seconds
         self._interval = interval
-        self._wall = wall
+        self._node_grace = node_grace
+        self._wall = wall  # for draining_since, which every gateway reads
+        self._clock = clock  # for the node grace, which only this leader counts
         self._new_suffix = new_suffix
         # The revision of our last write. It must be in the mirror before the
         # next pass plans on it, or a replica just created would be created
         # twice.
         self.written_revision = 0
         self.last_unplaced: dict[str, str] = {}
+        # The lead we hold (its revision) and when we first saw it, by clock.
+        self._term = 0
+        self._led_since = 0.0
+        # Nodes with replicas but no `nodes/` key: when this leader first saw
+        # each one absent.
+        self._absent_since: dict[str, float] = {}
 
     async def tick(self) -> TickResult:
         if not self._elector.is_leader:
             return TickResult(skipped="not leader")
-        if not self._mirror.ready or self._mirror.revision < self.written_revision:
+        lead = self._elector.lead_revision
+        if lead != self._term:
+            # A new lead (a handover, a restart): no node has had a chance to
+            # reach us yet, so every grace starts now.
+            self._term, self._led_since = lead, self._clock()
+            self._absent_since.clear()
+        if not self._mirror.ready or self._mirror.revision < lead:
+            return TickResult(skipped=(
+                "mirror behind the revision at which we took the lead "
+                f"({self._mirror.revision} < {lead})"))
+        if self._mirror.revision < self.written_revision:
             return TickResult(skipped="mirror behind our last write")
+        # One synchronous read of the mirror: the plan and the revisions its
+        # writes are conditioned on come from the same state.
+        models, nodes, replicas = (
+            self._mirror.models(), self._mirror.nodes(), self._mirror.replicas())
+        read_at = {rid: kv.mod_revision for rid in replicas
+                   if (kv := self._mirror.get(s.REPLICAS + rid)) is not None}
         p = plan(
-            self._mirror.models(), self._mirror.nodes(), self._mirror.replicas(),
+            models, nodes, replicas,
             now=self._wall(), drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
+            absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
+            node_grace=self._node_grace,
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():
@@ -71,30 +112,56 @@ class Reconciler:
         result = TickResult(plan=p)
         if p.empty:
             return result
-        replicas = self._mirror.replicas()
         try:
             for rep in p.create:
                 logger.info("placing replica %s of %s on %s gpus=%s",
                             rep.id, rep.model, rep.node, rep.gpus)
-                await self._write([Put(s.REPLICAS + rep.id, rep.model_dump_json().encode())])
+                key = s.REPLICAS + rep.id
+                await self._write([Compare.absent(key)],
+                                  [Put(key, rep.model_dump_json().encode())])
             for rid in p.drain:
                 logger.info("draining replica %s", rid)
+                key = s.REPLICAS + rid
                 drained = replicas[rid].model_copy(update={"draining_since": self._wall()})
-                await self._write([Put(s.REPLICAS + rid, drained.model_dump_json().encode())])
+                await self._write([Compare.modified_at(key, read_at[rid])],
+                                  [Put(key, drained.model_dump_json().encode())])
             for rid in p.delete:
                 logger.info("removing replica %s", rid)
-                await self._write([Delete(s.REPLICAS + rid), Delete(s.STATUS + rid)])
-        except NotLeader as exc:
+                key = s.REPLICAS + rid
+                await self._write([Compare.modified_at(key, read_at[rid])],
+                                  [Delete(key), Delete(s.STATUS + rid)])
+        except (NotLeader, WriteRefused) as exc:
             logger.warning("stopped applying the plan: %s", exc)
-            result.fenced_out = True
+            result.refused = str(exc)
         result.acted = True
         return result
 
-    async def _write(self, ops: list[Put | Delete]) -> None:
-        res = await self._store.txn(self._elector.fence(), ops)
-        if not res.succeeded:
-            raise NotLeader("the leader key changed under us; write refused")
+    def _absences(self, present: Collection[str], placed_on: set[str]) -> dict[str, float]:
+        """Seconds each node holding replicas has been absent from `nodes/`,
+        counted from when this leader first saw it absent and never from
+        before it took the lead."""
+        now = self._clock()
+        missing = placed_on.difference(present)
+        for node in sorted(missing - self._absent_since.keys()):
+            logger.warning("node %s not heard from: its replicas are out of the router and "
+                           "kept for up to %.0f s", node, self._node_grace)
+        for node in sorted(self._absent_since.keys() - missing):
+            if node in present:
+                logger.info("node %s is back after %.1f s", node,
+                            now - max(self._absent_since[node], self._led_since))
+        self._absent_since = {n: self._absent_since.get(n, now) for n in missing}
+        return {n: now - max(t, self._led_since) for n, t in self._absent_since.items()}
+
+    async def _write(self, conditions: list[Compare], ops: list[Put | Delete]) -> None:
+        res = await self._store.txn(self._elector.fence() + conditions, ops)
+        # Refused or not, the next pass must not plan on a mirror older than
+        # this answer: a refusal means the store holds something we have not
+        # seen yet.
         self.written_revision = max(self.written_revision, res.revision)
+        if not res.succeeded:
+            raise WriteRefused(
+                f"write to {ops[0].key} refused at revision {res.revision}: the leader key "
+                "is no longer ours or the replica changed since it was read")
 
     async def run(self) -> None:
         while True:
