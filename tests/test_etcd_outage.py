@@ -1,16 +1,15 @@
 """With etcd unreachable, routing goes on from the mirror; writes answer 503
-and lose nothing; when etcd returns, everything resumes (DESIGN invariant 2)."""
+and lose nothing; when etcd returns, everything resumes (DESIGN invariant 2).
+Runs on an etcd of its own (`own_etcd`), never the session's shared one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
-from tests.support.etcd import EtcdServer, etcd_binary
+from tests.support.etcd import EtcdServer
 from tests.support.procs import (
     ADMIN,
     Cluster,
@@ -20,17 +19,6 @@ from tests.support.procs import (
     wait_for,
     wait_ready,
 )
-
-
-@pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    """An etcd of this test's own: stopping the shared one would hit other tests."""
-    server = EtcdServer(etcd_binary(), tmp_path / "etcd")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_routing_survives_etcd_down_and_writes_refuse_cleanly(
