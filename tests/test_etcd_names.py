@@ -160,6 +160,25 @@ async def test_names_are_resolved_again_when_every_endpoint_fails(
         await store.close()
 
 
+async def test_a_member_whose_name_does_not_resolve_leaves_the_others_serving(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
+) -> None:
+    async def resolver(host: str, port: int) -> list[str]:
+        if host == "etcd-gone":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return ["127.0.0.1"]
+
+    port = port_of(etcd_server)
+    store = EtcdStore([f"etcd-gone:{port}", f"etcd-here:{port}"], etcd_prefix, 1.0,
+                      resolver=resolver)
+    await store.connect()
+    try:
+        await store.put("k", b"v")
+        assert store.health().state == "reachable"
+    finally:
+        await store.close()
+
+
 def test_gateways_on_a_host_named_etcd_become_ready_and_take_writes(
     etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path, host_name: str
 ) -> None:

@@ -127,27 +127,19 @@ class EtcdChannel:
 
     async def _refresh(self) -> None:
         self._resolved_at = self._clock()
-        addresses: list[tuple[str, int]] = []
-        errors: list[str] = []
-        for ep in self._endpoints:
-            if not ep.is_name:
-                addresses.append((ep.host, ep.port))
-                continue
-            try:
-                async with asyncio.timeout(self._timeout):
-                    found = await self._resolver(ep.host, ep.port)
-            except (OSError, TimeoutError) as exc:
-                errors.append(f"{ep}: {exc or 'no answer in time'}")
-                continue
-            addresses.extend((ip, ep.port) for ip in found)
+        found = await asyncio.gather(*(self._addresses(ep) for ep in self._endpoints))
+        addresses = [a for result in found if not isinstance(result, str) for a in result]
+        errors = [result for result in found if isinstance(result, str)]
         if not addresses:
             if self._services is not None:
                 return  # keep the channel we have; stay stale, try later
             self._last_error = "etcd: cannot resolve " + "; ".join(errors)
             raise StoreUnavailable(self._last_error)
         if errors:
-            logger.debug("etcd endpoints not resolved: %s", "; ".join(errors))
-        self._stale = bool(errors)  # look the missing ones up again later
+            # The others serve meanwhile; these are looked up again the next
+            # time every endpoint fails.
+            logger.warning("etcd endpoints not resolved: %s", "; ".join(errors))
+        self._stale = False
         target = grpc_target(addresses)
         if target == self.target:
             return
@@ -165,6 +157,17 @@ class EtcdChannel:
             task = asyncio.create_task(self._close_later(old), name="etcd-channel-retire")
             self._retiring[task] = old
             task.add_done_callback(lambda t: self._retiring.pop(t, None))
+
+    async def _addresses(self, ep: EtcdEndpoint) -> list[tuple[str, int]] | str:
+        """The endpoint's addresses, or why it has none."""
+        if not ep.is_name:
+            return [(ep.host, ep.port)]
+        try:
+            async with asyncio.timeout(self._timeout):
+                found = await self._resolver(ep.host, ep.port)
+        except (OSError, TimeoutError) as exc:
+            return f"{ep}: {exc or 'no answer in time'}"
+        return [(ip, ep.port) for ip in found] or f"{ep}: no address"
 
     async def _close_later(self, channel: Any) -> None:
         # Unary calls and keepalives end within one timeout; a watch still
