@@ -72,9 +72,18 @@ def create_app(settings: Settings) -> GatewayApp:
 
     @app.get("/readyz", tags=["probes"], summary="The state mirror is loaded")
     async def readyz() -> JSONResponse:
+        """200 once the mirror has loaded, even with the store lost since:
+        routing goes on from the mirror (DESIGN invariant 2), and the body
+        says the store is unreachable, why and since when (a Unix time)."""
+        health = gw.store.health()
+        body: dict[str, Any] = {"status": "ready" if gw.ready else "loading"}
         if gw.ready:
-            return JSONResponse({"status": "ready", "revision": gw.mirror.revision})
-        return JSONResponse({"status": "loading"}, status_code=503)
+            body["revision"] = gw.mirror.revision
+        if health.state == "unreachable":
+            body |= {"store": f"unreachable: {health.reason}", "since": health.since}
+        else:
+            body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
+        return JSONResponse(body, status_code=200 if gw.ready else 503)
 
     app.include_router(admin.routes(gw))
     app.include_router(agent.routes(gw))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd import EtcdFixture, EtcdServer, ExternalEtcd
+from tests.support.etcd import EtcdFixture, EtcdServer, ExternalEtcd, throwaway_etcd
 from tests.support.procs import Cluster
 
 
@@ -20,6 +20,15 @@ def etcd_server() -> Iterator[EtcdServer | ExternalEtcd]:
         yield fixture.start()
     finally:
         fixture.stop()
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """An etcd of this test's own, for tests that stop, pause or kill it:
+    doing that to `etcd_server` would break the tests sharing it. Never
+    skipped for LLMGW_TEST_ETCD; under CI=true a missing etcd fails."""
+    with throwaway_etcd(tmp_path) as server:
+        yield server
 
 
 @pytest.fixture

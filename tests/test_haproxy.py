@@ -25,6 +25,10 @@ from tests.support.procs import (
     wait_for,
 )
 
+# The file compose/docker-compose.yml mounts into its balancer (checked by
+# tests/test_compose.py), run here in front of real gateways.
+SHIPPED_CONFIG = ROOT / "compose" / "haproxy.cfg"
+
 
 @pytest.fixture
 def haproxy_bin() -> str:
@@ -41,7 +45,7 @@ def haproxy_bin() -> str:
 def shipped_config(port: int, gateways: list[int]) -> str:
     """compose/haproxy.cfg with loopback addresses instead of compose's names,
     and a log of every answer on stderr."""
-    text = (ROOT / "compose" / "haproxy.cfg").read_text()
+    text = SHIPPED_CONFIG.read_text()
     text = text.replace("bind :8080", f"bind 127.0.0.1:{port}")
     text = text.replace("global\n", "global\n  log stderr format raw local0\n", 1)
     text = text.replace("defaults\n", "defaults\n  log global\n  option httplog\n", 1)

@@ -3,7 +3,8 @@
 Code above the store never asks which one it has, so every behaviour it relies
 on is asserted here for both. A few tests cover what only one store has:
 lease expiry by the embedded store's clock, its durability, and etcd going
-away and coming back.
+away and coming back (on an etcd of the test's own, `own_etcd`: the shared
+one serves every other test).
 """
 
 from __future__ import annotations
@@ -490,15 +491,13 @@ async def test_etcd_prefix_gets_its_slash(
         await sibling.close()
 
 
-async def test_etcd_frozen_calls_time_out(
-    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
-) -> None:
+async def test_etcd_frozen_calls_time_out(own_etcd: EtcdServer, etcd_prefix: str) -> None:
     timeout = 1.0
-    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=timeout)
+    store = await EtcdStore.open([own_etcd.endpoint], etcd_prefix, timeout=timeout)
     try:
         lease = await store.grant(60)
         await store.put("before", b"1")
-        etcd_server.pause()
+        own_etcd.pause()
         try:
             for call in _every_call(store, lease):
                 began = time.monotonic()
@@ -507,7 +506,7 @@ async def test_etcd_frozen_calls_time_out(
                 assert timeout * 0.9 < time.monotonic() - began < timeout * 2
                 assert raised.value.__cause__ is not None
         finally:
-            etcd_server.resume()
+            own_etcd.resume()
         kv = await store.get("before")
         assert kv is not None and kv.value == b"1"
     finally:
@@ -525,11 +524,9 @@ def _every_call(store: Store, lease: int) -> list[Callable[[], Awaitable[object]
     ]
 
 
-async def test_etcd_down_then_back(
-    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
-) -> None:
+async def test_etcd_down_then_back(own_etcd: EtcdServer, etcd_prefix: str) -> None:
     timeout = 1.0
-    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=timeout)
+    store = await EtcdStore.open([own_etcd.endpoint], etcd_prefix, timeout=timeout)
     watcher = None
     try:
         lease = await store.grant(60)
@@ -537,7 +534,7 @@ async def test_etcd_down_then_back(
         watcher = Watcher(store, "", start + 1)
         await asyncio.sleep(0.2)  # the watch is established before etcd goes
 
-        etcd_server.stop()
+        own_etcd.stop()
         for call in _every_call(store, lease):
             began = time.monotonic()
             with pytest.raises(StoreUnavailable) as raised:
@@ -545,7 +542,7 @@ async def test_etcd_down_then_back(
             assert time.monotonic() - began < timeout * 2
             assert raised.value.__cause__ is not None
 
-        etcd_server.start()
+        own_etcd.start()
         # gRPC reconnects with its own backoff; a gateway retries its writes.
         async with asyncio.timeout(15):
             while True:
@@ -564,22 +561,20 @@ async def test_etcd_down_then_back(
 
 
 async def test_etcd_watch_cut_before_its_replay_skips_nothing(
-    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
+    own_etcd: EtcdServer, etcd_prefix: str
 ) -> None:
     """etcd answers a watch from an old revision with "created" (headed with
     the *current* revision) and replays the history up to 100 ms later. etcd
     is killed the moment "created" is read, inside that window: the watch
     must reopen from the start revision, not from the header's, and deliver
     every event once, in order, then go on with the live ones."""
-    if isinstance(etcd_server, ExternalEtcd):
-        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot kill")
-    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=1.0)
+    store = await EtcdStore.open([own_etcd.endpoint], etcd_prefix, timeout=1.0)
     killed = asyncio.Event()
 
     class KillOnCreated(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if not killed.is_set() and "created" in record.getMessage():
-                etcd_server.kill()  # synchronous: nothing more is sent
+                own_etcd.kill()  # synchronous: nothing more is sent
                 killed.set()
 
     etcd_log = logging.getLogger("app.store.etcd")
@@ -597,7 +592,7 @@ async def test_etcd_watch_cut_before_its_replay_skips_nothing(
         etcd_log.removeHandler(handler)
         etcd_log.setLevel(level)
 
-        etcd_server.start()
+        own_etcd.start()
         new: list[int] = []
         async with asyncio.timeout(15):
             for i in range(3, 5):

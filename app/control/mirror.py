@@ -18,7 +18,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from app.control import state as s
-from app.store.base import KeyValue, Store, StoreError, WatchBatch
+from app.store.base import KeyValue, Store, StoreError, StoreUnavailable, WatchBatch
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,10 @@ class Mirror:
                                        batch.revision)
                         break
                 continue  # a gap: re-read at once
+            except StoreUnavailable as exc:
+                # Said once by the store itself when it became unreachable
+                # (its health() shows on /readyz); not once per retry here.
+                logger.debug("mirror lost the store (%s); retrying in %.1f s", exc, backoff)
             except StoreError as exc:
                 logger.warning("mirror lost the store (%s); retrying in %.1f s", exc, backoff)
             except Exception:

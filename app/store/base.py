@@ -25,7 +25,8 @@ class StoreError(Exception):
 
 
 class StoreUnavailable(StoreError):
-    """The store cannot be reached (etcd down, no quorum). Writes answer 503."""
+    """The store cannot serve us now: unreachable (etcd down, no quorum, a name
+    that does not resolve) or refusing (out of space, auth). Writes answer 503."""
 
 
 class LeaseExpired(StoreError):
@@ -118,7 +119,25 @@ class RangeResult:
     revision: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """What the store's own calls last said about reaching it.
+
+    `unknown` until the first call ends; `unreachable` from the first failed
+    call (`since`, wall-clock seconds) until one succeeds, with the latest
+    failure's `reason`.
+    """
+
+    state: Literal["unknown", "reachable", "unreachable"] = "unknown"
+    reason: str = ""
+    since: float | None = None
+
+
 class Store(Protocol):
+    def health(self) -> StoreHealth:
+        """Whether the store answered its last call; never does I/O."""
+        ...
+
     async def get(self, key: str) -> KeyValue | None: ...
 
     async def range(self, prefix: str) -> RangeResult:

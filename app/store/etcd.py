@@ -1,4 +1,5 @@
-"""`EtcdStore`: the store contract over etcd v3, with the etcd3aio client.
+"""`EtcdStore`: the store contract over etcd v3, with etcd3aio's services on a
+channel of our own (app/store/etcd_channel.py: host names, IPv6, re-resolving).
 
 Every key is stored under `prefix` (LLMGW_ETCD_PREFIX) and handed back without
 it, so several installations (or test runs) can share one etcd.
@@ -6,9 +7,10 @@ it, so several installations (or test runs) can share one etcd.
 Errors: etcd3aio retries a unary call on UNAVAILABLE / DEADLINE_EXCEEDED (3
 attempts) and then raises `EtcdConnectionError` / `EtcdTransientError`; its
 `asyncio.timeout` around the retries raises a bare `TimeoutError`; streams and
-every other status come out as raw `grpc.aio.AioRpcError`. All of them become
-`StoreUnavailable` (cause chained) except "lease not found", which is
-`LeaseExpired`, and the rest, which are `StoreError`.
+every other status come out as raw `grpc.aio.AioRpcError`. `translated` makes
+them `LeaseExpired` ("lease not found"), `StoreError` (etcd refused the request
+itself) or `StoreUnavailable` (everything else: a 503). Each call's outcome
+also tells `health()` whether etcd is reachable (app/store/health.py).
 
 Watches run on our own loop over the gRPC Watch stream, not etcd3aio's
 `WatchService.watch`: that one resumes a cut stream from the revision after
@@ -24,20 +26,14 @@ reconnect never skips an event: anything not replayable is reported as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no type information shipped
-from etcd3aio import (
-    Etcd3Client,
-    SortOrder,
-    SortTarget,
-    prefix_range_end,
-)
+from etcd3aio import SortOrder, SortTarget, prefix_range_end
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest
-from etcd3aio.kv import KVService
-from etcd3aio.lease import LeaseService
 
 from app.store.base import (
     Compare,
@@ -47,10 +43,13 @@ from app.store.base import (
     Op,
     RangeResult,
     StoreError,
+    StoreHealth,
     StoreUnavailable,
     TxnResult,
     WatchBatch,
 )
+from app.store.etcd_channel import EtcdChannel, Resolver, Services, getaddrinfo
+from app.store.etcd_endpoints import parse_endpoints
 from app.store.etcd_wire import (
     PB_EVENT_DELETE,
     WATCH_MIN_BACKOFF,
@@ -59,8 +58,10 @@ from app.store.etcd_wire import (
     pb_op,
     translated,
 )
+from app.store.health import HealthTracker
 
 logger = logging.getLogger(__name__)
+
 
 class EtcdStore:
     """The `Store` contract on etcd. No I/O until `connect()`; `open()` does both.
@@ -78,10 +79,11 @@ class EtcdStore:
         timeout: float = 5.0,
         *,
         watch_max_backoff: float = 2.0,
+        resolver: Resolver = getaddrinfo,
+        resolve_interval: float = 1.0,
     ) -> None:
-        if not endpoints:
-            raise ValueError("EtcdStore needs at least one endpoint")
-        self._endpoints = list(endpoints)
+        # Bad input stops the gateway at start, naming the endpoint.
+        self._endpoints = parse_endpoints(endpoints)
         # "/llmgw" would also match "/llmgw2/...": a prefix names a folder.
         self._prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         self._timeout = timeout
@@ -89,8 +91,11 @@ class EtcdStore:
         # that feeds the router should notice a restarted etcd soon; lower
         # costs only a few more connection attempts while etcd is down.
         self._watch_max_backoff = watch_max_backoff
-        self._client: Etcd3Client | None = None
+        self._resolver = resolver
+        self._resolve_interval = resolve_interval
+        self._channel: EtcdChannel | None = None
         self._closed = False
+        self._health = HealthTracker("etcd at " + ",".join(map(str, self._endpoints)))
 
     @classmethod
     async def open(cls, endpoints: Sequence[str], prefix: str, timeout: float = 5.0) -> EtcdStore:
@@ -99,41 +104,51 @@ class EtcdStore:
         return store
 
     async def connect(self) -> None:
-        """Opens the gRPC channel. It connects lazily: a down etcd is reported by
-        the first call, not here, so a gateway can start while etcd restarts."""
-        client = Etcd3Client(self._endpoints)
-        await client.connect()
-        self._client = client
+        """Prepares the channel. Names are resolved and members connected
+        lazily: a down etcd (or a name not resolving yet) is reported by the
+        first call, not here, so a gateway can start while etcd restarts."""
+        self._channel = EtcdChannel(self._endpoints, self._timeout, self._resolver,
+                                    resolve_interval=self._resolve_interval)
         self._closed = False
 
     async def close(self) -> None:
         self._closed = True
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
-    # -- services -------------------------------------------------------------
+    def health(self) -> StoreHealth:
+        return self._health.current()
 
-    @property
-    def _kv(self) -> KVService:
-        if self._client is None or self._client.kv is None:
+    # -- calls ----------------------------------------------------------------
+
+    async def _services(self) -> Services:
+        if self._channel is None:
             raise StoreUnavailable("etcd store is not connected")
-        return self._client.kv
+        return await self._channel.services()
 
-    @property
-    def _lease(self) -> LeaseService:
-        if self._client is None or self._client.lease is None:
-            raise StoreUnavailable("etcd store is not connected")
-        return self._client.lease
+    @contextlib.contextmanager
+    def _calling(self, operation: str) -> Iterator[None]:
+        """`translated`, and what the outcome says about reaching etcd: any
+        answer (even "lease not found") proves it reachable; an unavailable
+        store is reported, and its names are looked up again next time."""
+        try:
+            with translated(operation):
+                yield
+        except StoreUnavailable as exc:
+            self._lost(str(exc))
+            raise
+        except StoreError:
+            self._health.succeeded()
+            raise
+        self._health.succeeded()
 
-    def _open_watch_stream(self) -> Any | None:
-        """A new bidirectional Watch call on the client's channel (None once
-        closed). Only the stub and the token of etcd3aio's WatchService are
-        used: its `watch()` resumes from the wrong revision (module doc)."""
-        service = None if self._client is None else self._client.watch
-        if service is None:
-            return None
-        return service._stub.Watch(metadata=service._metadata or None)
+    def _lost(self, reason: str) -> None:
+        if self._closed:
+            return  # our own close, not an outage
+        self._health.failed(reason)
+        if self._channel is not None:
+            self._channel.failed()
 
     # -- keys -----------------------------------------------------------------
 
@@ -160,14 +175,16 @@ class EtcdStore:
     # -- reads and writes -----------------------------------------------------
 
     async def get(self, key: str) -> KeyValue | None:
-        with translated("get"):
-            resp = await self._kv.get(self._full(key), timeout=self._timeout)
+        with self._calling("get"):
+            kv = (await self._services()).kv
+            resp = await kv.get(self._full(key), timeout=self._timeout)
         return self._key_value(resp.kvs[0]) if resp.kvs else None
 
     async def range(self, prefix: str) -> RangeResult:
         start, end = self._range_bounds(prefix)
-        with translated("range"):
-            resp = await self._kv.get(
+        with self._calling("range"):
+            kv = (await self._services()).kv
+            resp = await kv.get(
                 start,
                 range_end=end,
                 sort_order=SortOrder.ASCEND,
@@ -178,21 +195,24 @@ class EtcdStore:
         return RangeResult(kvs, resp.header.revision)
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        with translated("put"):
-            resp = await self._kv.put(self._full(key), value, lease=lease, timeout=self._timeout)
+        with self._calling("put"):
+            kv = (await self._services()).kv
+            resp = await kv.put(self._full(key), value, lease=lease, timeout=self._timeout)
         return int(resp.header.revision)
 
     async def delete(self, key: str) -> bool:
-        with translated("delete"):
-            resp = await self._kv.delete(self._full(key), timeout=self._timeout)
+        with self._calling("delete"):
+            kv = (await self._services()).kv
+            resp = await kv.delete(self._full(key), timeout=self._timeout)
         return bool(resp.deleted > 0)
 
     async def txn(
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
         pb_compares = [pb_compare(c, self._full(c.key)) for c in compares]
-        with translated("txn"):
-            resp = await self._kv.txn(
+        with self._calling("txn"):
+            kv = (await self._services()).kv
+            resp = await kv.txn(
                 pb_compares,
                 [pb_op(op, self._full(op.key)) for op in success],
                 [pb_op(op, self._full(op.key)) for op in failure],
@@ -203,8 +223,9 @@ class EtcdStore:
     # -- leases ---------------------------------------------------------------
 
     async def grant(self, ttl: int) -> int:
-        with translated("grant"):
-            resp = await self._lease.grant(ttl, timeout=self._timeout)
+        with self._calling("grant"):
+            leases = (await self._services()).lease
+            resp = await leases.grant(ttl, timeout=self._timeout)
         if resp.error:
             raise StoreError(f"etcd grant: {resp.error}")
         return int(resp.ID)
@@ -213,13 +234,13 @@ class EtcdStore:
         """One keepalive on a fresh stream. No background task: the caller (the
         leader election) paces renewals and times the last success itself,
         because a client-side "alive" flag stays true while etcd is down."""
-        call = self._lease.keep_alive(lease)
-        try:
-            with translated("keepalive"):
+        with self._calling("keepalive"):
+            call = (await self._services()).lease.keep_alive(lease)
+            try:
                 async with asyncio.timeout(self._timeout):
                     resp = await call.read()
-        finally:
-            call.cancel()
+            finally:
+                call.cancel()
         if resp is grpc.aio.EOF:
             raise StoreUnavailable("etcd keepalive: stream closed without an answer")
         if resp.TTL <= 0:
@@ -229,8 +250,9 @@ class EtcdStore:
 
     async def revoke(self, lease: int) -> None:
         try:
-            with translated("revoke"):
-                await self._lease.revoke(lease, timeout=self._timeout)
+            with self._calling("revoke"):
+                leases = (await self._services()).lease
+                await leases.revoke(lease, timeout=self._timeout)
         except LeaseExpired:
             pass  # already gone: revoking is idempotent by contract
 
@@ -253,9 +275,14 @@ class EtcdStore:
         next_revision = start_revision
         backoff = WATCH_MIN_BACKOFF
         while not self._closed:
-            call = self._open_watch_stream()
-            if call is None:
-                return
+            try:
+                services = await self._services()
+            except StoreUnavailable as exc:
+                self._lost(str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._watch_max_backoff)
+                continue
+            call = services.watch.Watch()
             compacted = False
             try:
                 await call.write(
@@ -281,6 +308,7 @@ class EtcdStore:
                         )
                         break
                     if resp.created:
+                        self._health.succeeded()
                         logger.debug(
                             "etcd watch on %r created from revision %d (store at %d)",
                             prefix,
@@ -308,7 +336,9 @@ class EtcdStore:
                 code = exc.code()
                 if code not in WATCH_RETRY_CODES:
                     raise StoreError(f"etcd watch: {code.name} {exc.details() or ''}") from exc
-                logger.warning(
+                self._lost(f"etcd watch: {code.name} {exc.details() or ''}")
+                # Debug: the outage itself is logged once, by the health tracker.
+                logger.debug(
                     "etcd watch on %r failed (%s %s); reopening from revision %d in %.2fs",
                     prefix,
                     code.name,
@@ -318,9 +348,13 @@ class EtcdStore:
                 )
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self._closed and (task is None or task.cancelling() == 0):
-                    return  # close() cancelled the call under us, not our reader
-                raise
+                if task is None or task.cancelling() > 0:
+                    raise  # our reader was cancelled
+                if self._closed:
+                    return  # close() closed the channel under the call
+                # The channel was replaced (the names resolved elsewhere) and
+                # its grace period ended: reopen on the new one.
+                logger.debug("etcd watch on %r: its channel was closed; reopening", prefix)
             finally:
                 call.cancel()
             if self._closed:
@@ -349,9 +383,10 @@ class EtcdStore:
         delay = 0.25
         while not self._closed:
             try:
-                with translated("revision"):
+                with self._calling("revision"):
                     start, _ = self._range_bounds("")
-                    resp = await self._kv.get(start, count_only=True, timeout=self._timeout)
+                    kv = (await self._services()).kv
+                    resp = await kv.get(start, count_only=True, timeout=self._timeout)
                 return int(resp.header.revision)
             except StoreUnavailable:
                 logger.warning("etcd unavailable while resyncing a watch; retrying")

@@ -11,7 +11,13 @@ from typing import Any
 # every status other than UNAVAILABLE/DEADLINE_EXCEEDED/UNAUTHENTICATED/
 # PERMISSION_DENIED, so the status code has to be read here.
 import grpc  # type: ignore[import-untyped]
-from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError
+from etcd3aio import (
+    EtcdConnectionError,
+    EtcdError,
+    EtcdPermissionDeniedError,
+    EtcdTransientError,
+    EtcdUnauthenticatedError,
+)
 
 # The protobuf Compare is not re-exported; KVService has builders for value and
 # create revision but none for mod revision, so all three are built here alike.
@@ -23,6 +29,21 @@ from app.store.base import Compare, Delete, LeaseExpired, Op, Put, StoreError, S
 
 UNAVAILABLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# etcd's answers about the request itself (a compacted revision, a request
+# too large): a bug of ours, not an outage, so StoreError. Every other status
+# means the store cannot serve us now, and is StoreUnavailable (a 503, never a
+# 500): UNKNOWN is what gRPC reports for a target it cannot use (a host name
+# in an `ipv4:` target), RESOURCE_EXHAUSTED an etcd out of space, the auth
+# codes an etcd that refuses us.
+REQUEST_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.NOT_FOUND,
+    }
 )
 # A watch stream that fails with one of these is reopened; any other status
 # (permission, bad request) is raised as StoreError to the reader.
@@ -43,7 +64,12 @@ def translated(operation: str) -> Iterator[None]:
     """Turns etcd3aio and gRPC failures into the store's typed errors."""
     try:
         yield
-    except (EtcdConnectionError, EtcdTransientError) as exc:
+    except (
+        EtcdConnectionError,
+        EtcdTransientError,
+        EtcdUnauthenticatedError,
+        EtcdPermissionDeniedError,
+    ) as exc:
         raise StoreUnavailable(f"etcd {operation}: {exc}") from exc
     except TimeoutError as exc:
         raise StoreUnavailable(f"etcd {operation}: no answer in time") from exc
@@ -51,9 +77,12 @@ def translated(operation: str) -> Iterator[None]:
         code, detail = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
             raise LeaseExpired(f"etcd {operation}: {detail}") from exc
-        if code in UNAVAILABLE_CODES:
-            raise StoreUnavailable(f"etcd {operation}: {code.name} {detail}") from exc
-        raise StoreError(f"etcd {operation}: {code.name} {detail}") from exc
+        if code in REQUEST_CODES:
+            raise StoreError(f"etcd {operation}: {code.name} {detail}") from exc
+        raise StoreUnavailable(f"etcd {operation}: {code.name} {detail}") from exc
+    except grpc.aio.UsageError as exc:
+        # A call on a channel closed under it (replaced after re-resolving).
+        raise StoreUnavailable(f"etcd {operation}: {exc}") from exc
     except EtcdError as exc:
         raise StoreError(f"etcd {operation}: {exc}") from exc
 

@@ -4,9 +4,11 @@ Tests talk to a real etcd rather than a fake, so the same contract suite that
 covers the embedded store covers the real thing (see tests/test_store_contract.py).
 
 `LLMGW_TEST_ETCD=host:port` points the tests at an etcd someone else runs
-instead; such an etcd cannot be stopped, so tests that need `stop()` or
-`restart()` skip on it. Without an etcd binary the tests skip, except under
-`CI=true`, where a missing etcd must fail the run rather than hide it.
+instead. Tests that stop, pause or kill etcd never use the session's etcd
+(the `etcd_server` fixture, shared by every other test): they start one of
+their own (`own_etcd`, `throwaway_etcd`), whatever LLMGW_TEST_ETCD says.
+Without an etcd binary the tests skip, except under `CI=true`, where a
+missing etcd must fail the run rather than hide it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests.support.procs import Cluster, GatewayProc
 
 logger = logging.getLogger(__name__)
 
@@ -42,33 +48,36 @@ def find_etcd_binary() -> str | None:
     return "/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     # The port is free now, not reserved: another process could take it
     # before etcd binds. Loopback-only tests make that race rare.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
 class EtcdServer:
-    """One etcd member. `endpoint` is "127.0.0.1:P" for the store's client."""
+    """One etcd member on a loopback `host` ("127.0.0.1" or "::1").
+    `endpoint` is "127.0.0.1:P" (or "[::1]:P") for the store's client."""
 
-    def __init__(self, binary: str, data_dir: Path) -> None:
+    def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1") -> None:
         self.binary = binary
         self.data_dir = data_dir
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port = free_port(host)
+        self.peer_port = free_port(host)
         self.name = f"llmgw-test-{self.client_port}"
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self._host = f"[{host}]" if ":" in host else host
+        self.endpoint = f"{self._host}:{self.client_port}"
         self.external = False
         # Set by EtcdCluster for a member of several; alone, a cluster of one.
-        self.initial_cluster = f"{self.name}=http://127.0.0.1:{self.peer_port}"
+        self.initial_cluster = f"{self.name}=http://{self._host}:{self.peer_port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = data_dir.parent / f"{self.name}.log"
 
     def _command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://{self._host}:{self.client_port}"
+        peer = f"http://{self._host}:{self.peer_port}"
         return [
             self.binary,
             "--name", self.name,
@@ -102,7 +111,7 @@ class EtcdServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        url = f"http://127.0.0.1:{self.client_port}/health"
+        url = f"http://{self.endpoint}/health"
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
@@ -202,29 +211,36 @@ class EtcdCluster:
 
 
 class ExternalEtcd:
-    """An etcd the tests did not start (LLMGW_TEST_ETCD); never stopped by them."""
+    """An etcd the tests did not start (LLMGW_TEST_ETCD); never stopped by them.
+
+    It is the session's shared etcd: a test that stops, pauses or kills etcd
+    takes `own_etcd` instead, so these fail rather than hide such a test."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.external = True
 
+    def _refuse(self, what: str) -> None:
+        pytest.fail(f"a test tried to {what} the shared etcd; use the own_etcd fixture",
+                    pytrace=False)
+
     def stop(self) -> None:
-        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot stop")
+        self._refuse("stop")
 
     def pause(self) -> None:
-        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot pause")
+        self._refuse("pause")
 
     def kill(self) -> None:
-        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot kill")
+        self._refuse("kill")
 
     def resume(self) -> None:
-        pass
+        self._refuse("resume")
 
     def start(self) -> None:
-        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot start")
+        self._refuse("start")
 
     def restart(self) -> None:
-        pytest.skip("LLMGW_TEST_ETCD names an etcd these tests cannot restart")
+        self._refuse("restart")
 
 
 def missing_etcd(reason: str) -> None:
@@ -268,3 +284,31 @@ class EtcdFixture:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+@contextmanager
+def throwaway_etcd(root: Path, host: str = "127.0.0.1") -> Iterator[EtcdServer]:
+    """An etcd of the caller's own under `root`, stopped on exit: for tests
+    that stop, pause or kill it (never the session's shared one)."""
+    server = EtcdServer(etcd_binary(), root / f"etcd-{host.replace(':', '_')}" / "data", host)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def unready_gateway(cluster: Cluster, name: str, **settings: str) -> GatewayProc:
+    """A gateway process on `cluster`'s etcd endpoints, started without
+    waiting for /readyz (Cluster.gateway waits): for etcds it cannot reach."""
+    port = free_port()
+    env = cluster.base_env()
+    env.update({"LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": name,
+                "LLMGW_DATA_DIR": str(cluster.tmp / name),
+                "LLMGW_ETCD_ENDPOINTS": cluster.etcd or "", "LLMGW_ETCD_PREFIX": cluster.prefix})
+    env.update({f"LLMGW_{k.upper()}": v for k, v in settings.items()})
+    gw = GatewayProc(name, ["serve"], env, cluster.tmp / f"{name}.log", port=port,
+                     gateway_id=name)
+    gw.start()
+    cluster.procs.append(gw)
+    return gw
