@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,36 +45,64 @@ def test_discover_runs_nvidia_smi_and_survives_its_failure(
     assert discover("no-such-nvidia-smi") == []
 
 
-def test_vllm_command_line_is_accepted_by_vllms_parser() -> None:
+def recorded_vllm_flags() -> tuple[str, set[str]]:
+    """The `vllm serve` flags recorded from a named vLLM version, which the
+    fake's parser is generated from (tests/fakes/vllm_serve_flags.json)."""
+    data = json.loads((FAKE_BIN.parent / "vllm_serve_flags.json").read_text())
+    return data["vllm_version"], {n for f in data["flags"] for n in f["names"]}
+
+
+def unrecorded_flags(cmd: list[str]) -> list[str]:
+    """Options of `cmd` that the recorded vLLM does not have."""
+    _, known = recorded_vllm_flags()
+    return [a.split("=", 1)[0] for a in cmd
+            if a.startswith("-") and a.split("=", 1)[0] not in known]
+
+
+def test_vllm_command_line_uses_only_recorded_vllm_flags_and_no_key() -> None:
+    version, known = recorded_vllm_flags()
+    assert version == "0.12.0" and "--served-model-name" in known
+    # The check bites: a flag vLLM 0.12 removed is refused.
+    assert unrecorded_flags(["vllm", "serve", "w", "--disable-log-requests"]) == [
+        "--disable-log-requests"]
+
     spec = EngineSpec(replica_id="m-1", model="org/m", weights="acme/weights",
                       engine="vllm", gpus=(2, 3), key="llmgw-" + "k" * 40)
     cmd = command(spec, "127.0.0.1", 8123, str(FAKE_BIN / "vllm"))
     assert cmd[1:3] == ["serve", "acme/weights"]
+    assert unrecorded_flags(cmd) == []
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
-    assert cmd[cmd.index("--api-key") + 1] == spec.key
+    assert not any(spec.key in arg for arg in cmd)  # /proc/PID/cmdline is world-readable
     env = environment(spec)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    # The stand-in parses vLLM's real flags and rejects unknown ones: check
-    # the line without serving (vLLM's `--help` would print, not serve).
+    assert env["VLLM_API_KEY"] == spec.key
+    # The values parse too: the fake's parser, generated from the same record,
+    # checks the line without serving (its error lists only the bogus flag).
     probe = subprocess.run(
         [*cmd, "--bogus-flag"], capture_output=True, text=True, timeout=30,
         env=env | {"FAKE_VLLM_PYTHON": sys.executable},
     )
-    assert probe.returncode == 2 and "--bogus-flag" in probe.stderr
-    assert "unrecognized arguments: --bogus-flag" in probe.stderr  # ours all parsed
+    assert probe.returncode == 2
+    assert "unrecognized arguments: --bogus-flag" in probe.stderr.splitlines()[-1]
 
 
-def test_engine_environment_keeps_our_secrets_out(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llamacpp_gets_its_key_from_the_environment_and_no_interrupts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("LLMGW_SECRET", "s" * 20)
     monkeypatch.setenv("LLMGW_AGENT_TOKEN", "t" * 20)
+    monkeypatch.setenv("PORT", "1")  # llama-cpp-python's uvicorn would take it
     spec = EngineSpec(replica_id="c-1", model="m", weights="/w.gguf", engine="llamacpp",
-                      gpus=(), key="k")
+                      gpus=(), key="llmgw-" + "c" * 40)
     env = environment(spec)
     assert "LLMGW_SECRET" not in env and "LLMGW_AGENT_TOKEN" not in env
-    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "PORT" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["API_KEY"] == spec.key
     cmd = command(spec, "127.0.0.1", 9, "unused")
     assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
     assert cmd[cmd.index("--model_alias") + 1] == "m"
+    assert cmd[cmd.index("--interrupt_requests") + 1] == "False"
+    assert not any(spec.key in arg for arg in cmd)
 
 
 def test_an_engine_is_adopted_only_if_its_pid_still_names_the_same_process(
@@ -98,3 +129,38 @@ def test_an_engine_is_adopted_only_if_its_pid_still_names_the_same_process(
         assert adopted.exit_code() == -1
     finally:
         proc.kill()
+
+
+def test_an_adopted_engine_is_stopped_with_its_group_only_if_it_leads_one(
+    tmp_path: Path,
+) -> None:
+    from app.agent.engines import EngineProcess, start_ticks
+
+    def adopted(proc: subprocess.Popen[bytes]) -> EngineProcess:
+        ticks = start_ticks(proc.pid)
+        assert ticks is not None
+        record = {"replica_id": "r", "model": "m", "weights": "w", "engine": "vllm",
+                  "gpus": [0], "host": "127.0.0.1", "port": 1, "log": str(tmp_path / "l"),
+                  "pid": proc.pid, "ticks": ticks}
+        engine = EngineProcess.adopt(record)
+        assert engine is not None
+        return engine
+
+    # An engine in a session of its own, with a worker: both stop.
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    # One started by an older agent, in our own process group: a group kill
+    # would kill this test; only the engine may go.
+    alone = subprocess.Popen(["sleep", "60"])
+    try:
+        assert leader.stdout is not None
+        worker = int(leader.stdout.readline())
+        asyncio.run(adopted(leader).stop())
+        assert leader.wait(5) is not None
+        assert start_ticks(worker) is None, "the adopted engine's worker outlived its stop"
+        asyncio.run(adopted(alone).stop())
+        assert alone.wait(5) == -signal.SIGTERM
+    finally:
+        for p in (leader, alone):
+            p.kill()
+            p.wait()

@@ -119,7 +119,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Pr
         ["--served-model-name", *NAMES, "--api-key", API_KEY, "-tp", "2",
          "--gpu-memory-utilization", "0.85", "--max-model-len", "8192", "--dtype", "bfloat16",
          "--download-dir", str(workdir), "--trust-remote-code", "--enable-prefix-caching",
-         "--max-num-seqs", "8", "--disable-log-requests", "--uvicorn-log-level", "warning",
+         "--max-num-seqs", "8", "--no-enable-log-requests", "--uvicorn-log-level", "warning",
          "--generation-config", "vllm", "--enforce-eager"],
         _env(CUDA_VISIBLE_DEVICES="3,5"),
     )

@@ -4,13 +4,25 @@ its in-process agent starting llama.cpp on SmolLM2, the openai client."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from tests.support.procs import Cluster, make_key, wait_for
+from app.control.keys import engine_key
+from tests.support.procs import SECRET, Cluster, GatewayProc, engine_pid, make_key, wait_for
+
+# SmolLM2's special tokens: <|endoftext|>, <|im_start|>, <|im_end|> (the
+# chat template's end of turn). Pushed to -100, the model never stops.
+NEVER_STOP = {"0": -100, "1": -100, "2": -100}
 
 
 def smollm2_path() -> Path:
@@ -27,20 +39,27 @@ def smollm2_path() -> Path:
     return found[0]
 
 
-def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
+def serve_smollm2(solo: Cluster) -> tuple[GatewayProc, dict[str, Any]]:
+    """An all-in-one gateway serving SmolLM2 as `smollm2` (alias `small`);
+    returns it and its ready replica."""
     weights = smollm2_path()
     gw = solo.gateway("aio", local_node="cpu-1", local_gpus="0")
-    key = make_key(gw)
     with gw.admin() as admin:
         r = admin.put("/admin/models/smollm2",
                       json={"model": str(weights), "aliases": ["small"], "engine": "llamacpp"})
         assert r.status_code == 201, r.text
 
-    def ready() -> bool:
+    def ready() -> list[dict[str, Any]]:
         reps = gw.admin().get("/admin/replicas").json()
-        return any(r["phase"] == "ready" for r in reps)
+        return [r for r in reps if r["phase"] == "ready"]
 
-    wait_for(ready, 90, "the llama.cpp replica ready", interval=0.5)
+    (rep,) = wait_for(ready, 90, "the llama.cpp replica ready", interval=0.5)
+    return gw, rep
+
+
+def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
+    gw, rep = serve_smollm2(solo)
+    key = make_key(gw)
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
     chat = client.chat.completions.create(
         model="small", max_tokens=16,
@@ -53,3 +72,98 @@ def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
         messages=[{"role": "user", "content": "Count to three."}],
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip()
+
+    # The engine key is in the engine's environment, not its command line;
+    # the engine still refuses a request without it; its log is 0600.
+    pid = engine_pid(rep["url"])
+    ekey = engine_key(SECRET, rep["id"])
+    assert ekey.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert httpx.get(rep["url"] + "/v1/models", timeout=10).status_code == 401
+    models = httpx.get(rep["url"] + "/v1/models", timeout=10,
+                       headers={"Authorization": f"Bearer {ekey}"})
+    assert models.status_code == 200
+    log = solo.tmp / "aio" / "agent" / "logs" / f"{rep['id']}.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+def sse(url: str, key: str, body: dict[str, Any],
+        first: threading.Event | None = None) -> dict[str, Any]:
+    """Streams one chat completion; what arrived, and when."""
+    out: dict[str, Any] = {"status": None, "finish": None, "done": False, "after_done": 0,
+                           "tokens": 0, "t0": time.monotonic()}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue  # blank separators and ": ping" comments
+            if out["done"]:
+                out["after_done"] += 1
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                out["done"] = True
+                continue
+            for choice in json.loads(data).get("choices", []):
+                if choice.get("finish_reason"):
+                    out["finish"] = choice["finish_reason"]
+                if choice.get("delta", {}).get("content"):
+                    out["tokens"] += 1
+                    if first is not None:
+                        first.set()
+    out["seconds"] = time.monotonic() - out["t0"]
+    return out
+
+
+def test_a_long_generation_is_neither_cut_nor_flapped_while_another_stream_waits(
+    solo: Cluster,
+) -> None:
+    gw, _ = serve_smollm2(solo)
+    key = make_key(gw)
+    # Tokens per second here and now, to size a generation of over 30 s
+    # (within the engine's 8192-token context).
+    t0 = time.monotonic()
+    warm = httpx.post(gw.url + "/v1/chat/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "small", "max_tokens": 200, "logit_bias": NEVER_STOP,
+                            "messages": [{"role": "user", "content": "Tell a story."}]})
+    assert warm.status_code == 200, warm.text
+    rate = warm.json()["usage"]["completion_tokens"] / (time.monotonic() - t0)
+    long_tokens = min(8000, int(rate * 34))
+    print(f"llama.cpp here: {rate:.0f} tokens/s; long stream: {long_tokens} tokens")
+
+    phases: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        with gw.admin() as admin:
+            while not stop.is_set():
+                phases.extend(r["phase"] for r in admin.get("/admin/replicas").json())
+                time.sleep(0.25)
+
+    first = threading.Event()
+    long_body = {"model": "smollm2", "stream": True, "max_tokens": long_tokens,
+                 "logit_bias": NEVER_STOP,
+                 "messages": [{"role": "user", "content": "Tell a very long story."}]}
+    short_body = {"model": "small", "stream": True, "max_tokens": 16,
+                  "messages": [{"role": "user", "content": "Say hello."}]}
+    with ThreadPoolExecutor(3) as pool:
+        watcher = pool.submit(watch)
+        try:
+            long = pool.submit(sse, gw.url, key, long_body, first)
+            assert first.wait(60), "the long stream never started"
+            short = pool.submit(sse, gw.url, key, short_body)  # waits for the model's lock
+            results = long.result(timeout=200), short.result(timeout=60)
+        finally:
+            stop.set()
+        watcher.result(timeout=30)
+    long_run, short_run = results
+    print(f"long stream: {long_run['tokens']} tokens in {long_run['seconds']:.1f} s; "
+          f"short stream done after {short_run['seconds']:.1f} s")
+    for run in results:
+        assert run["status"] == 200  # no 503: the replica stayed routable
+        assert run["done"] and run["after_done"] == 0, run  # ends with [DONE]
+    # Neither was cut short: each ends with its reason, the long one at its limit.
+    assert long_run["finish"] == "length" and long_run["tokens"] >= long_tokens - 1, long_run
+    assert short_run["finish"] in ("stop", "length") and short_run["tokens"] > 0, short_run
+    assert long_run["seconds"] >= 30, long_run
+    assert phases and set(phases) == {"ready"}, sorted(set(phases))

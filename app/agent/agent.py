@@ -1,16 +1,16 @@
 """The node agent: reports its node, runs the engines the leader assigns it.
 
-Three one-step methods, each driven by a thin loop in `run()` and directly
-by tests:
+Five one-step methods, each driven by a thin loop in `run()` and directly
+by tests (docs/architecture.md, DESIGN invariant 7):
 - `heartbeat()`: refresh the node's inventory (its lease keeps the node
   alive in the store);
 - `poll(wait)`: long-poll this node's assignments, answered as soon as they
   change; then `converge()` starts and stops engines to match;
-- `observe()`: check each engine (process alive? answering with its key?)
-  and `report()` the phases that changed.
+- `observe()`: check each engine (process alive? answering?) and `report()`
+  the phases that changed.
 
-The agent talks to any gateway; with several it moves to the next one when
-one fails, so a gateway's death costs an agent one failed request.
+The gateway client and the clock are parameters: tests drive an agent with
+an in-memory gateway and a clock they move, against real engine processes.
 """
 
 from __future__ import annotations
@@ -18,98 +18,46 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
 import aiohttp
 
 from app import __version__
+from app.agent import health
 from app.agent.engines import EngineProcess, EngineSpec, free_port
+from app.agent.gateway_client import (
+    GatewayAPI,
+    GatewayClient,
+    GatewayRefused,
+    GatewayUnreachable,
+    advertise_address,
+)
 from app.control.state import Engine, GpuInfo, NodeInfo, Phase, ReplicaStatus
 
 logger = logging.getLogger(__name__)
 
-
-class GatewayUnreachable(Exception):
-    pass
-
-
-def advertise_address(gateway_url: str) -> str:
-    """The local address of this host's route to the gateway.
-
-    A UDP connect sends nothing; it only asks the kernel which source address
-    it would use. On loopback that is 127.0.0.1, as in every test here.
-    """
-    parts = urlsplit(gateway_url)
-    host = parts.hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((host, parts.port or 80))
-            return str(sock.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
-class GatewayClient:
-    """HTTP to the gateways' /agent/v1 API, moving on when one fails."""
-
-    def __init__(self, urls: Sequence[str], node: str, token: str) -> None:
-        if not urls:
-            raise ValueError("at least one gateway URL is needed")
-        self._urls = [u.rstrip("/") for u in urls]
-        self._current = 0
-        self._node = node
-        self._token = token
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self._token}"}
-        )
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    async def call(
-        self, method: str, path: str, *, body: Any = None,
-        params: dict[str, str] | None = None, timeout: float = 10.0,
-    ) -> Any:
-        assert self._session is not None
-        last: Exception | None = None
-        for _ in range(len(self._urls)):
-            url = f"{self._urls[self._current]}/agent/v1/nodes/{self._node}{path}"
-            try:
-                async with self._session.request(
-                    method, url, json=body, params=params,
-                    timeout=aiohttp.ClientTimeout(total=timeout),
-                ) as resp:
-                    if resp.status in (401, 403):
-                        raise PermissionError(
-                            f"gateway refused this agent's token for node {self._node}"
-                        )
-                    if resp.status >= 500:
-                        raise GatewayUnreachable(f"{url} answered {resp.status}")
-                    resp.raise_for_status()
-                    return await resp.json()
-            except (aiohttp.ClientError, TimeoutError, GatewayUnreachable) as exc:
-                last = exc
-                self._current = (self._current + 1) % len(self._urls)
-        raise GatewayUnreachable(f"no gateway answered: {last}")
+Polled = Literal["changed", "unchanged", "stale"]
 
 
 @dataclass
 class _Running:
+    """One assigned replica's engine and what the agent knows of it."""
+
     proc: EngineProcess
     phase: Phase = "starting"
     detail: str = ""
-    failures: int = 0
+    # Clock times of this replica's recent engine deaths (see health.py).
+    deaths: list[float] = field(default_factory=list)
     retry_at: float = 0.0
+    # Crash-looping: left failed, not restarted until its assignment changes.
+    given_up: bool = False
+    # Ready once since it started: liveness probes from then on, not readiness.
+    was_ready: bool = False
+    probe_failures: int = 0
 
 
 @dataclass
@@ -128,16 +76,24 @@ class AgentConfig:
     heartbeat_interval: float = 5.0
     observe_interval: float = 1.0
     poll_wait: float = 25.0
+    # Per probe; a slow answer counts as a failed probe.
+    probe_timeout: float = 2.0
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, cfg: AgentConfig, clock: Callable[[], float] = time.monotonic,
+        client: GatewayAPI | None = None,
+    ) -> None:
         self.cfg = cfg
         self._clock = clock
         self.host = cfg.advertise_host or advertise_address(cfg.gateways[0])
-        self.client = GatewayClient(cfg.gateways, cfg.node, cfg.token)
+        self.client: GatewayAPI = client or GatewayClient(cfg.gateways, cfg.node, cfg.token)
         self.desired: dict[str, EngineSpec] = {}
         self.fingerprint = ""
+        # The store revision of the last assignments applied: an older answer
+        # (a gateway whose watch lags) must never undo a newer one.
+        self.revision = 0
         self.running: dict[str, _Running] = {}
         self._reported: dict[str, tuple[Phase, str, str]] = {}
         self._last_full_report = float("-inf")
@@ -151,7 +107,7 @@ class Agent:
 
     async def start(self) -> None:
         await self.client.start()
-        self._health = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        self._health = aiohttp.ClientSession()
         self.adopt()
 
     # --- engines left by an earlier run ---------------------------------------------
@@ -195,22 +151,30 @@ class Agent:
     # --- steps -------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        answer = await self.client.call("PUT", "", body=self.inventory().model_dump(mode="json"))
+        answer = await self.client.heartbeat(self.inventory().model_dump(mode="json"))
         # The node's key lives `ttl` seconds past each heartbeat: beat at
         # least three times per TTL, whatever the gateways are set to.
         ttl = float(answer.get("ttl") or 0)
         if ttl > 0:
             self.heartbeat_every = min(self.cfg.heartbeat_interval, ttl / 3)
 
-    async def poll(self, wait: float) -> bool:
-        """Fetches the assignments; True when they changed."""
-        answer = await self.client.call(
-            "GET", "/assignments", params={"since": self.fingerprint, "wait": str(wait)},
-            timeout=wait + 10.0,
-        )
+    async def poll(self, wait: float) -> Polled:
+        """Fetches the assignments and takes them unless they are older than
+        the last ones taken. A gateway that cannot answer (unreachable, or a
+        503: its state not loaded) raises, and nothing changes: the agent
+        never converges on a list it did not get."""
+        answer = await self.client.assignments(self.fingerprint, wait)
+        # Missing from gateways older than this agent: 0, taken as before.
+        revision = int(answer.get("revision") or 0)
+        if revision < self.revision:
+            logger.info("ignoring assignments at revision %d, older than the %d applied: "
+                        "that gateway lags; asking the next one", revision, self.revision)
+            self.client.move_on()
+            return "stale"
+        self.revision = revision
         self.synced = True
         if answer["fingerprint"] == self.fingerprint:
-            return False
+            return "unchanged"
         self.fingerprint = answer["fingerprint"]
         self.desired = {
             r["id"]: EngineSpec(
@@ -219,48 +183,64 @@ class Agent:
             )
             for r in answer["replicas"]
         }
-        return True
+        return "changed"
 
     async def converge(self) -> tuple[list[str], list[str]]:
-        """Starts missing engines, stops unwanted ones, restarts failed ones
-        after a backoff. Returns (started, stopped) replica ids."""
+        """Starts missing engines, stops unwanted ones (in parallel), restarts
+        failed ones after a backoff. Returns (started, stopped) replica ids."""
         if not self.synced:
             return [], []
         async with self._converge_lock:
-            started, stopped = [], []
-            for rid in [r for r, e in self.running.items()
-                        if r not in self.desired or not e.proc.runs(self.desired[r])]:
-                await self.running.pop(rid).proc.stop()
+            stopped = [r for r, e in self.running.items()
+                       if r not in self.desired or not e.proc.runs(self.desired[r])]
+            leaving = [self.running.pop(rid).proc for rid in stopped]
+            await asyncio.gather(*(proc.stop() for proc in leaving))
+            for rid in stopped:
                 self._reported.pop(rid, None)
-                stopped.append(rid)
+            started = []
             now = self._clock()
             for rid, spec in self.desired.items():
                 cur = self.running.get(rid)
                 if cur is not None:
                     cur.proc.spec = spec  # an adopted engine learns its key here
-                if cur is not None and (cur.phase != "failed" or now < cur.retry_at):
-                    continue
+                    if cur.phase != "failed" or cur.given_up or now < cur.retry_at:
+                        continue
                 proc = EngineProcess(spec, self.host, free_port(self.host),
                                      self.cfg.work_dir / "logs" / f"{rid}.log")
+                entry = cur or _Running(proc)
+                self.running[rid] = entry
                 try:
                     await proc.start(self.cfg.vllm_bin)
                 except OSError as exc:
-                    entry = cur or _Running(proc)
-                    self._fail(entry, f"could not start {spec.engine}: {exc}")
-                    self.running[rid] = entry
+                    self._died(entry, f"could not start {spec.engine}: {exc}")
                     continue
-                failures = cur.failures if cur else 0
-                self.running[rid] = _Running(proc, failures=failures)
+                if cur is not None:  # a restart: the deaths so far still count
+                    entry.detail = "restarted after: " + (entry.detail.splitlines() or [""])[0]
+                entry.proc, entry.phase, entry.was_ready, entry.probe_failures = (
+                    proc, "starting", False, 0)
                 started.append(rid)
             if started or stopped:
                 self._save()
             return started, stopped
 
-    def _fail(self, entry: _Running, detail: str) -> None:
+    def _died(self, entry: _Running, reason: str) -> None:
+        """Marks the replica failed: restarted after a backoff, or, dying
+        again and again, left failed (health.CRASH_LOOP_*)."""
+        now = self._clock()
+        entry.deaths = [*health.recent(entry.deaths, now), now]
         entry.phase = "failed"
-        entry.detail = detail
-        entry.failures += 1
-        entry.retry_at = self._clock() + min(60.0, 2.0 * 2 ** entry.failures)
+        n, minutes = len(entry.deaths), health.CRASH_LOOP_WINDOW / 60
+        tail = entry.proc.log_tail()
+        if health.crash_looping(entry.deaths):
+            entry.given_up = True
+            entry.detail = (f"{reason}; {n} deaths within {minutes:.0f} min: not restarted "
+                            f"until its assignment changes; last log lines:\n{tail}")
+        else:
+            delay = health.backoff(n)
+            entry.retry_at = now + delay
+            entry.detail = (f"{reason} ({n} of {health.CRASH_LOOP_DEATHS} deaths allowed "
+                            f"within {minutes:.0f} min); restarting in {delay:.0f} s; "
+                            f"last log lines:\n{tail}")
 
     async def observe(self) -> None:
         """Updates each engine's phase from its process and its API."""
@@ -270,23 +250,32 @@ class Agent:
         assert self._health is not None
         if entry.phase == "failed":
             return
-        code = entry.proc.exit_code()
-        if code is not None:
-            self._fail(entry, f"engine exited with code {code}: {entry.proc.log_tail()}")
-            logger.warning("engine of %s exited with code %d", rid, code)
+        proc = entry.proc
+        reason = proc.exit_reason()
+        if reason is not None:
+            proc.clear_group()
+            self._died(entry, f"engine {reason}")
+            log = logger.error if entry.given_up else logger.warning
+            log("engine of %s %s%s", rid, reason,
+                "; it keeps dying: not restarted" if entry.given_up else "")
             return
-        try:
-            async with self._health.get(
-                entry.proc.url + "/v1/models",
-                headers={"Authorization": f"Bearer {entry.proc.spec.key}"},
-            ) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            ok = False
-        if ok and entry.phase != "ready":
-            logger.info("replica %s is ready at %s", rid, entry.proc.url)
-        entry.phase = "ready" if ok else "starting"
-        entry.detail = "" if ok else entry.detail
+        timeout = self.cfg.probe_timeout
+        if not entry.was_ready:
+            if await health.serves_model(self._health, proc.url, proc.spec.key,
+                                         proc.spec.model, timeout):
+                logger.info("replica %s is ready at %s", rid, proc.url)
+                entry.phase, entry.detail, entry.was_ready = "ready", "", True
+                entry.probe_failures = 0
+            return
+        if await health.answers(self._health, proc.url, proc.spec.engine, timeout):
+            entry.probe_failures = 0
+            return
+        entry.probe_failures += 1
+        if entry.probe_failures >= health.LIVENESS_FAILURES:
+            logger.warning("replica %s: %d liveness probes failed in a row; out of routing "
+                           "until it lists its model again", rid, entry.probe_failures)
+            entry.phase, entry.was_ready = "starting", False
+            entry.detail = f"{entry.probe_failures} liveness probes failed in a row"
 
     def statuses(self) -> list[ReplicaStatus]:
         now = time.time()
@@ -298,13 +287,12 @@ class Agent:
 
     async def report(self, full_every: float = 15.0) -> bool:
         """Sends the phases that changed (all of them now and then)."""
-        current = {s.id: (s.phase, s.url, s.detail) for s in self.statuses()}
+        statuses = self.statuses()
+        current = {s.id: (s.phase, s.url, s.detail) for s in statuses}
         full = self._clock() - self._last_full_report >= full_every
         if current == self._reported and not full:
             return False
-        await self.client.call(
-            "PUT", "/status", body={"replicas": [s.model_dump() for s in self.statuses()]}
-        )
+        await self.client.report([s.model_dump() for s in statuses])
         self._reported = current
         if full:
             self._last_full_report = self._clock()
@@ -318,7 +306,7 @@ class Agent:
         while True:
             try:
                 await step()
-            except (GatewayUnreachable, PermissionError) as exc:
+            except (GatewayUnreachable, GatewayRefused, PermissionError) as exc:
                 logger.warning("%s failed: %s", what, exc)
                 await asyncio.sleep(max(every(), 1.0))  # no busy loop on a dead gateway
             except Exception:
@@ -327,7 +315,11 @@ class Agent:
             await asyncio.sleep(every())
 
     async def _poll_step(self) -> None:
-        if await self.poll(self.cfg.poll_wait):
+        polled = await self.poll(self.cfg.poll_wait)
+        if polled == "stale":
+            # A lagging gateway answers at once; do not spin on it.
+            await asyncio.sleep(1.0)
+        elif polled == "changed":
             await self.converge()
             await self.observe()
             await self.report()

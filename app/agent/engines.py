@@ -1,14 +1,21 @@
 """Engine processes: the command line for each engine, and one running engine.
 
 vLLM is started with its real command line (`vllm serve MODEL --port P
---api-key KEY --served-model-name NAME`), llama.cpp through
-llama-cpp-python's OpenAI server (`python -m llama_cpp.server`). Each engine
-demands its replica's key, so a request that did not come through a gateway
-(or a key taken from another node) is refused by the engine itself.
+--served-model-name NAME`), llama.cpp through llama-cpp-python's OpenAI
+server (`python -m llama_cpp.server`). Each engine demands its replica's
+key, so a request that did not come through a gateway (or a key taken from
+another node) is refused by the engine itself.
 
-Not guaranteed: the key is on the engine's command line, as vLLM's
-`--api-key` takes it, so a local user who can read /proc on the node can see
-it. It opens that one replica only.
+The key reaches the engine through its environment (`VLLM_API_KEY`, read by
+vLLM; `API_KEY`, read by llama-cpp-python's settings), never its command
+line: any local user can read /proc/PID/cmdline, only the engine's own user
+(and root) its /proc/PID/environ. Engine logs are 0600 in a 0700 folder.
+
+Each engine runs in a session (and process group) of its own: vLLM with
+tensor parallelism has worker processes, and a stop signals the whole group
+so that no worker outlives its engine holding GPU memory. The agent's own
+signals (a Ctrl-C in its terminal, systemd stopping it with
+KillMode=process) then reach the agent alone, and engines outlive it.
 """
 
 from __future__ import annotations
@@ -27,11 +34,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.agent.health import describe_exit
 from app.control.state import Engine, GpuInfo
 
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
+
+# llama.cpp's context (prompt + answer, in tokens). llama-cpp-python's default,
+# 2048, cuts long answers short; a larger one costs KV-cache memory (for an 8B
+# model about 1 GiB at 8192). 8192 is SmolLM2's and Llama 3's trained length.
+LLAMACPP_N_CTX = 8192
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,6 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
         cmd = [
             vllm_bin, "serve", spec.weights,
             "--host", host, "--port", str(port),
-            "--api-key", spec.key,
             "--served-model-name", spec.model,
         ]
         if len(spec.gpus) > 1:
@@ -68,7 +80,11 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
         sys.executable, "-m", "llama_cpp.server",
         "--model", spec.weights, "--model_alias", spec.model,
         "--host", host, "--port", str(port),
-        "--api_key", spec.key, "--n_threads", str(threads),
+        "--n_threads", str(threads), "--n_ctx", str(LLAMACPP_N_CTX),
+        # By default the server ends a running stream as soon as another
+        # request waits for the model (a second client, or a probe): every
+        # stream but the last would be cut short. Off, requests take turns.
+        "--interrupt_requests", "False",
     ]
 
 
@@ -79,8 +95,14 @@ def environment(spec: EngineSpec) -> dict[str, str]:
         env.pop(name, None)
     if spec.engine == "vllm":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+        env["VLLM_API_KEY"] = spec.key
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # llama-cpp-python reads its settings from the environment too, and
+        # its uvicorn takes HOST and PORT from there over its command line.
+        for name in ("HOST", "PORT", "CONFIG_FILE"):
+            env.pop(name, None)
+        env["API_KEY"] = spec.key
     return env
 
 
@@ -112,6 +134,9 @@ class EngineProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._pid: int | None = None  # set for an adopted engine (not our child)
         self._ticks: int | None = None
+        # Whether the group of a dead engine was cleared: after that its pgid
+        # is never signalled again, as the number may be reused.
+        self._cleared = False
 
     @classmethod
     def adopt(cls, record: dict[str, Any]) -> EngineProcess | None:
@@ -152,13 +177,14 @@ class EngineProcess:
 
     async def start(self, vllm_bin: str) -> None:
         cmd = command(self.spec, self.host, self.port, vllm_bin)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # A local file opened once per engine start: not worth a thread.
-        with open(self.log_path, "ab") as log:  # noqa: ASYNC230
+        fd = open_log(self.log_path)
+        try:
             self._proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                env=environment(self.spec),
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd,
+                env=environment(self.spec), start_new_session=True,
             )
+        finally:
+            os.close(fd)
         self._ticks = start_ticks(self._proc.pid)
         logger.info("started %s engine for %s (pid %d, port %d)",
                     self.spec.engine, self.spec.replica_id, self._proc.pid, self.port)
@@ -171,6 +197,15 @@ class EngineProcess:
             return None
         return -1
 
+    def exit_reason(self) -> str | None:
+        """None while it runs, else how it ended ("killed by SIGILL")."""
+        code = self.exit_code()
+        if code is None:
+            return None
+        if self._proc is None:
+            return "exited (not this agent's child: its exit status is unknown)"
+        return describe_exit(code)
+
     def log_tail(self, lines: int = 5) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -179,42 +214,95 @@ class EngineProcess:
                 tail = deque(f.read().decode(errors="replace").splitlines(), maxlen=lines)
         except OSError:
             return ""
-        # The key is on the command line and could be echoed; never pass it on.
-        return "\n".join(tail).replace(self.spec.key, "***")
+        text = "\n".join(tail)
+        # An engine may echo its settings, the key among them: never pass it on.
+        return text.replace(self.spec.key, "***") if self.spec.key else text
+
+    def clear_group(self) -> None:
+        """SIGKILLs what is left of a dead engine's process group: workers
+        outlive a leader killed by a signal, and hold its GPUs' memory.
+
+        Done once, as soon as the death is seen: a group's number is not
+        reused while a member lives, but once the group is empty it may be.
+        """
+        if self._proc is None or self._proc.returncode is None or self._cleared:
+            return
+        self._cleared = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
 
     async def stop(self) -> None:
+        """SIGTERM to the engine's group, SIGKILL to it after the grace period
+        (or as soon as the engine is gone: what is left is a straggler)."""
         if self._proc is None:
             await self._stop_adopted()
             return
         proc = self._proc
         if proc.returncode is not None:
+            self.clear_group()
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), _STOP_GRACE)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        logger.info("stopped engine for %s", self.spec.replica_id)
+        self._cleared = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        logger.info("stopped engine for %s (%s)", self.spec.replica_id,
+                    describe_exit(proc.returncode or 0))
+
+    def _adopted_group(self) -> int | None:
+        """The adopted engine's group, if it leads one of its own.
+
+        Engines started by an older agent shared the agent's group: signalling
+        that group would kill the agent. Checked while the engine is known to
+        be the very process recorded (pid and start time), so a reused pid
+        never gets a group kill.
+        """
+        assert self._pid is not None
+        try:
+            pgid = os.getpgid(self._pid)
+        except ProcessLookupError:
+            return None
+        return pgid if pgid == self._pid and self.exit_code() is None else None
 
     async def _stop_adopted(self) -> None:
-        """Not our child: signal it and watch /proc until it is gone."""
+        """Not our child: signal it (its group if it leads one) and watch
+        /proc until it is gone."""
         if self._pid is None or self.exit_code() is not None:
             return
+        pid = self._pid
+        group = self._adopted_group()
         loop = asyncio.get_running_loop()
         for sig, grace in ((signal.SIGTERM, _STOP_GRACE), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, sig)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if group is not None:
+                    os.killpg(group, sig)
+                else:
+                    os.kill(pid, sig)
             deadline = loop.time() + grace
             while loop.time() < deadline:
                 if self.exit_code() is not None:
+                    if group is not None:  # stragglers, seen alive 0.1 s ago
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(group, signal.SIGKILL)
                     logger.info("stopped adopted engine for %s", self.spec.replica_id)
                     return
                 await asyncio.sleep(0.1)
         logger.error("adopted engine of %s (pid %d) would not stop",
-                     self.spec.replica_id, self._pid)
+                     self.spec.replica_id, pid)
+
+
+def open_log(path: Path) -> int:
+    """The engine's log, opened for appending: 0600 in a 0700 folder (an
+    engine may log prompts). Modes are set even on ones an older version
+    made wider."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 def resolve_vllm(configured: str) -> str:

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """A stand-in for ``vllm serve`` that needs no GPU.
 
-It accepts vLLM's real command line (``vllm serve MODEL [flags]``), rejects
-flags vLLM does not have (argparse error, exit status 2), and serves the parts
-of vLLM's OpenAI-compatible HTTP API that llmgw talks to:
+It accepts vLLM's real command line (``vllm serve MODEL [flags]``): its
+``serve`` parser is generated from ``vllm_serve_flags.json``, flags recorded
+from a named vLLM version; any other flag is an argparse error (exit status
+2). It serves the parts of vLLM's OpenAI-compatible HTTP API that llmgw talks
+to:
 
 * ``GET /health`` (200, empty body), ``GET /version``, ``GET|POST /ping``
 * ``GET /metrics`` (Prometheus text, vLLM's metric names, live values)
@@ -17,6 +19,17 @@ Environment:
 * ``FAKE_VLLM_TOKEN_DELAY``   seconds to sleep before each generated word (default 0)
 * ``FAKE_VLLM_STARTUP_DELAY`` seconds to wait before binding the port (default 0),
   like vLLM loading weights; ``/health`` is unreachable until then.
+* ``VLLM_API_KEY``            the key ``/v1`` demands when ``--api-key`` is not given,
+  as real vLLM reads it (``args.api_key or envs.VLLM_API_KEY``).
+* ``FAKE_VLLM_DIE_ON_CHAT``   a signal name (``SIGILL``): the engine kills itself with
+  it on each chat completion, like a build for another CPU that passes the
+  health check and dies on its first real request.
+
+With ``--tensor-parallel-size N`` > 1 it starts N-1 idle worker processes, as
+vLLM does, and does not stop them itself (as a vLLM killed by a signal
+cannot): a kill of its process group ends them; else, orphaned, they linger
+30 s (long enough for a test to see them left behind, short enough not to
+leak for long).
 
 What was checked against vLLM's own source (search tool, repository
 vllm-project/vllm, v0.10/v0.11 era):
@@ -119,6 +132,29 @@ def _flexible_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+FLAGS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_serve_flags.json")
+
+
+def recorded_flags() -> dict[str, Any]:
+    """The recorded ``vllm serve`` flags (see vllm_serve_flags.json)."""
+    with open(FLAGS_FILE, encoding="utf-8") as f:
+        return dict(json.load(f))
+
+
+_TYPES: dict[str, dict[str, Any]] = {
+    "str": {"type": str},
+    "int": {"type": int},
+    "float": {"type": float},
+    "str?": {"type": _optional(str)},
+    "int?": {"type": _optional(int)},
+    "human_int?": {"type": _optional(_human_readable_int)},
+    "json?": {"type": _optional(json.loads)},
+    "list": {"nargs": "+", "type": _optional(str)},
+    "bool": {"action": argparse.BooleanOptionalAction},
+    "store_true": {"action": "store_true"},
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: stricter than argparse's default so that a shortened or
     # misspelt flag from our launcher fails here instead of silently matching.
@@ -129,75 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="Start the fake vLLM OpenAI-compatible API server.",
                        allow_abbrev=False)
     s.usage = "vllm serve [model_tag] [options]"
-    bool_flag = argparse.BooleanOptionalAction
-
     s.add_argument("model_tag", nargs="?", default=None, help="The model tag to serve.")
-    s.add_argument("--model", default=None)
-    s.add_argument("--headless", action="store_true", default=False)
-    s.add_argument("--api-server-count", "-asc", type=int, default=None)
-
-    # FrontendArgs
-    s.add_argument("--host", type=_optional(str), default=None)
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--uds", type=_optional(str), default=None)
-    s.add_argument(
-        "--uvicorn-log-level",
-        choices=["critical", "debug", "error", "info", "trace", "warning"],
-        default="info",
-    )
-    s.add_argument("--disable-uvicorn-access-log", action=bool_flag, default=False)
-    s.add_argument("--api-key", nargs="+", type=_optional(str), default=None)
-    s.add_argument("--root-path", type=_optional(str), default=None)
-    s.add_argument("--chat-template", type=_optional(str), default=None)
-    s.add_argument("--response-role", type=str, default="assistant")
-    s.add_argument("--enable-auto-tool-choice", action=bool_flag, default=False)
-    s.add_argument("--tool-call-parser", type=_optional(str), default=None)
-    s.add_argument("--max-log-len", type=_optional(int), default=None)
-    s.add_argument("--enable-request-id-headers", action=bool_flag, default=False)
-    s.add_argument("--disable-fastapi-docs", action=bool_flag, default=False)
-    s.add_argument("--enable-prompt-tokens-details", action=bool_flag, default=False)
-    s.add_argument("--enable-force-include-usage", action=bool_flag, default=False)
-
-    # EngineArgs (ModelConfig / LoadConfig)
-    s.add_argument("--served-model-name", nargs="+", type=str, default=None)
-    s.add_argument("--tokenizer", type=_optional(str), default=None)
-    s.add_argument("--revision", type=_optional(str), default=None)
-    s.add_argument("--trust-remote-code", action=bool_flag, default=False)
-    s.add_argument("--download-dir", type=_optional(str), default=None)
-    s.add_argument("--load-format", type=str, default="auto")
-    s.add_argument(
-        "--dtype",
-        choices=["auto", "bfloat16", "float", "float16", "float32", "half"],
-        default="auto",
-    )
-    s.add_argument("--kv-cache-dtype", type=str, default="auto")
-    s.add_argument("--seed", type=_optional(int), default=None)
-    s.add_argument("--max-model-len", type=_optional(_human_readable_int), default=None)
-    s.add_argument("--quantization", type=_optional(str), default=None)
-    s.add_argument("--enforce-eager", action=bool_flag, default=False)
-    s.add_argument("--generation-config", type=str, default="auto")
-    s.add_argument("--override-generation-config", type=_optional(json.loads), default=None)
-    # ParallelConfig
-    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    s.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    s.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    s.add_argument("--distributed-executor-backend", type=_optional(str), default=None)
-    # CacheConfig
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--block-size", type=_optional(int), default=None)
-    s.add_argument("--swap-space", type=float, default=4)
-    s.add_argument("--enable-prefix-caching", action=bool_flag, default=None)
-    # SchedulerConfig
-    s.add_argument("--max-num-seqs", type=_optional(int), default=None)
-    s.add_argument(
-        "--max-num-batched-tokens", type=_optional(_human_readable_int), default=None
-    )
-    s.add_argument("--enable-chunked-prefill", action=bool_flag, default=None)
-    # Other
-    s.add_argument("--disable-log-stats", action="store_true", default=False)
-    s.add_argument("--enable-log-requests", action=bool_flag, default=False)
-    # DEPRECATED in vLLM 0.10/0.11 ("will be removed in v0.12.0"); still accepted there.
-    s.add_argument("--disable-log-requests", action=bool_flag, default=None)
+    for flag in recorded_flags()["flags"]:
+        kind = flag["type"]
+        kwargs = ({"choices": flag["choices"]} if kind == "choice" else dict(_TYPES[kind]))
+        s.add_argument(*flag["names"], default=flag["default"], **kwargs)
     return parser
 
 
@@ -335,6 +307,35 @@ def _log(msg: str, level: str = "INFO") -> None:
           flush=True)
 
 
+def _die(name: str) -> None:
+    """Dies by signal `name`, as a crashing engine would (no core file)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _log(f"FAKE_VLLM_DIE_ON_CHAT={name}: dying by it", "ERROR")
+    sig = signal.Signals[name]
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+
+
+def _start_workers(count: int) -> list[int]:
+    """Idle stand-ins for vLLM's tensor-parallel workers, never stopped by
+    this process (a vLLM killed by a signal leaves its workers behind)."""
+    import subprocess
+
+    code = ("import os, time\n"
+            "parent = os.getppid()\n"
+            "while os.getppid() == parent:\n"
+            "    time.sleep(0.2)\n"
+            "time.sleep(30)\n")
+    pids = []
+    for rank in range(1, count):
+        worker = subprocess.Popen([sys.executable, "-c", code, f"fake-vllm-worker-{rank}"],
+                                  stdin=subprocess.DEVNULL)
+        pids.append(worker.pid)
+    return pids
+
+
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.json_response(body, status=status)
@@ -358,7 +359,9 @@ class FakeVLLM:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.names: list[str] = list(args.served_model_name)
-        self.api_keys: list[str] = [k for k in (args.api_key or []) if k]
+        # vLLM: `args.api_key or envs.VLLM_API_KEY`.
+        keys = args.api_key or [os.environ.get("VLLM_API_KEY", "")]
+        self.api_keys: list[str] = [k for k in keys if k]
         self.token_delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0") or 0)
         self.stats = Stats(self.names[0], args.max_num_seqs, args.max_model_len)
         self.slots = asyncio.Semaphore(args.max_num_seqs)
@@ -510,6 +513,9 @@ class FakeVLLM:
         await resp.write(f"data: {data}\n\n".encode())
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        die = os.environ.get("FAKE_VLLM_DIE_ON_CHAT", "")
+        if die:
+            _die(die)
         start = time.monotonic()
         body, err = await self._parse(request)
         if err is not None:
@@ -655,9 +661,6 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    if args.disable_log_requests is not None:
-        _log("--disable-log-requests is deprecated (vLLM 0.10/0.11) and removed in "
-             "vLLM 0.12; use --enable-log-requests / --no-enable-log-requests", "WARNING")
     _log(f"non-default args: model={args.model!r} served_model_name={args.served_model_name} "
          f"tensor_parallel_size={args.tensor_parallel_size} "
          f"gpu_memory_utilization={args.gpu_memory_utilization} "
@@ -674,6 +677,8 @@ async def serve(args: argparse.Namespace) -> int:
         except TimeoutError:
             pass
 
+    if args.tensor_parallel_size > 1:
+        _log(f"started tensor-parallel workers: {_start_workers(args.tensor_parallel_size)}")
     fake = FakeVLLM(args)
     runner = web.AppRunner(fake.make_app(), access_log=None, handle_signals=False,
                            shutdown_timeout=0.2)

@@ -1,8 +1,9 @@
 """Real gateway and agent processes for tests, as an operator would run them.
 
 Each process runs `python -m app.cli ...` in its own session so that a test
-can SIGKILL or SIGTERM it, and teardown kills whatever it left (engines
-included: they share the agent's process group).
+can SIGKILL or SIGTERM it, and teardown kills whatever it left. Engines run in
+sessions of their own (app/agent/engines.py): they are found by a tag in
+their environment, inherited from the agent or gateway that started them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+TAG = "TESTS_PROC_TAG"
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILLs every process whose environment holds `tag` (NAME=VALUE)."""
+    needle = tag.encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -56,10 +75,16 @@ class Proc:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
 
+    @property
+    def tag(self) -> str:
+        """In the environment of this process and of every engine it starts."""
+        return f"{TAG}={self.log}"
+
     def start(self) -> Proc:
+        env = self.env | dict([self.tag.split("=", 1)])
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", *self.args], cwd=ROOT, env=self.env,
+                [sys.executable, "-m", "app.cli", *self.args], cwd=ROOT, env=env,
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
@@ -69,7 +94,8 @@ class Proc:
         assert self.popen is not None
         with contextlib.suppress(ProcessLookupError):
             if sig == signal.SIGKILL:
-                os.killpg(self.popen.pid, sig)  # engines too, as a node crash would
+                os.killpg(self.popen.pid, sig)
+                kill_tagged(self.tag)  # engines too, as a node crash would
             else:
                 self.popen.send_signal(sig)
 
@@ -88,6 +114,7 @@ class Proc:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
+        kill_tagged(self.tag)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
 
