@@ -53,30 +53,45 @@ class Publisher:
         statuses = m.statuses()
         nodes = m.nodes()
         endpoints: dict[str, list[Endpoint]] = {}
+        # Why each model's other replicas are not routable, for the 503 a
+        # client gets when none is (kept only for models without endpoints).
+        why: dict[str, list[str]] = {}
         for rid, rep in sorted(m.replicas().items()):
             st = statuses.get(rid)
-            if rep.draining_since is not None or st is None or st.phase != "ready":
+            if rep.model not in models or rep.draining_since is not None:
                 continue
             if rep.node not in nodes:
                 # Not heard from (its agent or the node is down, or a restart
                 # dropped its key): the leader keeps the replica for a grace
                 # period, but its last "ready" is no promise.
-                continue
-            if rep.model in models:
+                why.setdefault(rep.model, []).append(
+                    f"replica {rid}: node {rep.node} not heard from")
+            elif st is None or st.phase != "ready":
+                phase = s.replica_phase(rep, st)
+                detail = f": {st.detail}" if st is not None and st.detail else ""
+                why.setdefault(rep.model, []).append(
+                    f"replica {rid} is {phase} on {rep.node}{detail}")
+            else:
                 endpoints.setdefault(rep.model, []).append(
                     Endpoint(rid, st.url, engine_key(self._secret, rid)))
+        unavailable = {
+            name: "; ".join(why.get(name, ["no replica is placed yet"]))
+            for name in models if name not in endpoints
+        }
         grants = {
             digest: KeyGrant(rec.id, rec.name, frozenset(rec.models))
             for digest, rec in m.client_keys().items()
         }
         ep_view = tuple((k, tuple(v)) for k, v in sorted(endpoints.items()))
-        fingerprint = (catalog, ep_view, tuple(sorted(grants.items())))
+        fingerprint = (catalog, ep_view, tuple(sorted(grants.items())),
+                       tuple(sorted(unavailable.items())))
         if fingerprint == self._last:
             return False
         self._last = fingerprint
         self._table.set_catalog(catalog)
         self._table.set_endpoints(endpoints)
         self._table.set_client_keys(grants)
+        self._table.set_unavailable(unavailable)
         logger.debug("published %d models, %d endpoints",
                      len(catalog), sum(len(v) for v in endpoints.values()))
         return True

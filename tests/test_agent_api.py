@@ -66,7 +66,7 @@ def _inventory(node: str, address: str = "127.0.0.1") -> dict[str, Any]:
 async def test_two_admins_racing_for_one_alias_cannot_both_win(
     etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
 ) -> None:
-    async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, ca), (b, cb)]:
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, ca), (_, cb)]:
         for round_ in range(5):
             alias = f"shared-{round_}"
             # Both decide on a catalog in which the alias is free, then write.

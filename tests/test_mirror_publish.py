@@ -80,12 +80,20 @@ async def test_publisher_routes_only_ready_non_draining_replicas(store: Embedded
         rep = s.Replica(id="m-1", model="m", node="n", gpus=[0], weights="w")
         await write(s.REPLICAS + "m-1", rep)
         assert table.endpoints("m") == ()
+        assert table.unavailable("m") == "replica m-1 is pending on n"
         await write(s.STATUS + "m-1", s.ReplicaStatus(id="m-1", node="n", phase="starting",
                                                      url="http://127.0.0.1:9"))
         assert table.endpoints("m") == ()
+        # The 503 a client gets says why: the agent's detail, as reported.
+        await write(s.STATUS + "m-1", s.ReplicaStatus(
+            id="m-1", node="n", phase="failed", url="http://127.0.0.1:9",
+            detail="engine killed by SIGILL, 3 times in 600 s"))
+        assert table.unavailable("m") == (
+            "replica m-1 is failed on n: engine killed by SIGILL, 3 times in 600 s")
         await write(s.STATUS + "m-1", s.ReplicaStatus(id="m-1", node="n", phase="ready",
                                                      url="http://127.0.0.1:9"))
         (ep,) = table.endpoints("m")
+        assert table.unavailable("m") is None
         assert ep.url == "http://127.0.0.1:9" and ep.key == engine_key(SECRET, "m-1")
         assert ep.key not in repr(ep)
         await write(s.REPLICAS + "m-1", rep.model_copy(update={"draining_since": 1.0}))
@@ -169,3 +177,22 @@ async def test_wait_past_wakes_on_a_later_change_and_times_out_without_one(
         assert not await mirror.wait_past(mirror.revision, 0.2)  # nothing new: times out
     finally:
         await mirror.stop()
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3])
+async def test_a_waiter_cancelled_as_the_mirror_moves_is_cancelled(steps: int) -> None:
+    """Stopping a gateway cancels loops parked in `wait_past`. A cancellation
+    that lands just as the mirror wakes them must still cancel: one swallowed
+    left the reconciler looping for ever and `Gateway.stop()` hanging."""
+    mirror = Mirror(None)  # type: ignore[arg-type]  # apply() touches no store
+    waiter = asyncio.create_task(mirror.wait_past(0, 5))
+    await asyncio.sleep(0)  # parked on the mirror's event
+    mirror.apply(WatchBatch([Event("put", "a", b"1", 1, create_revision=1)], 1))
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    if waiter.cancel():  # still parked: the cancellation must win
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    else:  # it had already seen the change
+        assert waiter.result() is True
+    assert steps > 0 or waiter.cancelled()

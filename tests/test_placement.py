@@ -94,6 +94,10 @@ def test_changed_spec_replaces_the_replica() -> None:
     p = run_plan([model("m")], [gpu_node("n1", 2)], {"r1": rep})
     assert p.drain == ["r1"]
     assert [(r.node, r.gpus) for r in p.create] == [("n1", [1])]
+    # A new revision of the same weights is a change too, and carried to the replica.
+    same = rep.model_copy(update={"weights": "org/m"})
+    p = run_plan([model("m", revision="v2")], [gpu_node("n1", 2)], {"r1": same})
+    assert p.drain == ["r1"] and [r.weights_revision for r in p.create] == ["v2"]
 
 
 def test_steady_state_plans_nothing() -> None:

@@ -180,6 +180,7 @@ class Agent:
             r["id"]: EngineSpec(
                 replica_id=r["id"], model=r["model"], weights=r["weights"],
                 engine=r["engine"], gpus=tuple(r["gpus"]), key=r["key"],
+                weights_revision=r.get("weights_revision"),
             )
             for r in answer["replicas"]
         }

@@ -57,6 +57,7 @@ class EngineSpec:
     engine: Engine
     gpus: tuple[int, ...]
     key: str
+    weights_revision: str | None = None  # a hub branch, tag or commit (vLLM's --revision)
 
 
 def free_port(host: str) -> int:
@@ -72,6 +73,8 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
             "--host", host, "--port", str(port),
             "--served-model-name", spec.model,
         ]
+        if spec.weights_revision:
+            cmd += ["--revision", spec.weights_revision]
         if len(spec.gpus) > 1:
             cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
         return cmd
@@ -150,7 +153,8 @@ class EngineProcess:
             return None
         spec = EngineSpec(replica_id=record["replica_id"], model=record["model"],
                           weights=record["weights"], engine=record["engine"],
-                          gpus=tuple(record["gpus"]), key="")
+                          gpus=tuple(record["gpus"]), key="",
+                          weights_revision=record.get("weights_revision"))
         proc = cls(spec, record["host"], int(record["port"]), Path(record["log"]))
         proc._pid, proc._ticks = pid, ticks
         return proc
@@ -158,14 +162,16 @@ class EngineProcess:
     def record(self) -> dict[str, Any]:
         """What a later run of the agent needs to adopt this engine (no key)."""
         return {"replica_id": self.spec.replica_id, "model": self.spec.model,
-                "weights": self.spec.weights, "engine": self.spec.engine,
+                "weights": self.spec.weights, "weights_revision": self.spec.weights_revision,
+                "engine": self.spec.engine,
                 "gpus": list(self.spec.gpus), "host": self.host, "port": self.port,
                 "log": str(self.log_path), "pid": self.pid, "ticks": self._ticks}
 
     def runs(self, spec: EngineSpec) -> bool:
         """Whether this engine serves `spec` (keys aside)."""
-        return (self.spec.model, self.spec.weights, self.spec.engine, self.spec.gpus) == (
-            spec.model, spec.weights, spec.engine, spec.gpus)
+        mine, theirs = self.spec, spec
+        return (mine.model, mine.weights, mine.weights_revision, mine.engine, mine.gpus) == (
+            theirs.model, theirs.weights, theirs.weights_revision, theirs.engine, theirs.gpus)
 
     @property
     def url(self) -> str:

@@ -137,8 +137,13 @@ class Mirror:
             if left <= 0:
                 return False
             event = self._changed  # taken with the check above: no await between
+            # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns
+            # the result of an inner wait that completed as the caller was
+            # cancelled, and the cancellation is lost (the reconciler then
+            # looped on, and a gateway's stop never ended).
             try:
-                await asyncio.wait_for(event.wait(), left)
+                async with asyncio.timeout(left):
+                    await event.wait()
             except TimeoutError:
                 break
         return self.revision > revision

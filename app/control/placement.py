@@ -106,7 +106,8 @@ class Plan:
 
 def _matches(spec: s.StoredModel, r: s.Replica) -> bool:
     """Whether replica `r` still runs what the spec asks for."""
-    return (r.weights, r.engine, len(r.gpus)) == (spec.model, spec.engine, spec.gpus)
+    return (r.weights, r.weights_revision, r.engine, len(r.gpus)) == (
+        spec.model, spec.revision, spec.engine, spec.gpus)
 
 
 def plan(
@@ -167,6 +168,7 @@ def plan(
             rep = s.Replica(
                 id=replica_id(name, new_suffix()), model=name, node=fit.node,
                 gpus=fit.gpus, engine=spec.engine, weights=spec.model,
+                weights_revision=spec.revision,
             )
             live[rep.id] = rep
             out.create.append(rep)

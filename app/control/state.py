@@ -205,6 +205,8 @@ class Replica(_Stored):
     gpus: list[int] = Field(default_factory=list)
     engine: Engine = "vllm"
     weights: str
+    # The hub revision of the weights (the spec's `revision`), None for the default.
+    weights_revision: str | None = None
     # Set when the leader decides to remove it: routers drop it at once, the
     # engine is stopped only after the drain period (DESIGN invariant 3).
     draining_since: float | None = None
