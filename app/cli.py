@@ -14,7 +14,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.control.keys import node_token
+from app.control.state import check_name
 from app.settings import Settings
+
+
+def _node_name(value: str) -> str:
+    """argparse type: node names follow the rule of model names (state.py)."""
+    try:
+        return check_name(value, "node name")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _logging(level: str) -> None:
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = sub.add_parser("agent", help="run a node agent")
     ap.add_argument("--gateway", required=True, help="gateway URL(s), comma-separated")
-    ap.add_argument("--node", required=True)
+    ap.add_argument("--node", required=True, type=_node_name)
     ap.add_argument("--gpus", type=int, default=None,
                     help="declare N GPUs instead of discovering them")
     ap.add_argument("--advertise-host", default=None,
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     cp = sub.add_parser("ctl", help="operator commands")
     csub = cp.add_subparsers(dest="ctl", required=True)
     nt = csub.add_parser("node-token", help="print the agent token for a node")
-    nt.add_argument("node")
+    nt.add_argument("node", type=_node_name)
     cp.set_defaults(func=ctl)
 
     args = p.parse_args(argv)

@@ -96,7 +96,8 @@ def test_admin_errors_are_problem_json(gw: GatewayProc) -> None:
     m1 = httpx.get(gw.url + "/admin/models/m1", headers=auth).json()
     assert m1["aliases"] == ["a1"]
     # No node to run it: any gateway can say why (placement is pure).
-    assert m1["status"] == {"wanted": 1, "replicas": 0, "ready": 0, "unplaced": "no nodes"}
+    assert m1["status"] == {"wanted": 1, "replicas": 0, "ready": 0, "failed": [],
+                           "unplaced": "no nodes"}
 
 
 def test_keys_are_shown_once_and_stored_hashed(gw: GatewayProc, solo: Cluster) -> None:

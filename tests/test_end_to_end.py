@@ -39,7 +39,8 @@ def test_vllm_replica_serves_through_every_gateway(
     assert rep["url"].startswith("http://127.0.0.1:")
     with gws[0].admin() as admin:
         status = admin.get("/admin/models/tiny-chat").json()["status"]
-    assert status == {"wanted": 1, "replicas": 1, "ready": 1, "unplaced": None}
+    assert status == {"wanted": 1, "replicas": 1, "ready": 1, "failed": [],
+                      "unplaced": None}
 
     for gw in gws:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)

@@ -43,7 +43,9 @@ def serve_smollm2(solo: Cluster) -> tuple[GatewayProc, dict[str, Any]]:
     """An all-in-one gateway serving SmolLM2 as `smollm2` (alias `small`);
     returns it and its ready replica."""
     weights = smollm2_path()
-    gw = solo.gateway("aio", local_node="cpu-1", local_gpus="0")
+    # A path must lie under a model root: the folder the package ships it in.
+    gw = solo.gateway("aio", local_node="cpu-1", local_gpus="0",
+                      model_roots=str(weights.parent))
     with gw.admin() as admin:
         r = admin.put("/admin/models/smollm2",
                       json={"model": str(weights), "aliases": ["small"], "engine": "llamacpp"})
