@@ -17,6 +17,7 @@ import logging
 from app.control import state as s
 from app.control.keys import engine_key
 from app.control.mirror import Mirror
+from app.control.placement import NoFit, place
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,13 @@ class Publisher:
         # Coalesce a burst of changes (a resync, a transaction) into one publish.
         self._scheduled = True
         asyncio.get_running_loop().call_soon(self.publish)
+
+    def _unplaced(self, name: str, spec: s.StoredModel, nodes: dict[str, s.NodeInfo]) -> str:
+        """Why a model has no replica at all: placement is a pure function of
+        the mirrored state, so this gateway can say what the leader sees."""
+        fit = place(name, spec, nodes, self._mirror.replicas())
+        return f"no replica is placed: {fit}" if isinstance(fit, NoFit) else (
+            "no replica is placed yet")
 
     def publish(self) -> bool:
         """Rebuilds the router's tables; False when nothing it serves changed."""
@@ -75,7 +83,7 @@ class Publisher:
                 endpoints.setdefault(rep.model, []).append(
                     Endpoint(rid, st.url, engine_key(self._secret, rid)))
         unavailable = {
-            name: "; ".join(why.get(name, ["no replica is placed yet"]))
+            name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints
         }
         grants = {

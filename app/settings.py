@@ -130,6 +130,18 @@ class Settings(BaseSettings):
                 raise ValueError("must be at least 16 characters and not a placeholder")
         return v
 
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints_shape(cls, v: str) -> str:
+        # Checked here too (the store parses them again), so a typo stops
+        # `llmgw serve` with one line naming the endpoint, not a traceback.
+        from app.store.etcd_endpoints import parse_endpoint
+
+        for part in v.split(","):
+            if part.strip():
+                parse_endpoint(part)
+        return v
+
     @field_validator("etcd_prefix")
     @classmethod
     def _prefix_shape(cls, v: str) -> str:

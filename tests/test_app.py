@@ -67,3 +67,22 @@ def test_settings_refuse_weak_or_missing_secrets(tmp_path: Path) -> None:
     again = Settings(data_dir=tmp_path)
     again.ensure_local_secrets()
     assert again.secret == s.secret  # kept across restarts
+
+
+def test_the_cli_refuses_bad_endpoints_and_node_names_in_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env |= {"LLMGW_ETCD_ENDPOINTS": "etcd1,etcd2:2379", "LLMGW_SECRET": "s" * 20,
+            "LLMGW_ADMIN_TOKEN": "a" * 20, "LLMGW_DATA_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "serve"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "llmgw: invalid setting etcd_endpoints: Value error, etcd endpoint 'etcd1': no port "
+        "(want host:port, e.g. etcd1:2379, 10.0.0.5:2379 or [::1]:2379)"]
+    r = subprocess.run([sys.executable, "-m", "app.cli", "ctl", "node-token", "--", "-n1"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "node name '-n1'" in r.stderr and not r.stdout

@@ -76,6 +76,7 @@ async def test_publisher_routes_only_ready_non_draining_replicas(store: Embedded
     try:
         await write(s.MODELS + "m", s.StoredModel(name="m", model="w", aliases=["al"]))
         assert table.resolve("al") == "m" and table.resolve("m") == "m"
+        assert table.unavailable("m") == "no replica is placed: no nodes"
         await write(s.NODES + "n", s.NodeInfo(name="n", gpus=[s.GpuInfo(index=0)]))
         rep = s.Replica(id="m-1", model="m", node="n", gpus=[0], weights="w")
         await write(s.REPLICAS + "m-1", rep)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.control import state as s
-from app.store.base import Compare, LeaseExpired, Put, Store, StoreError
+from app.store.base import Compare, LeaseExpired, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,11 @@ class Elector:
             logger.warning("gateway %s lost its lease; starting over", self._gateway.id)
             self.lease = 0
             self._leader_revision = 0
+        except StoreUnavailable as exc:
+            # Said once by the store when it became unreachable; not every
+            # election interval here. is_leader lapses on its own with time.
+            logger.debug("election step failed: %s", exc)
         except StoreError as exc:
-            # Cannot prove anything: is_leader lapses on its own with time.
             logger.warning("election step failed: %s", exc)
         now = self.is_leader
         if now != was:

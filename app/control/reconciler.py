@@ -24,7 +24,7 @@ from app.control import state as s
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
 from app.control.placement import Plan, plan
-from app.store.base import Compare, Delete, Put, Store, StoreError
+from app.store.base import Compare, Delete, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,8 @@ class Reconciler:
             seen = self._mirror.revision
             try:
                 await self.tick()
+            except StoreUnavailable as exc:
+                logger.debug("reconcile pass failed: %s", exc)  # the store says so once
             except StoreError as exc:
                 logger.warning("reconcile pass failed: %s", exc)
             except Exception:
