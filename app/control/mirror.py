@@ -186,7 +186,7 @@ class Mirror:
             logger.warning("ignoring unreadable %s", key)
             return None
 
-    # Typed views of the state table in DESIGN.md.
+    # Typed views of the state table in docs/architecture.md.
     def models(self) -> dict[str, s.StoredModel]:
         return self.parsed(s.MODELS, s.StoredModel)
 

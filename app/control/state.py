@@ -1,6 +1,6 @@
 """The shared state: key layout and the JSON shapes stored under each key.
 
-This is the vocabulary of DESIGN.md's "State in etcd" table. Keys are
+This is the vocabulary of docs/architecture.md's "State" table. Keys are
 relative to the store prefix. Values are JSON; unknown fields are ignored on
 read so that an older gateway survives a newer one's writes during an
 upgrade.

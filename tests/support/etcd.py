@@ -35,7 +35,7 @@ from tests.support.procs import Cluster, GatewayProc
 logger = logging.getLogger(__name__)
 
 # A single member on loopback is healthy in under a second (restart on an
-# existing data dir: under 2 s, see shared/FINDINGS.md); 10 s leaves room
+# existing data dir: under 2 s, measured on 2 cores); 10 s leaves room
 # for a loaded CI machine without letting a broken etcd stall the suite.
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
