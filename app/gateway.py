@@ -102,7 +102,7 @@ class Gateway:
         if st.catalog_file is not None:
             await self._seed(catalog.load_file(st.catalog_file, st.model_root_list))
         self._mirror = Mirror(self._store)
-        Publisher(self._mirror, self.table, self.secret)
+        publisher = Publisher(self._mirror, self.table, self.secret)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()
@@ -116,6 +116,7 @@ class Gateway:
         self._tasks += [
             asyncio.create_task(self._elect(), name="election"),
             asyncio.create_task(reconciler.run(), name="reconciler"),
+            asyncio.create_task(publisher.run(st.publish_interval), name="publisher"),
         ]
         if st.local_agent:
             self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")

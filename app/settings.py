@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     # it through /admin then). Checked at start: a bad file stops the gateway,
     # naming the model and field.
     catalog_file: Path | None = None
+    # Seconds between republishes of the router's tables when nothing
+    # changes: the backstop that picks up a rotated external provider key
+    # (read from its api_key_file at each publish). Shorter: a rotated key is
+    # used sooner, for a pass over the mirrored replicas each time.
+    publish_interval: float = Field(10.0, gt=0)
 
     # The operator's own vLLM executable: used as it is, never installed over.
     # Empty: `vllm` on PATH, and only on nodes with GPUs.
