@@ -12,11 +12,13 @@ Pure except `load_file` (reads the file) and `seed` (one transaction).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ValidationError
@@ -79,6 +81,58 @@ def refused_engine_arg(engine: s.Engine, arg: str) -> str | None:
     return None
 
 
+# Hosts that answer instance metadata (and with it cloud credentials) from
+# inside a VM: an external model's URL must never point a gateway at them.
+_METADATA_HOSTS = frozenset({
+    "metadata.google.internal", "metadata.goog", "metadata", "instance-data",
+    "instance-data.ec2.internal", "metadata.azure.com", "metadata.platformequinix.com",
+})
+_METADATA_IPS = frozenset(ipaddress.ip_address(a) for a in (
+    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "192.0.0.192", "168.63.129.16"))
+
+
+def check_external_url(value: str) -> str:
+    """An external provider's address: http(s), no credentials, no query, never
+    link-local or a cloud metadata service.
+
+    Not guaranteed: a host name that resolves to such an address is not
+    caught here (names are not resolved at validation time).
+    """
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # raises on a port that is not a number in 0-65535
+    except ValueError as exc:
+        raise ValueError(f"url {value!r} cannot be parsed: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"url {value!r} must be http:// or https://")
+    host = (parts.hostname or "").rstrip(".").lower()
+    if not host:
+        raise ValueError(f"url {value!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("url must not hold credentials: give the key in api_key_file")
+    if parts.query or parts.fragment:
+        raise ValueError(f"url {value!r} must have no query or fragment")
+    if host in _METADATA_HOSTS:
+        raise ValueError(f"url host {host!r} is a cloud metadata service")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        for a in (ip, mapped):
+            if a is not None and (a in _METADATA_IPS or a.is_link_local
+                                  or a.is_multicast or a.is_unspecified):
+                raise ValueError(
+                    f"url host {host} is link-local, multicast, unspecified or a cloud "
+                    "metadata address")
+    if parts.path.rstrip("/").endswith("/v1"):
+        raise ValueError(
+            f"url {value!r} ends in /v1: give the provider's address without it "
+            "(requests go to URL/v1/chat/completions and the like)")
+    return value
+
+
 def under_roots(path: str, roots: Sequence[str]) -> bool:
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 
@@ -109,6 +163,10 @@ def check_spec(spec: s.ModelSpec, model_roots: Sequence[str]) -> list[FieldError
     """Every rule across `spec`'s fields it breaks, each naming its field."""
     out: list[FieldError] = []
     if spec.external is not None:
+        try:
+            check_external_url(spec.external.url)
+        except ValueError as exc:
+            out.append(FieldError(("external", "url"), str(exc)))
         for f in _NOT_EXTERNAL:
             if getattr(spec, f) is not None:
                 out.append(FieldError((f,), "an external model is served by its provider, "

@@ -12,7 +12,6 @@ import ipaddress
 import posixpath
 import re
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -169,63 +168,12 @@ class Profile(BaseModel):
         return 1 if self.engine == "vllm" else 0
 
 
-# Hosts that answer instance metadata (and with it cloud credentials) from
-# inside a VM: an external model's URL must never point a gateway at them.
-_METADATA_HOSTS = frozenset({
-    "metadata.google.internal", "metadata.goog", "metadata", "instance-data",
-    "instance-data.ec2.internal", "metadata.azure.com", "metadata.platformequinix.com",
-})
-_METADATA_IPS = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "192.0.0.192", "168.63.129.16"))
-
-
-def check_external_url(value: str) -> str:
-    """An external provider's address: http(s), no credentials, no query, never
-    link-local or a cloud metadata service.
-
-    Not guaranteed: a host name that resolves to such an address is not
-    caught here (names are not resolved at validation time).
-    """
-    try:
-        parts = urlsplit(value)
-        _ = parts.port  # raises on a port that is not a number in 0-65535
-    except ValueError as exc:
-        raise ValueError(f"url {value!r} cannot be parsed: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"url {value!r} must be http:// or https://")
-    host = (parts.hostname or "").rstrip(".").lower()
-    if not host:
-        raise ValueError(f"url {value!r} has no host")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError("url must not hold credentials: give the key in api_key_file")
-    if parts.query or parts.fragment:
-        raise ValueError(f"url {value!r} must have no query or fragment")
-    if host in _METADATA_HOSTS:
-        raise ValueError(f"url host {host!r} is a cloud metadata service")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        ip = None
-    if ip is not None:
-        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-        for a in (ip, mapped):
-            if a is not None and (a in _METADATA_IPS or a.is_link_local
-                                  or a.is_multicast or a.is_unspecified):
-                raise ValueError(
-                    f"url host {host} is link-local, multicast, unspecified or a cloud "
-                    "metadata address")
-    if parts.path.rstrip("/").endswith("/v1"):
-        raise ValueError(
-            f"url {value!r} ends in /v1: give the provider's address without it "
-            "(requests go to URL/v1/chat/completions and the like)")
-    return value
-
-
 class External(BaseModel):
     """A model served by a provider outside the fleet."""
 
     model_config = ConfigDict(extra="forbid")
 
+    # Checked by app/control/catalog.py: http(s), never link-local or metadata.
     url: str = Field(..., max_length=2048,
                      description="the provider's address; requests go to URL/v1/...")
     model: str = Field(..., min_length=1, max_length=256, pattern=r"^[^\x00-\x20\x7f]+$",
@@ -234,11 +182,6 @@ class External(BaseModel):
         default=None, max_length=512,
         description="absolute path, on every gateway, of a file holding the provider's key; "
                     "read at each publish, so a rotated key is used without a restart")
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        return check_external_url(v)
 
     @field_validator("api_key_file")
     @classmethod
