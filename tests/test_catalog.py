@@ -281,6 +281,24 @@ async def test_two_gateways_starting_together_seed_once(
         await asyncio.gather(*(g.stop() for g in gateways))
 
 
+async def test_an_unreachable_store_defers_the_seed_and_exports_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump({"models": {"m": {"model": "org/m"}}}))
+    # Nothing listens on this port: the store never answers.
+    app = create_app(settings(tmp_path, "blind", etcd_endpoints="127.0.0.1:9",
+                              etcd_timeout=0.3, catalog_file=path))
+    gw: Gateway = app.state.gateway
+    await gw.start()  # serves meanwhile; the seed is retried in the background
+    try:
+        assert any(t.get_name() == "catalog-seed" and not t.done() for t in gw._tasks)
+        async with client(app) as c:
+            r = await c.get("/admin/catalog")
+            # Not an empty catalog, which saved as a file would seed nothing.
+            assert r.status_code == 503 and r.json()["title"] == "State not loaded", r.text
+    finally:
+        await gw.stop()
+
+
 def test_a_bad_catalog_file_stops_the_gateway_naming_the_field(tmp_path: Path) -> None:
     path = tmp_path / "catalog.yaml"
     path.write_text(yaml.safe_dump({"models": {

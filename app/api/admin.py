@@ -120,6 +120,11 @@ def routes(gw: Gateway) -> APIRouter:
     async def export_catalog(request: Request) -> Response:
         """The catalog in LLMGW_CATALOG_FILE's form: YAML if asked for
         (Accept: application/yaml), else JSON."""
+        if not gw.ready:
+            # An empty export saved as a file would seed an empty catalog
+            # (DESIGN invariant 9: answer only from state you have).
+            raise Problem(503, "State not loaded",
+                          "this gateway has not loaded the catalog yet; ask another")
         body = catalog.export(gw.mirror.models())
         accept = request.headers.get("accept", "")
         if any(t in accept for t in ("application/yaml", "application/x-yaml", "text/yaml")):
