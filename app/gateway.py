@@ -20,6 +20,7 @@ from app import __version__
 from app.agent.agent import Agent, AgentConfig
 from app.agent.engines import available_engines, resolve_vllm
 from app.agent.gpus import declared, discover
+from app.control import catalog
 from app.control import state as s
 from app.control.keys import hash_client_key, node_token
 from app.control.leader import Elector
@@ -30,7 +31,7 @@ from app.publish import Publisher
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.settings import Settings
-from app.store.base import Store
+from app.store.base import Store, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,10 @@ class Gateway:
     async def start(self) -> None:
         st = self.settings
         self._store = await self._store_factory(st)
+        if st.catalog_file is not None:
+            await self._seed(catalog.load_file(st.catalog_file, st.model_root_list))
         self._mirror = Mirror(self._store)
-        Publisher(self._mirror, self.table, self.secret)
+        publisher = Publisher(self._mirror, self.table, self.secret)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()
@@ -110,15 +113,37 @@ class Gateway:
                                 drain_seconds=st.drain_seconds, interval=st.reconcile_interval,
                                 node_grace=st.node_grace)
         await self.proxy.start()
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self._elect(), name="election"),
             asyncio.create_task(reconciler.run(), name="reconciler"),
+            asyncio.create_task(publisher.run(st.publish_interval), name="publisher"),
         ]
         if st.local_agent:
             self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")
             self._tasks.append(self._agent_task)
         logger.info("gateway %s started (%s store)", st.gateway_id,
                     "etcd" if st.uses_etcd else "embedded")
+
+    async def _seed(self, models: dict[str, s.ModelSpec], retry: float = 0.0) -> None:
+        """Seeds the catalog from LLMGW_CATALOG_FILE if the store has none.
+
+        Tried once before the mirror loads, so that its first load has the
+        catalog; with the store unreachable, retried in the background (the
+        gateway serves meanwhile, as it would without a file)."""
+        if retry:
+            await asyncio.sleep(retry)
+        try:
+            done = await catalog.seed(self.store, models, self.settings.gateway_id, time.time())
+        except StoreUnavailable as exc:
+            logger.debug("catalog seed deferred, store unavailable: %s", exc)
+            self._tasks.append(asyncio.create_task(
+                self._seed(models, retry=min(max(2 * retry, 0.5), 10.0)), name="catalog-seed"))
+            return
+        if done:
+            logger.info("seeded the catalog with %d models from %s (gateway %s)", len(models),
+                        self.settings.catalog_file, self.settings.gateway_id)
+        else:
+            logger.info("catalog already in the store: %s not used", self.settings.catalog_file)
 
     async def _elect(self) -> None:
         while True:

@@ -100,7 +100,7 @@ class _FleetCollector(Collector):
         wanted = GaugeMetricFamily("llmgw_replicas_wanted", "replicas.min of each model",
                                    labels=["model"])
         for name, spec in sorted(models.items()):
-            wanted.add_metric([name], spec.replicas.min)
+            wanted.add_metric([name], spec.replica_range.min)
 
         nodes = mirror.nodes()
         gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports",

@@ -7,12 +7,18 @@ module, like main.py, is wiring.
 
 An unchanged endpoint list is not republished (its fingerprint is kept), so
 a heartbeat or a status rewrite costs the router nothing.
+
+External models become one endpoint each, at the provider's URL with the
+provider's key, read from its file at every publish: `run()` publishes
+every `interval` seconds besides on changes, so a key rotated on disk is
+used within that long, without a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from app.control import state as s
 from app.control.keys import engine_key
@@ -33,7 +39,39 @@ class Publisher:
         self._secret = secret
         self._scheduled = False
         self._last: tuple[object, ...] = ()
+        # Why each external model's key could not be read, as last logged.
+        self._key_errors: dict[str, str] = {}
         mirror.subscribe(self._on_change)
+
+    async def run(self, interval: float) -> None:
+        """Publishes every `interval` seconds: the backstop that picks up a
+        rotated provider key, which no store change announces."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.publish()
+            except Exception:
+                logger.exception("publish failed")
+
+    def _provider_key(self, name: str, ext: s.External) -> str | None:
+        """The provider's key from its file ("" without a file), None if it
+        cannot be read. A few bytes from a local file: read on the loop."""
+        if ext.api_key_file is None:
+            return ""
+        try:
+            key = Path(ext.api_key_file).read_text().strip()
+            error = "" if key else "it is empty"
+        except OSError as exc:
+            key, error = "", exc.strerror or type(exc).__name__
+        if error != self._key_errors.get(name, ""):
+            if error:
+                logger.warning("external model %s not offered: its key file %s cannot be "
+                               "used: %s", name, ext.api_key_file, error)
+            else:
+                logger.info("external model %s: key file %s readable again",
+                            name, ext.api_key_file)
+        self._key_errors[name] = error
+        return None if error else key
 
     def _on_change(self, keys: set[str]) -> None:
         if self._scheduled or not any(k.startswith(_RELEVANT) for k in keys):
@@ -82,6 +120,18 @@ class Publisher:
             else:
                 endpoints.setdefault(rep.model, []).append(
                     Endpoint(rid, st.url, engine_key(self._secret, rid)))
+        for name, spec in sorted(models.items()):
+            ext = spec.external
+            if ext is None:
+                continue
+            key = self._provider_key(name, ext)
+            if key is None:
+                why[name] = [f"the key file of external model '{name}' cannot be read"]
+                continue
+            endpoints[name] = [Endpoint(f"external:{name}", ext.url.rstrip("/"), key,
+                                        upstream_model=ext.model)]
+        for gone in set(self._key_errors) - set(models):
+            del self._key_errors[gone]
         unavailable = {
             name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints

@@ -12,8 +12,10 @@ import secrets
 import socket
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.control.catalog import load_file
 
 # Values a careless copy of an example file would leave in place.
 _PLACEHOLDERS = {"changeme", "change-me", "secret", "changethis", "password", "xxx"}
@@ -116,6 +118,17 @@ class Settings(BaseSettings):
     # /etc or another tenant's weights. Add the folders your nodes keep
     # weights in; hub ids ("org/name") need none.
     model_roots: str = "/models,/var/lib/llmgw/models"
+    # A catalog ({"models": {name: spec}}, YAML or JSON, the form
+    # GET /admin/catalog exports) written to the store by the first gateway
+    # to start while the store has no catalog; ignored once it has one (edit
+    # it through /admin then). Checked at start: a bad file stops the gateway,
+    # naming the model and field.
+    catalog_file: Path | None = None
+    # Seconds between republishes of the router's tables when nothing
+    # changes: the backstop that picks up a rotated external provider key
+    # (read from its api_key_file at each publish). Shorter: a rotated key is
+    # used sooner, for a pass over the mirrored replicas each time.
+    publish_interval: float = Field(10.0, gt=0)
 
     # The operator's own vLLM executable: used as it is, never installed over.
     # Empty: `vllm` on PATH, and only on nodes with GPUs.
@@ -140,6 +153,14 @@ class Settings(BaseSettings):
         for part in v.split(","):
             if part.strip():
                 parse_endpoint(part)
+        return v
+
+    @field_validator("catalog_file")
+    @classmethod
+    def _catalog_file(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        if v is not None:
+            roots = _root_list(info.data.get("model_roots", ""))
+            load_file(v, roots)  # raises CatalogError (a ValueError) naming each field
         return v
 
     @field_validator("etcd_prefix")
@@ -170,7 +191,7 @@ class Settings(BaseSettings):
 
     @property
     def model_root_list(self) -> list[str]:
-        return [r.strip().rstrip("/") or "/" for r in self.model_roots.split(",") if r.strip()]
+        return _root_list(self.model_roots)
 
     @property
     def endpoints(self) -> list[str]:
@@ -186,6 +207,10 @@ class Settings(BaseSettings):
             self.secret = SecretStr(_load_or_create(self.data_dir / "secret"))
         if self.admin_token is None:
             self.admin_token = SecretStr(_load_or_create(self.data_dir / "admin-token"))
+
+
+def _root_list(roots: str) -> list[str]:
+    return [r.strip().rstrip("/") or "/" for r in roots.split(",") if r.strip()]
 
 
 def _load_or_create(path: Path) -> str:

@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+import yaml
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
+from app.control import catalog
 from app.control import state as s
 from app.control.keys import hash_client_key, new_client_key
 from app.control.placement import NoFit, place
@@ -91,12 +93,17 @@ def routes(gw: Gateway) -> APIRouter:
                   for r in mine if (st := statuses.get(r.id)) is not None
                   and s.replica_phase(r, st) == "failed"]
         unplaced = None
-        if len(mine) < model.replicas.min:
+        wanted = model.replica_range.min
+        if len(mine) < wanted:
             fit = place(model.name, model, gw.mirror.nodes(), replicas)
             unplaced = str(fit) if isinstance(fit, NoFit) else None
-        return model.model_dump() | {"status": {
-            "wanted": model.replicas.min, "replicas": len(mine), "ready": ready,
+        return stored_view(model) | {"status": {
+            "wanted": wanted, "replicas": len(mine), "ready": ready,
             "failed": failed, "unplaced": unplaced}}
+
+    def stored_view(model: s.StoredModel) -> dict[str, Any]:
+        """The spec as given (fields left out stay out), its name and creation."""
+        return {"name": model.name, "created": model.created} | model.spec_dump()
 
     @r.get("/models")
     async def list_models() -> list[dict[str, Any]]:
@@ -109,16 +116,28 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
         return with_status(model)
 
-    def check_roots(spec: s.ModelSpec) -> None:
-        if not spec.model.startswith("/"):
-            return
-        roots = gw.settings.model_root_list
-        if not any(spec.model == root or spec.model.startswith(root.rstrip("/") + "/")
-                   for root in roots):
-            msg = (f"{spec.model!r} is not under a model root ({', '.join(roots)}); "
-                   "set LLMGW_MODEL_ROOTS on the gateways to allow another folder")
-            raise Problem(422, "Invalid request body", msg,
-                          errors=[{"loc": ["body", "model"], "msg": msg, "type": "value_error"}])
+    @r.get("/catalog", responses={200: {"content": {"application/yaml": {}}}})
+    async def export_catalog(request: Request) -> Response:
+        """The catalog in LLMGW_CATALOG_FILE's form: YAML if asked for
+        (Accept: application/yaml), else JSON."""
+        if not gw.ready:
+            # An empty export saved as a file would seed an empty catalog
+            # (DESIGN invariant 9: answer only from state you have).
+            raise Problem(503, "State not loaded",
+                          "this gateway has not loaded the catalog yet; ask another")
+        body = catalog.export(gw.mirror.models())
+        accept = request.headers.get("accept", "")
+        if any(t in accept for t in ("application/yaml", "application/x-yaml", "text/yaml")):
+            return Response(yaml.safe_dump(body, sort_keys=False),
+                            media_type="application/yaml")
+        return Response(json.dumps(body, indent=2), media_type="application/json")
+
+    def check_spec(spec: s.ModelSpec) -> None:
+        errors = catalog.check_spec(spec, gw.settings.model_root_list)
+        if errors:
+            raise Problem(422, "Invalid request body", "; ".join(
+                f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors),
+                errors=[e.as_dict(("body",)) for e in errors])
 
     async def write_catalog(decide: Callable[[], list[Op]]) -> int:
         """Applies a catalog change decided on the mirror's catalog, conditioned
@@ -140,13 +159,14 @@ def routes(gw: Gateway) -> APIRouter:
             await settle(current.mod_revision if current is not None else res.revision)
         raise Problem(409, "Catalog busy", "the catalog kept changing under this request; retry")
 
-    @r.put("/models/{name:path}")
-    async def put_model(name: str, spec: s.ModelSpec, response: Response) -> s.StoredModel:
+    @r.put("/models/{name:path}", response_model=s.StoredModel,
+           response_model_exclude_none=True, response_model_exclude_unset=True)
+    async def put_model(name: str, spec: s.ModelSpec, response: Response) -> dict[str, Any]:
         try:
             s.check_name(name, "model name")
         except ValueError as exc:
             raise Problem(400, "Invalid model name", str(exc)) from None
-        check_roots(spec)
+        check_spec(spec)
         result: dict[str, Any] = {}
 
         def decide() -> list[Op]:
@@ -160,13 +180,13 @@ def routes(gw: Gateway) -> APIRouter:
                                   f"{ident!r} already names model {owner!r}")
             existed = name in models
             created = models[name].created if existed else time.time()
-            stored = s.StoredModel(name=name, created=created, **spec.model_dump())
-            result.update(stored=stored, existed=existed)
-            return [Put(s.MODELS + name, stored.model_dump_json().encode())]
+            value = catalog.stored_value(name, created, spec)
+            result.update(stored=json.loads(value), existed=existed)
+            return [Put(s.MODELS + name, value)]
 
         await write_catalog(decide)
         response.status_code = 200 if result["existed"] else 201
-        stored: s.StoredModel = result["stored"]
+        stored: dict[str, Any] = result["stored"]
         return stored
 
     @r.delete("/models/{name:path}", status_code=204)

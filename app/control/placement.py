@@ -45,7 +45,15 @@ def place(
     nodes: Mapping[str, s.NodeInfo],
     replicas: Mapping[str, s.Replica],
 ) -> Fit | NoFit:
-    """Picks a node (and GPUs) for one more replica of `name`."""
+    """Picks a node (and GPUs) for one more replica of `name`.
+
+    It runs the spec's first profile; choosing among profiles comes with
+    placement by priority and pool. An external model has none: never placed.
+    """
+    profiles = spec.profile_list
+    if not profiles:
+        return NoFit({})
+    prof = profiles[0]
     used = used_gpus(replicas)
     same_model: dict[str, int] = {}
     total: dict[str, int] = {}
@@ -57,10 +65,10 @@ def place(
     reasons: dict[str, str] = {}
     candidates: list[tuple[tuple[int, int, int, str], Fit]] = []
     for node in nodes.values():
-        if spec.engine not in node.engines:
-            reasons[node.name] = f"engine {spec.engine} not available"
+        if prof.engine not in node.engines:
+            reasons[node.name] = f"engine {prof.engine} not available"
             continue
-        if spec.engine == "llamacpp":
+        if prof.engine == "llamacpp":
             if not node.cpu_only:
                 reasons[node.name] = "llamacpp replicas go to CPU nodes"
                 continue
@@ -68,12 +76,12 @@ def place(
             free = 0
         else:
             free_ids = [g.index for g in node.gpus if g.index not in used.get(node.name, set())]
-            if len(free_ids) < spec.gpus:
+            if len(free_ids) < prof.gpu_count:
                 reasons[node.name] = (
-                    f"needs {spec.gpus} free GPUs, has {len(free_ids)} of {len(node.gpus)}"
+                    f"needs {prof.gpu_count} free GPUs, has {len(free_ids)} of {len(node.gpus)}"
                 )
                 continue
-            fit = Fit(node.name, sorted(free_ids)[: spec.gpus])
+            fit = Fit(node.name, sorted(free_ids)[: prof.gpu_count])
             free = len(free_ids)
         # Spread replicas of one model first, then fill the emptiest node, so
         # that losing a node loses as few replicas of any model as possible.
@@ -105,9 +113,14 @@ class Plan:
 
 
 def _matches(spec: s.StoredModel, r: s.Replica) -> bool:
-    """Whether replica `r` still runs what the spec asks for."""
-    return (r.weights, r.weights_revision, r.engine, len(r.gpus)) == (
-        spec.model, spec.revision, spec.engine, spec.gpus)
+    """Whether replica `r` still runs what the spec asks for (its first
+    profile's engine, GPUs and flags; not the profile's name, whose renaming
+    must not restart an engine). A model turned external has no replicas."""
+    if not spec.profile_list:
+        return False
+    prof = spec.profile_list[0]
+    return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
+        spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_args)
 
 
 def plan(
@@ -154,7 +167,10 @@ def plan(
             rid for rid, r in live.items()
             if r.model == name and r.draining_since is None and rid not in draining
         )
-        want = spec.replicas.min
+        if spec.model is None or not spec.profile_list:
+            continue  # external: served by its provider, nothing to place
+        prof = spec.profile_list[0]
+        want = spec.replica_range.min
         # Surplus: drop the newest first (ids sort by suffix, which is random,
         # so this is stable rather than meaningful; load-aware choice comes
         # with autoscaling).
@@ -167,8 +183,9 @@ def plan(
                 break
             rep = s.Replica(
                 id=replica_id(name, new_suffix()), model=name, node=fit.node,
-                gpus=fit.gpus, engine=spec.engine, weights=spec.model,
-                weights_revision=spec.revision,
+                gpus=fit.gpus, engine=prof.engine, weights=spec.model,
+                weights_revision=spec.revision, profile=prof.name,
+                engine_args=list(prof.engine_args),
             )
             live[rep.id] = rep
             out.create.append(rep)

@@ -22,8 +22,12 @@ REASON_MAX = 300
 class Endpoint:
     replica_id: str
     url: str
-    # The engine key this replica demands; never logged.
+    # The engine key this replica demands (an external model's: the
+    # provider's key); never logged.
     key: str = field(repr=False)
+    # The model name to send upstream instead of the catalog name: an
+    # external model's name at its provider. Empty: the catalog name.
+    upstream_model: str = ""
 
 
 @dataclass(frozen=True, slots=True)

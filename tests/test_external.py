@@ -1,0 +1,153 @@
+"""External models: published to the router at the provider's URL with the
+provider's key, read from its file at each publish."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from app.control import state as s
+from app.control.mirror import Mirror
+from app.gateway import Gateway
+from app.main import create_app
+from app.publish import Publisher
+from app.router.table import Endpoint, RouteTable
+from app.settings import Settings
+from app.store.embedded import EmbeddedStore
+from tests.support.procs import free_port
+
+ADMIN = "external-test-admin-token-0123"
+SECRET = "external-test-secret-0123456789"
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[EmbeddedStore]:
+    st = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
+    yield st
+    await st.close()
+
+
+async def test_the_provider_key_is_read_at_each_publish(
+    store: EmbeddedStore, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    key_file = tmp_path / "provider.key"
+    key_file.write_text("sk-provider-one\n")
+    mirror = Mirror(store)
+    table = RouteTable()
+    publisher = Publisher(mirror, table, SECRET)
+    mirror.start()
+    try:
+        spec = s.StoredModel(name="remote", aliases=["gpt"], external=s.External(
+            url="https://llm.example.com/", model="gpt-x", api_key_file=str(key_file)))
+        assert await mirror.wait_for(
+            await store.put(s.MODELS + "remote", spec.model_dump_json().encode()), 2)
+        publisher.publish()
+        assert table.resolve("gpt") == "remote"
+        assert table.endpoints("remote") == (Endpoint(
+            "external:remote", "https://llm.example.com", "sk-provider-one",
+            upstream_model="gpt-x"),)
+        assert not publisher.publish()  # nothing changed: not republished
+
+        # Rotated on disk: the next publish uses it, no store change needed.
+        key_file.write_text("sk-provider-two")
+        assert publisher.publish()
+        assert [e.key for e in table.endpoints("remote")] == ["sk-provider-two"]
+
+        # Unreadable: not offered, and the 503 says why; logged once.
+        caplog.set_level(logging.INFO, logger="app.publish")
+        key_file.unlink()
+        assert publisher.publish()
+        publisher.publish()
+        assert table.endpoints("remote") == ()
+        assert "key file of external model 'remote' cannot be read" in (
+            table.unavailable("remote") or "")
+        assert len([r for r in caplog.records if "not offered" in r.getMessage()]) == 1
+        key_file.write_text("sk-provider-three")
+        assert publisher.publish()
+        assert [e.key for e in table.endpoints("remote")] == ["sk-provider-three"]
+        assert "sk-provider" not in caplog.text
+    finally:
+        await mirror.stop()
+
+
+async def test_the_periodic_publish_picks_up_a_rotated_key(
+    store: EmbeddedStore, tmp_path: Path,
+) -> None:
+    key_file = tmp_path / "provider.key"
+    key_file.write_text("sk-one")
+    mirror = Mirror(store)
+    table = RouteTable()
+    publisher = Publisher(mirror, table, SECRET)
+    mirror.start()
+    runner = asyncio.create_task(publisher.run(0.05))
+    try:
+        spec = s.StoredModel(name="remote", external=s.External(
+            url="http://127.0.0.1:9", model="m", api_key_file=str(key_file)))
+        await store.put(s.MODELS + "remote", spec.model_dump_json().encode())
+
+        async def key_is(value: str) -> None:
+            for _ in range(100):
+                if [e.key for e in table.endpoints("remote")] == [value]:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"key {value!r} never published: {table.endpoints('remote')}")
+
+        await key_is("sk-one")
+        key_file.write_text("sk-two")
+        await key_is("sk-two")
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await mirror.stop()
+
+
+async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key(
+    tmp_path: Path,
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append({"path": request.path, "auth": request.headers.get("Authorization"),
+                     "body": await request.json()})
+        return web.json_response({"id": "c1", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"},
+             "finish_reason": "stop"}]})
+
+    provider = web.Application()
+    provider.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(provider)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    key_file = tmp_path / "provider.key"
+    key_file.write_text("sk-provider-key\n")
+    app = create_app(Settings(data_dir=tmp_path / "gw", admin_token=ADMIN, secret=SECRET,
+                              local_agent=False))
+    gw: Gateway = app.state.gateway
+    await gw.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as c:
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            r = await c.put("/admin/models/remote", headers=admin, json={
+                "aliases": ["gpt"], "external": {"url": f"http://127.0.0.1:{port}",
+                                                 "model": "gpt-x",
+                                                 "api_key_file": str(key_file)}})
+            assert r.status_code == 201, r.text
+            key = (await c.post("/admin/keys", headers=admin, json={"name": "t"})).json()["key"]
+            r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"model": "gpt", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == "hi"
+        assert [(x["path"], x["auth"]) for x in seen] == [
+            ("/v1/chat/completions", "Bearer sk-provider-key")]
+    finally:
+        await gw.stop()
+        await runner.cleanup()
