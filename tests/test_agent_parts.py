@@ -68,11 +68,13 @@ def test_vllm_command_line_uses_only_recorded_vllm_flags_and_no_key() -> None:
 
     spec = EngineSpec(replica_id="m-1", model="org/m", weights="acme/weights",
                       engine="vllm", gpus=(2, 3), key="llmgw-" + "k" * 40,
-                      weights_revision="v1.0")
+                      weights_revision="v1.0",
+                      engine_args=("--max-model-len=8192", "--enforce-eager"))
     cmd = command(spec, "127.0.0.1", 8123, str(FAKE_BIN / "vllm"))
     assert cmd[1:3] == ["serve", "acme/weights"]
     assert unrecorded_flags(cmd) == []
     assert cmd[cmd.index("--revision") + 1] == "v1.0"
+    assert cmd[-2:] == ["--max-model-len=8192", "--enforce-eager"]  # the profile's, last
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert not any(spec.key in arg for arg in cmd)  # /proc/PID/cmdline is world-readable
     env = environment(spec)
@@ -117,7 +119,7 @@ def test_an_engine_is_adopted_only_if_its_pid_still_names_the_same_process(
         ticks = start_ticks(proc.pid)
         assert ticks is not None
         record = {"replica_id": "r", "model": "m", "weights": "w", "weights_revision": None,
-                  "engine": "vllm",
+                  "engine_args": [], "engine": "vllm",
                   "gpus": [0], "host": "127.0.0.1", "port": 1, "log": str(tmp_path / "l"),
                   "pid": proc.pid, "ticks": ticks}
         adopted = EngineProcess.adopt(record)

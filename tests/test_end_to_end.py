@@ -85,3 +85,21 @@ def _down(url: str) -> bool:
         return False
     except httpx.TransportError:
         return True
+
+
+def test_a_profiles_engine_args_and_revision_reach_the_engine(cluster: Cluster) -> None:
+    from tests.support.procs import engine_pid
+
+    gw = cluster.gateway("gw-a")
+    cluster.agent("node-1", [gw], "--gpus", "1")
+    key = make_key(gw)
+    put_model(gw, "tuned", {
+        "model": "acme/tuned", "revision": "v2",
+        "profiles": [{"engine": "vllm", "gpus": 1,
+                      "engine_args": ["--max-model-len=4096", "--enforce-eager"]}]})
+    rep = wait_ready(gw)
+    wait_for(lambda: routes(gw, key, "tuned"), 10, "routing")
+    with open(f"/proc/{engine_pid(rep['url'])}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    assert argv[argv.index("--revision") + 1] == "v2"
+    assert "--max-model-len=4096" in argv and "--enforce-eager" in argv

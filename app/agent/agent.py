@@ -181,6 +181,7 @@ class Agent:
                 replica_id=r["id"], model=r["model"], weights=r["weights"],
                 engine=r["engine"], gpus=tuple(r["gpus"]), key=r["key"],
                 weights_revision=r.get("weights_revision"),
+                engine_args=tuple(r.get("engine_args") or ()),
             )
             for r in answer["replicas"]
         }

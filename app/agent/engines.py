@@ -58,6 +58,9 @@ class EngineSpec:
     gpus: tuple[int, ...]
     key: str
     weights_revision: str | None = None  # a hub branch, tag or commit (vLLM's --revision)
+    # The profile's extra engine flags, validated by the catalog (never a
+    # flag we set ourselves: key, host, port, served name).
+    engine_args: tuple[str, ...] = ()
 
 
 def free_port(host: str) -> int:
@@ -77,7 +80,7 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
             cmd += ["--revision", spec.weights_revision]
         if len(spec.gpus) > 1:
             cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
-        return cmd
+        return cmd + list(spec.engine_args)
     threads = max(1, (os.cpu_count() or 2) // 2)
     return [
         sys.executable, "-m", "llama_cpp.server",
@@ -88,6 +91,7 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
         # request waits for the model (a second client, or a probe): every
         # stream but the last would be cut short. Off, requests take turns.
         "--interrupt_requests", "False",
+        *spec.engine_args,
     ]
 
 
@@ -154,7 +158,8 @@ class EngineProcess:
         spec = EngineSpec(replica_id=record["replica_id"], model=record["model"],
                           weights=record["weights"], engine=record["engine"],
                           gpus=tuple(record["gpus"]), key="",
-                          weights_revision=record.get("weights_revision"))
+                          weights_revision=record.get("weights_revision"),
+                          engine_args=tuple(record.get("engine_args") or ()))
         proc = cls(spec, record["host"], int(record["port"]), Path(record["log"]))
         proc._pid, proc._ticks = pid, ticks
         return proc
@@ -163,15 +168,17 @@ class EngineProcess:
         """What a later run of the agent needs to adopt this engine (no key)."""
         return {"replica_id": self.spec.replica_id, "model": self.spec.model,
                 "weights": self.spec.weights, "weights_revision": self.spec.weights_revision,
+                "engine_args": list(self.spec.engine_args),
                 "engine": self.spec.engine,
                 "gpus": list(self.spec.gpus), "host": self.host, "port": self.port,
                 "log": str(self.log_path), "pid": self.pid, "ticks": self._ticks}
 
     def runs(self, spec: EngineSpec) -> bool:
         """Whether this engine serves `spec` (keys aside)."""
-        mine, theirs = self.spec, spec
-        return (mine.model, mine.weights, mine.weights_revision, mine.engine, mine.gpus) == (
-            theirs.model, theirs.weights, theirs.weights_revision, theirs.engine, theirs.gpus)
+        def shape(s: EngineSpec) -> tuple[object, ...]:
+            return (s.model, s.weights, s.weights_revision, s.engine, s.gpus, s.engine_args)
+
+        return shape(self.spec) == shape(spec)
 
     @property
     def url(self) -> str:

@@ -41,10 +41,12 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]]]:
     """This node's desired replicas, with their engine keys, and a fingerprint."""
     mine = sorted((r for r in gw.mirror.replicas().values() if r.node == node),
                   key=lambda r: r.id)
-    shape = [[r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus] for r in mine]
+    shape = [[r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args]
+             for r in mine]
     fp = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
     out = [{"id": r.id, "model": r.model, "weights": r.weights,
-            "weights_revision": r.weights_revision, "engine": r.engine,
+            "weights_revision": r.weights_revision, "engine_args": r.engine_args,
+            "engine": r.engine,
             "gpus": r.gpus, "key": engine_key(gw.secret, r.id)} for r in mine]
     return fp, out
 
