@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from app.control import catalog
 from app.control import state as s
-from app.control.placement import plan
+from app.control.plan import plan
 from app.gateway import Gateway
 from app.main import GatewayApp, create_app
 from app.settings import Settings

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 
 from app.control import state as s
-from app.control.placement import Fit, NoFit, Plan, place, plan
+from app.control.placement import Fit, NoFit, place
+from app.control.plan import Plan, plan
 
 
 def gpu_node(name: str, gpus: int) -> s.NodeInfo:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from app.control import state as s
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
-from app.control.placement import Plan, plan
+from app.control.plan import Plan, plan
 from app.store.base import Compare, Delete, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
