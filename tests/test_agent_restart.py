@@ -4,35 +4,34 @@ running instead of starting them again: no reload, no GPU used twice."""
 from __future__ import annotations
 
 import signal
+import uuid
 
 from tests.support.procs import (
     Cluster,
     Proc,
     engine_pid,
     engine_pids,
-    make_key,
-    put_model,
     replicas,
     routes,
+    serve_one,
     wait_for,
-    wait_ready,
 )
 
 
 def test_restarted_agent_adopts_its_engines(cluster: Cluster) -> None:
     gw = cluster.gateway("gw-a")
     agent = cluster.agent("node-1", [gw], "--gpus", "1")
-    key = make_key(gw)
-    put_model(gw, "m", {"model": "acme/m", "gpus": 1})
-    rep = wait_ready(gw)
-    wait_for(lambda: routes(gw, key, "m"), 5, "routing")
-    pid = engine_pid(rep["url"])
+    # A name of this run's own: engines are found by it among every process
+    # on the machine, other test runs' included.
+    name = f"adopt-{uuid.uuid4().hex[:8]}"
+    served = serve_one(gw, name)
+    key, rep, pid = served.key, served.replica, served.pid
 
     # A clean stop leaves the engine serving, through the gateway too.
     agent.signal(signal.SIGTERM)
     assert agent.wait(15) == 0, agent.output()[-2000:]
     assert engine_pid(rep["url"]) == pid
-    assert routes(gw, key, "m")
+    assert routes(gw, key, name)
 
     adopted = "adopted engine of " + rep["id"]
 
@@ -49,13 +48,13 @@ def test_restarted_agent_adopts_its_engines(cluster: Cluster) -> None:
         wait_for(lambda: [(r["id"], r["phase"], r["url"]) for r in replicas(gw)]
                  == [(rep["id"], "ready", rep["url"])], 10, "the same replica ready")
         assert engine_pid(rep["url"]) == pid  # the very same process
-        assert engine_pids("--served-model-name", "m") == [pid]  # and no second one
-        assert routes(gw, key, "m")
+        assert engine_pids("--served-model-name", name) == [pid]  # and no second one
+        assert routes(gw, key, name)
         agent.kill_alone()  # a crash: the agent dies, its engine does not
 
     agent = adopt("--stop-engines-on-exit")
-    wait_for(lambda: routes(gw, key, "m"), 10, "routing")
+    wait_for(lambda: routes(gw, key, name), 10, "routing")
     # Asked to, the agent stops an adopted engine (not its child) on exit.
     agent.signal(signal.SIGTERM)
     assert agent.wait(20) == 0, agent.output()[-2000:]
-    assert engine_pids("--served-model-name", "m") == []
+    assert engine_pids("--served-model-name", name) == []

@@ -12,12 +12,10 @@ from tests.support.etcd import EtcdServer
 from tests.support.procs import (
     Cluster,
     engine_pid,
-    make_key,
-    put_model,
     replicas,
     routes,
+    serve_one,
     wait_for,
-    wait_ready,
 )
 
 
@@ -28,11 +26,8 @@ def test_a_gateway_restarted_without_etcd_stops_and_restarts_no_engine(
     try:
         gw = cluster.gateway("gw-a")
         agent = cluster.agent("node-1", [gw], "--gpus", "1")
-        key = make_key(gw)
-        put_model(gw, "m", {"model": "acme/m", "gpus": 1})
-        rep = wait_ready(gw)
-        wait_for(lambda: routes(gw, key, "m"), 10, "routing")
-        pid = engine_pid(rep["url"])
+        served = serve_one(gw)
+        key, rep, pid = served.key, served.replica, served.pid
 
         own_etcd.stop()
         gw.signal(signal.SIGTERM)

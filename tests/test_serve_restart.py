@@ -17,12 +17,10 @@ from tests.support.procs import (
     GatewayProc,
     engine_pid,
     engine_pids,
-    make_key,
-    put_model,
     replicas,
     routes,
+    serve_one,
     wait_for,
-    wait_ready,
 )
 
 ALL_IN_ONE = {"local_gpus": "1", "vllm_bin": str(FAKE_BIN / "vllm")}
@@ -39,11 +37,8 @@ def test_a_restarted_serve_adopts_its_engine_and_reloads_nothing(solo: Cluster) 
     # on the machine, other test runs' included.
     name = f"restart-{uuid.uuid4().hex[:8]}"
     gw = solo.gateway("aio", **ALL_IN_ONE)
-    key = make_key(gw)
-    put_model(gw, name, {"model": "acme/m", "gpus": 1})
-    rep = wait_ready(gw)
-    wait_for(lambda: routes(gw, key, name), 10, "routing")
-    pid = engine_pid(rep["url"])
+    served = serve_one(gw, name)
+    key, rep, pid = served.key, served.replica, served.pid
     adopted = "adopted engine of " + rep["id"]
 
     def restart(**extra: str) -> GatewayProc:

@@ -262,3 +262,22 @@ def kill_engine(url: str) -> int:
     pid = engine_pid(url)
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+@dataclass
+class Served:
+    """One model served through one gateway: what a restart test starts from."""
+
+    key: str
+    replica: dict[str, Any]
+    pid: int  # the engine's
+
+
+def serve_one(gw: GatewayProc, model: str = "m", timeout: float = 30) -> Served:
+    """Puts `model` (one GPU, fake vLLM weights) in the catalog and waits
+    until `gw` routes to its ready replica."""
+    key = make_key(gw)
+    put_model(gw, model, {"model": "acme/m", "gpus": 1})
+    rep = wait_ready(gw, timeout)
+    wait_for(lambda: routes(gw, key, model), 10, "routing")
+    return Served(key, rep, engine_pid(rep["url"]))
