@@ -1,0 +1,189 @@
+"""Which replica takes a request: a pure function of the candidates, their
+load, and the request's affinity key (docs/architecture.md, "Choosing a
+replica"; DESIGN invariant 7).
+
+Three rules, in order:
+1. Priority tiers: only the highest-priority replicas that are not
+   saturated are candidates; a lower tier is used only when every higher one
+   is down or saturated.
+2. Prompt affinity: a request that carries an affinity key (a session id,
+   or a hash of its first messages) goes to the replica the key hashes to on
+   a ring (consistent hashing), as long as that replica's load stays within
+   `bound` times the mean load of the tier (consistent hashing with bounded
+   loads); past the bound, the walk moves on around the ring. The engine then
+   finds the conversation's prefix in its cache.
+3. Otherwise, power of two choices: two replicas drawn by weight, the less
+   loaded per unit of weight wins. Several gateways choosing this way do not
+   stampede the replica that looked idlest a moment ago, as "least loaded"
+   would.
+
+Load is this gateway's in-flight requests and the engine's own counts
+(vLLM's running and waiting requests and KV-cache use, polled about once a
+second, see engine_load.py). A count older than `stale_after` is unknown,
+never idle: an unknown replica is charged the highest known load of its
+tier, so it is not preferred for having gone quiet.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+# A tier's replica is saturated when this many requests wait in its engine,
+# or its KV cache is this full: its queue grows and new requests only wait.
+SATURATED_WAITING = 8
+SATURATED_KV = 0.98
+# Points per replica on the affinity ring: more spreads keys more evenly
+# over replicas (each replica owns many small arcs) for a little memory.
+RING_POINTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """An engine's own counts, as last scraped from its /metrics."""
+
+    running: float
+    waiting: float
+    kv_cache: float  # 0..1
+    at: float  # monotonic time of the scrape
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    replica_id: str
+    priority: int = 0
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    replica_id: str
+    # "affinity", "affinity-bounded" (the key's replica was past the bound),
+    # "p2c", "only" (one candidate), "fallback" (every tier saturated).
+    why: str
+
+
+def cost(inflight: int, load: EngineLoad | None) -> float:
+    """Requests in front of a new one. The engine's running count includes
+    ours (and other gateways'), but lags by up to one scrape: take the larger.
+    Waiting requests count twice: they have not started generating."""
+    if load is None:
+        return float(inflight)
+    return max(float(inflight), load.running) + 2.0 * load.waiting
+
+
+def fresh(load: EngineLoad | None, now: float, stale_after: float) -> EngineLoad | None:
+    return load if load is not None and now - load.at <= stale_after else None
+
+
+def saturated(load: EngineLoad | None) -> bool:
+    return load is not None and (load.waiting >= SATURATED_WAITING
+                                 or load.kv_cache >= SATURATED_KV)
+
+
+def costs(
+    candidates: Sequence[Candidate],
+    inflight: Mapping[str, int],
+    loads: Mapping[str, EngineLoad | None],
+) -> dict[str, float]:
+    """Each candidate's cost; an unknown engine load is charged the highest
+    known cost among the candidates (unknown is not idle)."""
+    known = {c.replica_id: cost(inflight.get(c.replica_id, 0), loads.get(c.replica_id))
+             for c in candidates if loads.get(c.replica_id) is not None}
+    worst = max(known.values(), default=0.0)
+    return {c.replica_id: known.get(c.replica_id,
+                                    max(worst, float(inflight.get(c.replica_id, 0))))
+            for c in candidates}
+
+
+def tier(candidates: Sequence[Candidate],
+         loads: Mapping[str, EngineLoad | None]) -> tuple[list[Candidate], bool]:
+    """The highest-priority candidates with one not saturated; (all, True)
+    when every tier is saturated."""
+    for prio in sorted({c.priority for c in candidates}, reverse=True):
+        level = [c for c in candidates if c.priority == prio]
+        if any(not saturated(loads.get(c.replica_id)) for c in level):
+            return [c for c in level if not saturated(loads.get(c.replica_id))], False
+    return list(candidates), True
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def ring_order(replicas: Sequence[str], key: str) -> list[str]:
+    """The replicas in the order a walk around the ring from `key` meets them."""
+    points = sorted((_point(f"{r}#{i}"), r) for r in replicas for i in range(RING_POINTS))
+    start = bisect.bisect(points, (_point(key), ""))
+    order: list[str] = []
+    for i in range(len(points)):
+        r = points[(start + i) % len(points)][1]
+        if r not in order:
+            order.append(r)
+            if len(order) == len(replicas):
+                break
+    return order
+
+
+def choose(
+    candidates: Sequence[Candidate],
+    inflight: Mapping[str, int],
+    loads: Mapping[str, EngineLoad | None],
+    *,
+    affinity: str | None = None,
+    bound: float = 1.25,
+    rand: Callable[[], float] = random.random,
+) -> Choice | None:
+    """Picks one of `candidates` (ready, not cooled down, not yet tried).
+    `loads` must hold only fresh loads (see `fresh`)."""
+    if not candidates:
+        return None
+    level, all_saturated = tier(candidates, loads)
+    if len(level) == 1:
+        return Choice(level[0].replica_id, "fallback" if all_saturated else "only")
+    c = costs(level, inflight, loads)
+    if affinity is not None:
+        # Bounded loads: no replica takes more than `bound` x the mean (+1,
+        # so that an idle tier still admits a request).
+        limit = bound * (sum(c.values()) + 1) / len(level)
+        order = ring_order([x.replica_id for x in level], affinity)
+        for i, rid in enumerate(order):
+            if c[rid] + 1 <= limit:
+                return Choice(rid, "affinity" if i == 0 else "affinity-bounded")
+    a, b = _draw(level, rand), _draw(level, rand)
+    best = min((a, b), key=lambda x: (c[x.replica_id] / x.weight, x.replica_id))
+    return Choice(best.replica_id, "fallback" if all_saturated else "p2c")
+
+
+def _draw(level: Sequence[Candidate], rand: Callable[[], float]) -> Candidate:
+    """One candidate, with probability proportional to its weight."""
+    total = sum(x.weight for x in level)
+    point = rand() * total
+    for x in level:
+        point -= x.weight
+        if point < 0:
+            return x
+    return level[-1]
+
+
+def affinity_key(body: Mapping[str, object], session: str | None) -> str | None:
+    """What ties a request to the replica that has its prefix cached: a
+    client's session id, else the chat's messages up to its first user turn
+    (which every later turn of the conversation repeats), else the start of
+    a long completion prompt. None: no affinity."""
+    if session:
+        return "s:" + session
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        # Up to the first user turn: what every later turn of the chat repeats.
+        end = next((i for i, m in enumerate(messages)
+                    if isinstance(m, dict) and m.get("role") == "user"), 0)
+        head = repr(messages[: end + 1]).encode()
+        return "m:" + hashlib.blake2b(head, digest_size=16).hexdigest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and len(prompt) >= 64:
+        return "p:" + hashlib.blake2b(prompt[:1024].encode(), digest_size=16).hexdigest()
+    return None
