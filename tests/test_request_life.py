@@ -172,7 +172,7 @@ async def test_the_openai_sdk_raises_when_the_engine_dies_mid_stream(
         http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=rig.proxy)))
     async with client:
         stream = await client.chat.completions.create(model="small", messages=MESSAGES,
-                                                      stream=True)  # type: ignore[arg-type]
+                                                      stream=True)
         got = []
         with pytest.raises(openai.APIError, match="broke off the stream"):
             async for chunk in stream:
