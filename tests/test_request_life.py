@@ -143,6 +143,22 @@ async def test_one_deadline_covers_every_attempt(
     assert rig.observed.seen == [("small", 504)]
 
 
+async def test_the_deadline_ends_a_stream_that_is_still_going(
+        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+    rig = await make_rig(request=0.5)
+    up = await rig.upstream("a", "endless")  # a chunk every 10 ms, never done
+    rig.route("small", ("a", up.url))
+    call = AsgiCall(rig.proxy, STREAM)
+    assert (await call.next())["status"] == 200
+    body = await call.rest()
+    assert body.startswith(b'data: {"tick": 1}\n\n')
+    error = _error_event(body)
+    assert error["message"] == "The request did not finish within 0.5 s."
+    await asyncio.wait_for(up.closed.wait(), 1)
+    assert rig.observed.seen == [("small", 504)]
+    assert rig.table.cooldowns() == {}  # the engine was not at fault
+
+
 # --- an engine that fails ----------------------------------------------------------
 
 

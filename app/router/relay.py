@@ -151,11 +151,11 @@ class Upstreams:
         # for a compressed body, which no event can be appended to in clear.
         framed = (content_type.startswith("text/event-stream")
                   and "Content-Encoding" not in upstream.headers)
-        await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": headers})
         loop = asyncio.get_running_loop()
         tail = b""  # the start of an event not yet whole (framed only)
         try:
+            await send({"type": "http.response.start", "status": upstream.status,
+                        "headers": headers})
             while chunk:
                 if framed and (tail or not chunk.endswith(_EVENT_ENDS)):
                     chunk, tail = _whole_events(tail + chunk)

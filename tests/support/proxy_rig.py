@@ -72,7 +72,7 @@ class Upstream:
         self.arrived.set()
         try:
             return await self._answer(request, body)
-        except asyncio.CancelledError:  # the proxy closed the connection
+        except (asyncio.CancelledError, ConnectionResetError):  # the proxy closed it
             self.closed.set()
             raise
 
