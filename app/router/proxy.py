@@ -285,7 +285,8 @@ def openapi_paths() -> dict[str, Any]:
             "responses": {"200": {"description": "the engine's answer, as OpenAI's API"},
                           "401": {"description": "missing or wrong client key"},
                           "404": {"description": "unknown model"},
-                          "503": {"description": "no ready replica"}},
+                          "503": {"description": "no ready replica"},
+                          "504": {"description": "the engine timed out (upstream_timeout)"}},
         }
         if method == "post":
             entry["requestBody"] = {"required": True, "content": {"application/json": {

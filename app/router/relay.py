@@ -110,7 +110,7 @@ class Upstreams:
                 why = watch.caught()
                 if why is None:
                     raise  # not ours: the server is stopping
-                return await self._stopped(why, ep, send)
+                return self._stopped(why, ep)
             finally:
                 if upstream is not None:
                     upstream.close()  # no-op once read whole; else the engine sees it closed
@@ -122,8 +122,9 @@ class Upstreams:
             message = f"No replica of '{model}' is ready" + (f": {why_not}" if why_not else ".")
         raise error(503, message, "service_unavailable", "no_ready_replica")
 
-    async def _stopped(self, why: Why, ep: Endpoint, send: Send) -> int:
-        """The watch ended the request before any byte reached the client."""
+    def _stopped(self, why: Why, ep: Endpoint) -> int:
+        """The watch ended the request before any byte reached the client: the
+        status for metrics when the client left, else the error it gets."""
         if why is Why.CLIENT_GONE:
             return CLIENT_GONE
         if why is Why.FIRST_BYTE:

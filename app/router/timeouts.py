@@ -82,11 +82,6 @@ class Watch:
         self._listener = asyncio.ensure_future(_disconnect(receive))
         self._listener.add_done_callback(self._left)
 
-    @property
-    def left(self) -> float:
-        """Seconds until the deadline."""
-        return self._deadline - self._loop.time()
-
     def expect_first_byte(self) -> None:
         """A stream attempt starts: its first body byte is due within the limit."""
         self._limit = self._timeouts.first_byte
