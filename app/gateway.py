@@ -30,6 +30,7 @@ from app.metrics import GatewayMetrics
 from app.publish import Publisher
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
+from app.router.timeouts import Timeouts
 from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
 
@@ -65,8 +66,10 @@ class Gateway:
         self._store_factory = store_factory
         self.table = RouteTable()
         self.metrics = GatewayMetrics(self)
-        self.proxy = Proxy(self.table, hash_client_key, settings.connect_timeout,
-                           settings.request_timeout, observer=self.metrics)
+        self.proxy = Proxy(self.table, hash_client_key, Timeouts(
+            connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
+            idle=settings.stream_idle_timeout, request=settings.request_timeout,
+            cooldown=settings.replica_cooldown), observer=self.metrics)
         self._store: Store | None = None
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None

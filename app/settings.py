@@ -105,11 +105,32 @@ class Settings(BaseSettings):
     stop_engines_on_exit: bool = False
 
     # --- router -------------------------------------------------------------------
+    # The limits on one /v1 request's life (docs/architecture.md, "Routing").
     # Seconds to wait for an engine to accept a connection before trying
-    # another replica.
-    connect_timeout: float = 5.0
-    # Longest a whole upstream request may take (long generations need long).
-    request_timeout: float = 600.0
+    # another replica. Longer: a dead node's replicas cost each request that
+    # long; shorter: a busy engine's accept queue is taken for a dead one.
+    connect_timeout: float = Field(5.0, gt=0)
+    # One deadline per request, across all its attempts, until the last byte
+    # of the answer (a plain answer comes whole only once generated, so this
+    # bounds the longest plain generation). Shorter cuts long generations;
+    # longer lets a wedged engine hold a client that long.
+    request_timeout: float = Field(600.0, gt=0)
+    # A stream's first body byte must come within this long of the request
+    # reaching the engine: queueing, then the prefill of the whole prompt (a
+    # 100k-token prompt on a busy GPU takes minutes). Longer: an engine
+    # that hangs holds its clients longer before their 504; shorter: long
+    # prompts fail under load. Not retried: the engine may still be working.
+    first_byte_timeout: float = Field(300.0, gt=0)
+    # After its first byte, a stream that sends nothing for this long ends
+    # with an error event. Engines send a token every few tens of ms; vLLM
+    # preempting a request under memory pressure pauses it for seconds.
+    # Shorter cuts those pauses; longer holds a dead stream open longer.
+    stream_idle_timeout: float = Field(60.0, gt=0)
+    # Seconds a replica that failed a request (refused, 502/503, broke off,
+    # stalled) is passed over while another replica of its model is left.
+    # Longer spares clients a dead replica until the agent reports it (a few
+    # seconds); shorter puts a recovered one back to work sooner. 0: off.
+    replica_cooldown: float = Field(5.0, ge=0)
 
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on

@@ -6,12 +6,18 @@ invariant 8) and read on every request without any I/O.
 
 Taking an endpoint returns a lease (`with table.acquire(ep):`) so
 the in-flight count drops even when a client disconnects mid-stream.
+
+A replica that just failed a request (refused the connection, answered
+502/503, broke off, stalled) is cooled down for a few seconds
+(`cool_down`): `choose()` passes it over while another is left, so the
+requests that follow do not each pay for finding it dead.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Longest reason `set_unavailable` keeps: a log tail is not a 503 message.
@@ -50,7 +56,9 @@ class KeyGrant:
 
 
 class RouteTable:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._cooling: dict[str, float] = {}  # replica id -> clock time it is warm again
         self._catalog: dict[str, CatalogEntry] = {}
         self._names: dict[str, str] = {}  # name or alias -> model name
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
@@ -119,13 +127,41 @@ class RouteTable:
         return self._inflight.get(replica_id, 0)
 
     def choose(self, model: str, exclude: set[str]) -> Endpoint | None:
-        """Least in-flight among ready replicas; ties go round-robin."""
+        """Least in-flight among ready replicas; ties go round-robin.
+
+        Replicas cooling down are passed over unless no other is left: a
+        cooled replica is still better than a 503 (its failure may have been
+        one request's bad luck).
+        """
         eps = [e for e in self._endpoints.get(model, ()) if e.replica_id not in exclude]
         if not eps:
             return None
+        if self._cooling:  # empty in the common case: no clock read per request
+            warm = self._warm(eps)
+            eps = warm or eps
         start = next(self._rr) % len(eps)
         rotated = eps[start:] + eps[:start]
         return min(rotated, key=lambda e: self._inflight.get(e.replica_id, 0))
+
+    def cool_down(self, replica_id: str, seconds: float) -> None:
+        """`choose()` passes `replica_id` over for `seconds` while others are left."""
+        if seconds > 0:
+            self._cooling[replica_id] = self._clock() + seconds
+
+    def cooldowns(self) -> dict[str, float]:
+        """Replicas cooling down on this gateway -> seconds left (for /admin)."""
+        now = self._clock()
+        self._expire(now)
+        return {rid: until - now for rid, until in sorted(self._cooling.items())}
+
+    def _warm(self, eps: list[Endpoint]) -> list[Endpoint]:
+        now = self._clock()
+        self._expire(now)
+        return [e for e in eps if e.replica_id not in self._cooling]
+
+    def _expire(self, now: float) -> None:
+        for rid in [r for r, until in self._cooling.items() if until <= now]:
+            del self._cooling[rid]
 
     def acquire(self, ep: Endpoint) -> Lease:
         """Counts one request in flight on `ep` until the lease is released."""

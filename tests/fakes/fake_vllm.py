@@ -9,10 +9,18 @@ to:
 
 * ``GET /health`` (200, empty body), ``GET /version``, ``GET|POST /ping``
 * ``GET /metrics`` (Prometheus text, vLLM's metric names, live values)
-* ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+* ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+  ``POST /v1/embeddings``
 
 The reply is deterministic: ``fake-vllm <served-name> echo: <last user
 message>`` (or ``<prompt>`` for text completions), streamed one word per chunk.
+Embeddings are ``fake_embedding(served-name, text)``: 32 numbers from a hash,
+each exactly representable as float32, so ``encoding_format="base64"`` (the
+official ``openai`` client's default) decodes to the same values as "float".
+
+A client that disconnects aborts its request, as vLLM does (it listens for
+the disconnect): the generation stops, ``vllm:num_requests_running`` drops,
+and ``vllm:request_success_total{finished_reason="abort"}`` counts it.
 
 Environment:
 
@@ -66,10 +74,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import hashlib
 import json
 import os
 import re
 import signal
+import struct
 import sys
 import time
 import uuid
@@ -84,6 +95,13 @@ if TYPE_CHECKING:
 FAKE_VERSION = "0.11.0+fake"
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default for the OpenAI server usage context
+EMBED_DIM = 32
+
+
+def fake_embedding(model: str, text: str) -> list[float]:
+    """The vector the fake answers for `text`: k/128 values, exact in float32."""
+    digest = hashlib.sha256(f"{model}\0{text}".encode()).digest()
+    return [(b - 128) / 128 for b in digest[:EMBED_DIM]]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -381,6 +399,7 @@ class FakeVLLM:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         return app
 
     async def auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -482,6 +501,9 @@ class FakeVLLM:
                         st.generation_tokens += 1
                         st.kv_tokens += 1
                         yield word if i == 0 else " " + word
+                except (asyncio.CancelledError, GeneratorExit):  # the client left: vLLM aborts
+                    st.success["abort"] += 1
+                    raise
                 finally:
                     st.running -= 1
                     st.kv_tokens -= prompt_tokens + len(words)
@@ -652,6 +674,51 @@ class FakeVLLM:
         return resp
 
 
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        body, err = await self._parse(request)
+        if err is not None:
+            return err
+        assert body is not None
+        given = body.get("input")
+        texts: list[str]
+        if isinstance(given, str):
+            texts = [given]
+        elif isinstance(given, list) and given and all(isinstance(t, str) for t in given):
+            texts = list(given)
+        elif isinstance(given, list) and given and all(isinstance(t, int) for t in given):
+            texts = [" ".join(str(t) for t in given)]
+        elif (isinstance(given, list) and given
+              and all(isinstance(t, list) and all(isinstance(x, int) for x in t)
+                      for t in given)):
+            texts = [" ".join(str(x) for x in t) for t in given]
+        else:
+            return _error(400, "input must be a string, a list of strings or token ids.",
+                          "BadRequestError", "input")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            return _error(400, f"encoding_format {fmt!r} is not supported.",
+                          "BadRequestError", "encoding_format")
+        model = body["model"]
+        if body.get("dimensions") is not None:  # vLLM: only matryoshka models may
+            return _error(400, f'Model "{model}" does not support matryoshka '
+                          "representation, changing output dimensions will lead to poor "
+                          "results.", "BadRequestError", "dimensions")
+        data = []
+        for i, text in enumerate(texts):
+            vector = fake_embedding(model, text)
+            embedding: Any = vector if fmt == "float" else base64.b64encode(
+                struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"index": i, "object": "embedding", "embedding": embedding})
+        tokens = sum(_count_tokens(t) for t in texts)
+        self.stats.prompt_tokens += tokens
+        return web.json_response({
+            "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                      "completion_tokens": 0, "prompt_tokens_details": None},
+        })
+
+
 # -------------------------------------------------------------------------- main
 
 
@@ -680,7 +747,10 @@ async def serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1:
         _log(f"started tensor-parallel workers: {_start_workers(args.tensor_parallel_size)}")
     fake = FakeVLLM(args)
+    # handler_cancellation: a client leaving cancels its handler, as vLLM's
+    # disconnect listener aborts the request (aiohttp's default runs on).
     runner = web.AppRunner(fake.make_app(), access_log=None, handle_signals=False,
+                           handler_cancellation=True,
                            shutdown_timeout=0.2)
     await runner.setup()
     host = args.host  # None -> every interface, as vLLM/uvicorn do

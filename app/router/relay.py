@@ -1,0 +1,216 @@
+"""A request's life once its model is known: attempts, the answer, failures.
+
+See docs/architecture.md ("Routing") for the phases and what the client sees
+on each failure. In short:
+
+* Before the first byte reaches the client, a replica that cannot take the
+  request (connection refused or timed out, 502/503, connection broken
+  before an answer) is cooled down and the request tried on another, up to
+  `_MAX_ATTEMPTS` replicas, all under one deadline (`Timeouts.request`).
+* A timeout while reading is never retried: the engine may still be
+  generating, and a second replica would do the work twice.
+* A client that leaves stops everything at once (`Watch`): the engine's
+  connection is closed, which makes vLLM abort the request; no retry.
+* After the first byte of a stream, a failure ends the stream with an error
+  event in OpenAI's shape and no `[DONE]`, so clients tell it from an end.
+
+A stream's response starts only with the engine's first body byte (vLLM
+sends its headers before the prefill): until then nothing has reached the
+client, so a failure can still be retried or answered with a plain error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from yarl import URL
+
+from app.router.replies import Send, error, error_event, send_whole
+from app.router.table import Endpoint, RouteTable
+from app.router.timeouts import Timeouts, Watch, Why
+
+logger = logging.getLogger(__name__)
+
+# Upstream statuses that mean "this replica cannot take it now, try another".
+_RETRY_STATUSES = {502, 503}
+_MAX_ATTEMPTS = 3
+# How an SSE event ends (the spec allows all three line endings; vLLM writes
+# "\n\n", sse-starlette, which llama-cpp-python uses, "\r\n\r\n").
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# The status a metric records for a client that left (nginx's convention).
+CLIENT_GONE = 499
+
+
+class _Retry(Exception):
+    """This replica cannot take the request now; another may."""
+
+
+class Upstreams:
+    """Sends requests to replicas with one shared aiohttp session."""
+
+    def __init__(self, table: RouteTable, timeouts: Timeouts) -> None:
+        self._table = table
+        self._timeouts = timeouts
+        self.session: aiohttp.ClientSession | None = None
+
+    async def forward(self, watch: Watch, model: str, url_tail: str, payload: bytes,
+                      accept_encoding: str, stream: bool, send: Send) -> int:
+        """Forwards to a replica, sends the answer; returns the status for metrics.
+
+        `url_tail`: the path and query string to ask the engine for.
+        """
+        assert self.session is not None, "Proxy.start() was not awaited"
+        tried: set[str] = set()
+        last_error = ""
+        for _ in range(_MAX_ATTEMPTS):
+            ep = self._table.choose(model, tried)
+            if ep is None:
+                break
+            tried.add(ep.replica_id)
+            lease = self._table.acquire(ep)
+            upstream: aiohttp.ClientResponse | None = None
+            try:
+                if stream:
+                    watch.expect_first_byte()
+                upstream = await self.session.post(
+                    URL(ep.url + url_tail, encoded=True), data=payload,
+                    headers={"Authorization": f"Bearer {ep.key}",
+                             "Content-Type": "application/json",
+                             # Ours to pass on (auto_decompress=False): the
+                             # engine compresses only what the client can read.
+                             "Accept-Encoding": accept_encoding},
+                )
+                if upstream.status in _RETRY_STATUSES:
+                    raise _Retry(f"answered {upstream.status}")
+                if upstream.status == 401:
+                    # The engine refused *our* key: a gateway/engine mismatch
+                    # (another secret?), not the client's fault.
+                    logger.error("replica %s refused the engine key", ep.replica_id)
+                    raise error(502, f"replica {ep.replica_id} refused the gateway",
+                                "server_error", "upstream_auth")
+                if stream:
+                    return await self._relay(upstream, ep, watch, send)
+                # Read whole: nothing has reached the client yet, so a failure
+                # here is still retried, and the answer keeps its length.
+                answer = await upstream.read()
+                watch.close()  # the answer is whole: a client leaving now changes nothing
+                await send_whole(send, upstream.status, answer, _passed_on(upstream, ep),
+                                 upstream.headers.get("Content-Type",
+                                                      "application/json").encode())
+                return upstream.status
+            except (aiohttp.ClientError, TimeoutError, _Retry) as exc:
+                # TimeoutError here is aiohttp's connect timeout: reads are
+                # timed by the watch, which cancels instead.
+                last_error = f"replica {ep.replica_id} failed ({exc or type(exc).__name__})"
+                logger.warning("%s; trying another", last_error)
+                self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
+            except asyncio.CancelledError:
+                why = watch.caught()
+                if why is None:
+                    raise  # not ours: the server is stopping
+                return self._stopped(why, ep)
+            finally:
+                if upstream is not None:
+                    upstream.close()  # no-op once read whole; else the engine sees it closed
+                lease.release()  # also when the client left (cancellation)
+        if tried:
+            message = f"No replica of '{model}' can take the request now: {last_error}."
+        else:  # none routable: say why when the control plane told the table
+            why_not = self._table.unavailable(model)
+            message = f"No replica of '{model}' is ready" + (f": {why_not}" if why_not else ".")
+        raise error(503, message, "service_unavailable", "no_ready_replica")
+
+    def _stopped(self, why: Why, ep: Endpoint) -> int:
+        """The watch ended the request before any byte reached the client: the
+        status for metrics when the client left, else the error it gets."""
+        if why is Why.CLIENT_GONE:
+            return CLIENT_GONE
+        if why is Why.FIRST_BYTE:
+            self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
+            message = (f"replica {ep.replica_id} sent no first token within "
+                       f"{self._timeouts.first_byte:g} s")
+        else:
+            message = f"the request did not finish within {self._timeouts.request:g} s"
+        logger.warning("request to replica %s ended: %s", ep.replica_id, message)
+        raise error(504, message[0].upper() + message[1:] + ".", "server_error",
+                    "upstream_timeout")
+
+    async def _relay(self, upstream: aiohttp.ClientResponse, ep: Endpoint, watch: Watch,
+                     send: Send) -> int:
+        """Streams the engine's bytes as they come; returns the status for metrics."""
+        content = upstream.content
+        # A failure before this read completes propagates: nothing was sent
+        # yet, so the caller may still retry or answer with an error.
+        chunk = await content.readany()
+        watch.streaming()
+        headers = _passed_on(upstream, ep)
+        content_type = upstream.headers.get("Content-Type", "text/event-stream")
+        headers += [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
+        # Whole events only, so that an error event can follow a failure: not
+        # for a compressed body, which no event can be appended to in clear.
+        framed = (content_type.startswith("text/event-stream")
+                  and "Content-Encoding" not in upstream.headers)
+        loop = asyncio.get_running_loop()
+        tail = b""  # the start of an event not yet whole (framed only)
+        try:
+            await send({"type": "http.response.start", "status": upstream.status,
+                        "headers": headers})
+            while chunk:
+                if framed and (tail or not chunk.endswith(_EVENT_ENDS)):
+                    chunk, tail = _whole_events(tail + chunk)
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                watch.read_since = loop.time()
+                chunk = await content.readany()
+                watch.read_since = 0.0
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("replica %s broke off mid-stream: %s", ep.replica_id,
+                           exc or type(exc).__name__)
+            self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
+            await _end_badly(send, framed, f"Replica {ep.replica_id} broke off the stream.",
+                             "upstream_error")
+            return 502
+        except asyncio.CancelledError:
+            why = watch.caught()
+            if why is None:
+                raise
+            if why is Why.CLIENT_GONE:
+                return CLIENT_GONE
+            if why is Why.IDLE:
+                self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
+                message = (f"Replica {ep.replica_id} sent nothing for "
+                           f"{self._timeouts.idle:g} s.")
+            else:
+                message = f"The request did not finish within {self._timeouts.request:g} s."
+            logger.warning("stream from replica %s ended: %s", ep.replica_id, message)
+            await _end_badly(send, framed, message, "upstream_timeout")
+            return 504
+        watch.close()
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        return upstream.status
+
+
+def _passed_on(upstream: aiohttp.ClientResponse, ep: Endpoint) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-llmgw-replica", ep.replica_id.encode())]
+    encoding = upstream.headers.get("Content-Encoding")
+    if encoding is not None:  # bytes pass as the engine encoded them
+        headers.append((b"content-encoding", encoding.encode()))
+    return headers
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` cut after its last complete SSE event: (whole events, the rest)."""
+    cut = max(data.rfind(end) + len(end) if end in data else 0 for end in _EVENT_ENDS)
+    return data[:cut], data[cut:]
+
+
+async def _end_badly(send: Send, framed: bool, message: str, code: str) -> None:
+    if framed:
+        await send({"type": "http.response.body", "body": error_event(message, code),
+                    "more_body": False})
+    # Else (a compressed or non-SSE body) the response is left incomplete:
+    # the server closes the connection without the final chunk, which every
+    # HTTP client reports as an error rather than a short answer.

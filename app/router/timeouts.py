@@ -1,0 +1,142 @@
+"""The limits on one request's life, and the watch that enforces them.
+
+`Watch` ends a request's work by cancelling the task that serves it, for one
+of four reasons (`Why`): the client went away, the request's deadline passed,
+a stream's first byte did not come in time, or a stream went silent. One
+watch per request, armed once its body is read: one listener task on the
+ASGI `receive` and one timer handle. The per-chunk cost of a stream is two
+attribute writes (`read_since`), not a timer per chunk.
+
+Why a self-cancelling watch rather than `asyncio.wait({upstream,
+disconnected})` as Starlette does: the work stays in the request's own task
+(no second task per plain request), and the same mechanism serves the
+timeouts. Cancelling the task closes the engine's connection wherever it
+waits (connecting, waiting for headers, reading), which is how the engine
+learns to stop (vLLM aborts a request whose connection closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds; see app/settings.py ("router") for what each value costs."""
+
+    connect: float = 5.0
+    first_byte: float = 300.0
+    idle: float = 60.0
+    request: float = 600.0
+    cooldown: float = 5.0
+
+
+class Why(enum.Enum):
+    """Why a watch ended a request."""
+
+    CLIENT_GONE = "client gone"
+    DEADLINE = "deadline"
+    FIRST_BYTE = "first byte"
+    IDLE = "idle"
+
+
+class Watch:
+    """Cancels the current task when its client leaves or a limit expires.
+
+    The task catches the `CancelledError` and asks `caught()` why: a reason
+    means the watch did it (the cancellation is then withdrawn, so the task
+    can still answer), None means someone else did (server shutdown), and
+    the error must propagate. `close()` disarms it before the final message
+    of a response: an ASGI server's `receive` answers `http.disconnect` once
+    the response is complete, which must not read as a client leaving.
+
+    Streams: `expect_first_byte()` when a stream attempt starts; then the
+    relay sets `read_since` to the loop's time before each upstream read and
+    to 0.0 after it. A read pending longer than the limit (first byte, then
+    idle) expires; time spent sending to a slow client does not count.
+    """
+
+    __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listener", "_loop", "_task",
+                 "_timeouts", "_timer", "read_since", "why")
+
+    def __init__(self, receive: Receive, timeouts: Timeouts, started: float) -> None:
+        """`started`: the loop's time at the request's arrival."""
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None, "a Watch runs inside the request's task"
+        self._task = task
+        self._timeouts = timeouts
+        self._deadline = started + timeouts.request
+        self._limit = 0.0  # the pending read's limit; 0: reads are not timed
+        self._first = False  # the limit is the first byte's, not idle
+        self.read_since = 0.0
+        self.why: Why | None = None
+        self._armed = True
+        self._timer = self._loop.call_at(self._deadline, self._check)
+        self._listener = asyncio.ensure_future(_disconnect(receive))
+        self._listener.add_done_callback(self._left)
+
+    def expect_first_byte(self) -> None:
+        """A stream attempt starts: its first body byte is due within the limit."""
+        self._limit = self._timeouts.first_byte
+        self._first = True
+        self.read_since = self._loop.time()
+        self._schedule(self.read_since + self._limit)
+
+    def streaming(self) -> None:
+        """The first byte came: from now on no read may stay pending `idle` seconds."""
+        self._limit = self._timeouts.idle
+        self._first = False
+        self.read_since = 0.0
+        self._schedule(self._loop.time() + self._limit)
+
+    def caught(self) -> Why | None:
+        """After a CancelledError: why the watch cancelled, or None if it did not."""
+        if self.why is None:
+            return None
+        self._task.uncancel()
+        self.close()
+        return self.why
+
+    def close(self) -> None:
+        if self._armed:
+            self._armed = False
+            self._timer.cancel()
+            self._listener.cancel()
+
+    def _fire(self, why: Why) -> None:
+        if self._armed and self.why is None:
+            self.why = why
+            self._timer.cancel()
+            self._task.cancel()
+
+    def _left(self, f: asyncio.Future[None]) -> None:
+        if not f.cancelled():
+            f.exception()  # retrieved: a failing receive also means the client is gone
+            self._fire(Why.CLIENT_GONE)
+
+    def _schedule(self, due: float) -> None:
+        self._timer.cancel()
+        self._timer = self._loop.call_at(min(due, self._deadline), self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if now >= self._deadline:
+            self._fire(Why.DEADLINE)
+        elif not self._limit:
+            self._schedule(self._deadline)
+        elif self.read_since and now - self.read_since >= self._limit:
+            self._fire(Why.FIRST_BYTE if self._first else Why.IDLE)
+        else:  # a read pending for less than its limit, or none pending (sending)
+            self._schedule((self.read_since or now) + self._limit)
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

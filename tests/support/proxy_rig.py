@@ -1,0 +1,253 @@
+"""The /v1 proxy in-process: a route table filled by hand, engines stood in by
+aiohttp.web apps on loopback ports, the ASGI app called directly (through
+httpx.ASGITransport, or by hand where a test must see or cut a stream).
+The proxy's own aiohttp client code does the forwarding; its session comes
+from an injected factory that also records every attempt it makes."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import json
+import socket
+import zlib
+from typing import Any
+
+import aiohttp
+import httpx
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from app.router.proxy import Proxy
+from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
+from app.router.timeouts import Timeouts
+
+CLIENT_KEY = "sk-client-key-0123456789"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hello"}]
+# Two SSE events, the second torn: what an engine dying mid-write leaves.
+TORN = b'data: {"n": 1}\n\ndata: {"n": 2, "te'
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Upstream:
+    """An engine stand-in that records what reached it (any path).
+
+    mode: "ok" answers JSON naming itself; "502"/"503" answer that status
+    (after `delay` seconds); "gzip" answers JSON gzip-compressed when the
+    request accepts gzip; "gzip-stream" likewise as SSE; "hold" never
+    answers; "stream" sends one SSE chunk, then the rest once `release` is
+    set; "endless" streams until the connection closes; "silent" sends one
+    chunk, then nothing; "silent-start" sends headers, then nothing; "die"
+    sends `TORN` and drops the connection; "die-early" sends headers and
+    drops it; "die-plain" sends half a JSON answer and drops it. `closed` is
+    set when a held connection is closed by the proxy.
+    """
+
+    def __init__(self, name: str, mode: str, delay: float = 0.0) -> None:
+        self.name, self.mode, self.delay = name, mode, delay
+        self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.paths: list[str] = []  # path and query string of each request
+        self.release = asyncio.Event()
+        self.arrived = asyncio.Event()  # a request reached this engine
+        self.closed = asyncio.Event()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # aiohttp lets a handler run on when its client leaves, unless told:
+        # vLLM does stop (it listens for the disconnect).
+        self.server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.paths.append(request.path_qs)
+        body = await request.json() if request.can_read_body else {}
+        self.seen.append((dict(request.headers), body))
+        self.arrived.set()
+        try:
+            return await self._answer(request, body)
+        except (asyncio.CancelledError, ConnectionResetError):  # the proxy closed it
+            self.closed.set()
+            raise
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        gzipped = "gzip" in request.headers.get("Accept-Encoding", "")
+        if self.mode in ("502", "503"):
+            return web.json_response({"error": "busy"}, status=int(self.mode))
+        if self.mode == "ok":
+            return web.json_response({"served_by": self.name, "model": body.get("model")})
+        if self.mode == "gzip":
+            raw = json.dumps({"served_by": self.name, "pad": "x" * 200}).encode()
+            if not gzipped:
+                return web.Response(body=raw, content_type="application/json")
+            return web.Response(body=gzip.compress(raw), content_type="application/json",
+                                headers={"Content-Encoding": "gzip"})
+        if self.mode == "hold":
+            await asyncio.Event().wait()  # ends only by cancellation
+        if self.mode == "die-plain":
+            resp = web.StreamResponse(headers={"Content-Type": "application/json",
+                                               "Content-Length": "100"})
+            await resp.prepare(request)
+            await resp.write(b'{"served_by": ')
+            return self._drop(request, resp)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if self.mode == "gzip-stream" and gzipped:
+            resp.headers["Content-Encoding"] = "gzip"
+        await resp.prepare(request)
+        if self.mode == "gzip-stream":
+            packer = zlib.compressobj(wbits=31) if gzipped else None
+            for event in (b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"):
+                if packer is not None:
+                    event = packer.compress(event) + packer.flush(zlib.Z_SYNC_FLUSH)
+                await resp.write(event)
+            if packer is not None:
+                await resp.write(packer.flush())
+            await resp.write_eof()
+            return resp
+        if self.mode == "die-early":
+            return self._drop(request, resp)
+        if self.mode == "die":
+            await resp.write(TORN)
+            return self._drop(request, resp)
+        if self.mode == "stream":
+            await resp.write(b'data: {"n": 1}\n\n')
+            await self.release.wait()
+            await resp.write(b'data: {"n": 2}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        if self.mode == "silent":  # one chunk, then nothing, like a stalled engine
+            await resp.write(b'data: {"n": 1}\n\n')
+        if self.mode in ("silent", "silent-start"):
+            await asyncio.Event().wait()  # ends only by cancellation
+        while True:  # endless, until cancelled
+            await resp.write(b'data: {"tick": 1}\n\n')
+            await asyncio.sleep(0.01)
+
+    def _drop(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        """Drops the connection mid-answer, as an engine process dying does."""
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+
+class Observed:
+    """A `RequestObserver` that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self.any = asyncio.Event()
+
+    def observe(self, model: str, status: int, seconds: float) -> None:
+        self.seen.append((model, status))
+        self.any.set()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Rig:
+    """A proxy over a hand-filled table, its upstreams, and what its session tried."""
+
+    def __init__(self, timeouts: Timeouts | None = None) -> None:
+        self.clock = FakeClock()  # the route table's (cooldowns)
+        self.table = RouteTable(clock=self.clock)
+        self.table.set_catalog([CatalogEntry("small", ("tiny",), 1),
+                                CatalogEntry("other", (), 2)])
+        self.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "tests")})
+        self.attempts: list[str] = []  # every URL the proxy's session posted to
+        self.upstreams: list[Upstream] = []
+        self.observed = Observed()
+        self.timeouts = timeouts or Timeouts(connect=2, first_byte=10, idle=10, request=10,
+                                             cooldown=5)
+        trace = aiohttp.TraceConfig()
+
+        async def on_start(_s: object, _c: object, params: aiohttp.TraceRequestStartParams
+                           ) -> None:
+            self.attempts.append(str(params.url))
+
+        trace.on_request_start.append(on_start)
+        self.proxy = Proxy(
+            self.table, hash_key, self.timeouts, observer=self.observed,
+            session_factory=lambda timeout: aiohttp.ClientSession(
+                timeout=timeout, auto_decompress=False, trace_configs=[trace]),
+        )
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.proxy),
+                                      base_url="http://gateway")
+
+    async def upstream(self, name: str, mode: str = "ok", delay: float = 0.0) -> Upstream:
+        up = Upstream(name, mode, delay)
+        await up.server.start_server()
+        self.upstreams.append(up)
+        return up
+
+    def route(self, model: str, *eps: tuple[str, str]) -> None:
+        """Routes `model` to (replica id, url) pairs; replica X's engine key is "engine-key-X"."""
+        self.table.set_endpoints({model: [Endpoint(rid, url, f"engine-key-{rid}")
+                                          for rid, url in eps]})
+
+    async def chat(self, model: str, key: str | None = CLIENT_KEY) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        return await self.http.post(CHAT, json={"model": model, "messages": MESSAGES},
+                                    headers=headers)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.proxy.stop()
+        for up in self.upstreams:
+            await up.server.close()
+
+
+class AsgiCall:
+    """One POST driven through the ASGI app by hand, to see and cut a stream."""
+
+    def __init__(self, proxy: Proxy, body: dict[str, Any], path: str = CHAT) -> None:
+        self.sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.leave = asyncio.Event()  # set: the client disconnects
+        self._body: bytes | None = json.dumps(body).encode()
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+                 "headers": [(b"authorization", f"Bearer {CLIENT_KEY}".encode()),
+                             (b"content-type", b"application/json")]}
+        self.task = asyncio.create_task(proxy(scope, self._receive, self._send))
+
+    async def _receive(self) -> dict[str, Any]:
+        if self._body is not None:
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: Any) -> None:
+        await self.sent.put(dict(message))
+
+    async def next(self) -> dict[str, Any]:
+        return await asyncio.wait_for(self.sent.get(), 2)
+
+    async def rest(self) -> bytes:
+        """The body from here to the response's end."""
+        body = b""
+        while True:
+            msg = await self.next()
+            body += msg.get("body", b"")
+            if not msg.get("more_body", False):
+                return body
+
+
+def refused_port() -> int:
+    """A loopback port nothing listens on: a connection to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
