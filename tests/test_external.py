@@ -148,6 +148,8 @@ async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key
             assert r.json()["choices"][0]["message"]["content"] == "hi"
         assert [(x["path"], x["auth"]) for x in seen] == [
             ("/v1/chat/completions", "Bearer sk-provider-key")]
+        # The provider is asked for its own name of the model, not ours.
+        assert seen[0]["body"]["model"] == "gpt-x"
     finally:
         await gw.stop()
         await runner.cleanup()

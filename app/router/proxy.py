@@ -151,7 +151,7 @@ class Proxy:
             watch = Watch(receive, self._timeouts, started)
             try:
                 outcome.status = await self._upstreams.forward(
-                    watch, model, url_tail, json.dumps(body).encode(), accept_encoding,
+                    watch, model, url_tail, body, accept_encoding,
                     body.get("stream") is True, send)
             finally:
                 watch.close()

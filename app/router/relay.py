@@ -22,7 +22,9 @@ client, so a failure can still be retried or answered with a plain error.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from typing import Any
 
 import aiohttp
 from yarl import URL
@@ -55,13 +57,17 @@ class Upstreams:
         self._timeouts = timeouts
         self.session: aiohttp.ClientSession | None = None
 
-    async def forward(self, watch: Watch, model: str, url_tail: str, payload: bytes,
+    async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                       accept_encoding: str, stream: bool, send: Send) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
-        `url_tail`: the path and query string to ask the engine for.
+        `url_tail`: the path and query string to ask the engine for. `body`'s
+        model is the catalog name, which our engines serve; an external
+        model's endpoint names the provider's model instead (encoded for
+        that attempt only).
         """
         assert self.session is not None, "Proxy.start() was not awaited"
+        payload = json.dumps(body).encode()
         tried: set[str] = set()
         last_error = ""
         for _ in range(_MAX_ATTEMPTS):
@@ -74,8 +80,10 @@ class Upstreams:
             try:
                 if stream:
                     watch.expect_first_byte()
+                data = payload if not ep.upstream_model else json.dumps(
+                    body | {"model": ep.upstream_model}).encode()
                 upstream = await self.session.post(
-                    URL(ep.url + url_tail, encoded=True), data=payload,
+                    URL(ep.url + url_tail, encoded=True), data=data,
                     headers={"Authorization": f"Bearer {ep.key}",
                              "Content-Type": "application/json",
                              # Ours to pass on (auto_decompress=False): the
