@@ -118,8 +118,11 @@ class Publisher:
                 why.setdefault(rep.model, []).append(
                     f"replica {rid} is {phase} on {rep.node}{detail}")
             else:
-                endpoints.setdefault(rep.model, []).append(
-                    Endpoint(rid, st.url, engine_key(self._secret, rid)))
+                prof = next((p for p in models[rep.model].profile_list
+                             if p.name == rep.profile), None)
+                endpoints.setdefault(rep.model, []).append(Endpoint(
+                    rid, st.url, engine_key(self._secret, rid),
+                    priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0))
         for name, spec in sorted(models.items()):
             ext = spec.external
             if ext is None:

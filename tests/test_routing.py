@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -173,3 +174,35 @@ def test_an_engine_killed_mid_stream_makes_the_openai_client_raise(
     assert caught.value.body == {"message": caught.value.message, "type": "server_error",
                                  "param": None, "code": "upstream_error"}
     wait_for(lambda: requests_counted(gw_url, "slow", 502) == 1, 5, "a 502 counted")
+
+
+def test_sessions_stick_to_a_replica_and_routes_explain_the_choice(cluster: Cluster) -> None:
+    gw = cluster.gateway("gw-a")
+    cluster.agent("node-1", [gw], "--gpus", "2")
+    key = make_key(gw)
+    put_model(gw, "m", {"model": "acme/m", "gpus": 1, "replicas": {"min": 2, "max": 2}})
+    wait_for(lambda: len([r for r in replicas(gw) if r["phase"] == "ready"]) == 2, 30,
+             "two ready replicas")
+
+    def explained() -> list[dict[str, Any]] | None:
+        with gw.admin() as admin:
+            rows = admin.get("/admin/routes", params={"model": "m"}).json()["endpoints"]
+        # Both routed, with the engines' own counts polled from their /metrics.
+        return rows if len(rows) == 2 and all(r["engine"] for r in rows) else None
+
+    rows = wait_for(explained, 15, "both endpoints with engine loads")
+    assert {r["why"] for r in rows} == {"candidate"}
+    assert abs(sum(float(r["affinity_share"]) for r in rows) - 1.0) < 1e-6
+
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+    def served_by(session: str) -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Session-Id": session})
+        return raw.headers["x-llmgw-replica"]
+
+    for session in ("alice", "bob"):
+        assert len({served_by(session) for _ in range(8)}) == 1  # one replica per session
+    homes = {served_by(f"user-{i}") for i in range(16)}
+    assert homes == {r["replica"] for r in rows}  # sessions spread over both

@@ -210,6 +210,16 @@ def routes(gw: Gateway) -> APIRouter:
             out.append(node.model_dump() | {"replicas": mine})
         return out
 
+    @r.get("/routes")
+    async def routes_for(model: str) -> dict[str, Any]:
+        """How this gateway routes `model` now: each endpoint's load, cooldown,
+        affinity share, and whether it is being chosen and why (not)."""
+        name = gw.table.resolve(model)
+        if name is None:
+            raise Problem(404, "No such model", f"no model or alias {model!r} is routed here")
+        return {"gateway": gw.settings.gateway_id, "model": name,
+                "endpoints": gw.table.explain(name), "unavailable": gw.table.unavailable(name)}
+
     @r.get("/replicas")
     async def replicas() -> list[dict[str, Any]]:
         statuses = gw.mirror.statuses()

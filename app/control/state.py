@@ -153,6 +153,9 @@ class Profile(BaseModel):
         description="extra engine flags, each '--name' or '--name=value'; flags llmgw sets "
                     "itself (host, port, served model name, keys...) are refused")
     priority: int = Field(default=0, ge=0, le=1000, description="higher is routed to first")
+    weight: float = Field(
+        default=1.0, gt=0, le=1000,
+        description="share of its priority's requests, relative to other profiles' replicas")
     pool: str = Field(
         default="default", max_length=64, description="the pool its replicas count in")
 

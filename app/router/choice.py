@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -146,15 +147,17 @@ def choose(
         return Choice(level[0].replica_id, "fallback" if all_saturated else "only")
     c = costs(level, inflight, loads)
     if affinity is not None:
-        # Bounded loads: no replica takes more than `bound` x the mean (+1,
-        # so that an idle tier still admits a request).
-        limit = bound * (sum(c.values()) + 1) / len(level)
+        # Bounded loads: no replica takes more than `bound` x the mean load,
+        # this request included, rounded up (so an idle tier admits it).
+        limit = math.ceil(bound * (sum(c.values()) + 1) / len(level))
         order = ring_order([x.replica_id for x in level], affinity)
         for i, rid in enumerate(order):
             if c[rid] + 1 <= limit:
                 return Choice(rid, "affinity" if i == 0 else "affinity-bounded")
-    a, b = _draw(level, rand), _draw(level, rand)
-    best = min((a, b), key=lambda x: (c[x.replica_id] / x.weight, x.replica_id))
+    a = _draw(level, rand)
+    b = _draw([x for x in level if x is not a], rand)
+    # A tie goes to the first drawn: idle replicas share the requests.
+    best = b if c[b.replica_id] / b.weight < c[a.replica_id] / a.weight else a
     return Choice(best.replica_id, "fallback" if all_saturated else "p2c")
 
 
@@ -187,3 +190,19 @@ def affinity_key(body: Mapping[str, object], session: str | None) -> str | None:
     if isinstance(prompt, str) and len(prompt) >= 64:
         return "p:" + hashlib.blake2b(prompt[:1024].encode(), digest_size=16).hexdigest()
     return None
+
+
+def ring_shares(replicas: Sequence[str]) -> dict[str, float]:
+    """The fraction of affinity keys each replica owns on the ring (before
+    the load bound moves any): what `explain` reports as affinity share."""
+    if not replicas:
+        return {}
+    points = sorted((_point(f"{r}#{i}"), r) for r in replicas for i in range(RING_POINTS))
+    span = 2.0 ** 64
+    shares = dict.fromkeys(replicas, 0.0)
+    for i, (p, r) in enumerate(points):
+        # A key maps to the first point at or after it: point i owns the arc
+        # from the previous point (exclusive) up to itself.
+        prev = points[i - 1][0] if i else points[-1][0] - int(span)
+        shares[r] += (p - prev) / span
+    return shares

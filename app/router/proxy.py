@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from app.router.choice import affinity_key
+from app.router.engine_load import EngineLoadPoller
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
@@ -107,6 +109,9 @@ class Proxy:
         self._timeouts = timeouts
         self._upstreams = Upstreams(table, timeouts)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Engines' own load, read off the request path with our session.
+        self.loads = EngineLoadPoller(table, lambda: self._upstreams.session)
+        self._polling: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -114,8 +119,13 @@ class Proxy:
         # whole, across its attempts, and a stream's reads by phase.
         self._upstreams.session = self._session_factory(
             aiohttp.ClientTimeout(sock_connect=self._timeouts.connect))
+        self._polling = asyncio.create_task(self.loads.run(), name="engine-loads")
 
     async def stop(self) -> None:
+        if self._polling is not None:
+            self._polling.cancel()
+            await asyncio.gather(self._polling, return_exceptions=True)
+            self._polling = None
         if self._upstreams.session is not None:
             await self._upstreams.session.close()
             self._upstreams.session = None
@@ -128,7 +138,7 @@ class Proxy:
         started = self._loop.time()
         outcome = _Outcome()
         try:
-            token, accept_encoding = _headers(scope)
+            token, accept_encoding, session = _headers(scope)
             grant = self._authenticate(token)
             if path == "/v1/models" or path.startswith("/v1/models/"):
                 if method != "GET":
@@ -150,9 +160,14 @@ class Proxy:
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
             watch = Watch(receive, self._timeouts, started)
             try:
+                # OpenAI's own `prompt_cache_key` names a conversation too.
+                cache_key = body.get("prompt_cache_key")
+                affinity = affinity_key(
+                    body, session or (cache_key if isinstance(cache_key, str) else None),
+                ) if len(self._table.endpoints(model)) > 1 else None
                 outcome.status = await self._upstreams.forward(
                     watch, model, url_tail, body, accept_encoding,
-                    body.get("stream") is True, send)
+                    body.get("stream") is True, send, affinity)
             finally:
                 watch.close()
         except Reply as r:
@@ -229,9 +244,11 @@ class _Outcome:
         self.status = 500
 
 
-def _headers(scope: Scope) -> tuple[str, str]:
-    """The client's bearer token ("" if none) and the encodings it accepts."""
+def _headers(scope: Scope) -> tuple[str, str, str | None]:
+    """The client's bearer token ("" if none), the encodings it accepts, and
+    the session it names (`X-Session-Id`), if any."""
     authorization: bytes | None = None
+    session: str | None = None
     # Sent to the engine as the client's: our session does not decompress
     # (auto_decompress=False), so an engine must not compress for a client
     # that cannot read it. None given: identity, as HTTP means it.
@@ -242,10 +259,12 @@ def _headers(scope: Scope) -> tuple[str, str]:
                 authorization = value
         elif name == b"accept-encoding":
             accept_encoding = value.decode("latin-1")
+        elif name == b"x-session-id":
+            session = value.decode("latin-1")[:256]
     if authorization is None:
-        return "", accept_encoding
+        return "", accept_encoding, session
     scheme, _, rest = authorization.decode("latin-1").partition(" ")
-    return (rest.strip() if scheme.lower() == "bearer" else ""), accept_encoding
+    return (rest.strip() if scheme.lower() == "bearer" else ""), accept_encoding, session
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -58,7 +58,8 @@ class Upstreams:
         self.session: aiohttp.ClientSession | None = None
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                      accept_encoding: str, stream: bool, send: Send) -> int:
+                      accept_encoding: str, stream: bool, send: Send,
+                      affinity: str | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
@@ -71,7 +72,7 @@ class Upstreams:
         tried: set[str] = set()
         last_error = ""
         for _ in range(_MAX_ATTEMPTS):
-            ep = self._table.choose(model, tried)
+            ep = self._table.choose(model, tried, affinity)
             if ep is None:
                 break
             tried.add(ep.replica_id)

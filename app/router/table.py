@@ -15,10 +15,13 @@ requests that follow do not each pay for finding it dead.
 
 from __future__ import annotations
 
-import itertools
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from app.router import choice
+from app.router.choice import EngineLoad
 
 # Longest reason `set_unavailable` keeps: a log tail is not a 503 message.
 REASON_MAX = 300
@@ -34,6 +37,10 @@ class Endpoint:
     # The model name to send upstream instead of the catalog name: an
     # external model's name at its provider. Empty: the catalog name.
     upstream_model: str = ""
+    # From the replica's profile: a higher priority is chosen first; weights
+    # share a priority's requests (see choice.py).
+    priority: int = 0
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,10 @@ class RouteTable:
         self._keys: dict[str, KeyGrant] = {}
         self._unavailable: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
-        self._rr = itertools.count()
+        self._loads: dict[str, EngineLoad] = {}
+        # Engine counts older than this are unknown (a poll every second).
+        self.stale_after = 3.0
+        self.rand: Callable[[], float] = random.random
 
     # --- fed by the control side (the sinks of DESIGN invariant 8) ----------
 
@@ -81,6 +91,13 @@ class RouteTable:
 
     def set_endpoints(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
         self._endpoints = {m: tuple(eps) for m, eps in endpoints.items()}
+
+    def set_loads(self, loads: Mapping[str, EngineLoad]) -> None:
+        """The engines' own counts, by replica id (engine_load.py)."""
+        self._loads = dict(loads)
+
+    def all_endpoints(self) -> list[Endpoint]:
+        return [ep for eps in self._endpoints.values() for ep in eps]
 
     def set_client_keys(self, keys: Mapping[str, KeyGrant]) -> None:
         self._keys = dict(keys)
@@ -126,22 +143,71 @@ class RouteTable:
     def inflight(self, replica_id: str) -> int:
         return self._inflight.get(replica_id, 0)
 
-    def choose(self, model: str, exclude: set[str]) -> Endpoint | None:
-        """Least in-flight among ready replicas; ties go round-robin.
+    def choose(self, model: str, exclude: set[str],
+               affinity: str | None = None) -> Endpoint | None:
+        """A ready replica of `model` not in `exclude`, by choice.choose():
+        priority tiers, prompt affinity within a bound, else the less loaded
+        of two drawn by weight.
 
         Replicas cooling down are passed over unless no other is left: a
         cooled replica is still better than a 503 (its failure may have been
         one request's bad luck).
         """
         eps = [e for e in self._endpoints.get(model, ()) if e.replica_id not in exclude]
-        if not eps:
-            return None
+        if len(eps) <= 1:
+            return eps[0] if eps else None
         if self._cooling:  # empty in the common case: no clock read per request
             warm = self._warm(eps)
             eps = warm or eps
-        start = next(self._rr) % len(eps)
-        rotated = eps[start:] + eps[:start]
-        return min(rotated, key=lambda e: self._inflight.get(e.replica_id, 0))
+            if len(eps) == 1:
+                return eps[0]
+        picked = choice.choose(
+            [choice.Candidate(e.replica_id, e.priority, e.weight) for e in eps],
+            self._inflight, self._fresh_loads(eps),
+            affinity=affinity, rand=self.rand)
+        assert picked is not None
+        return next(e for e in eps if e.replica_id == picked.replica_id)
+
+    def _fresh_loads(self, eps: Sequence[Endpoint]) -> dict[str, EngineLoad | None]:
+        if not self._loads:
+            return {}
+        now = self._clock()
+        return {e.replica_id: choice.fresh(self._loads.get(e.replica_id), now, self.stale_after)
+                for e in eps}
+
+    def explain(self, model: str) -> list[dict[str, object]]:
+        """Each endpoint of `model` as this gateway sees it, and whether it is
+        being chosen and why not (GET /admin/routes)."""
+        eps = list(self._endpoints.get(model, ()))
+        cooling = self.cooldowns()
+        loads = self._fresh_loads(eps)
+        cands = [choice.Candidate(e.replica_id, e.priority, e.weight) for e in eps
+                 if e.replica_id not in cooling]
+        level, all_saturated = choice.tier(cands, loads)
+        in_tier = {c.replica_id for c in level}
+        costs = choice.costs(cands, self._inflight, loads)
+        shares = choice.ring_shares([c.replica_id for c in level])
+        out: list[dict[str, object]] = []
+        for e in eps:
+            rid = e.replica_id
+            load = loads.get(rid)
+            if rid in cooling:
+                why = f"cooling down ({cooling[rid]:.1f} s left) after a failure"
+            elif rid not in in_tier:
+                why = ("saturated" if choice.saturated(load)
+                       else "a higher priority has room")
+            else:
+                why = "candidate" + (" (every tier saturated)" if all_saturated else "")
+            out.append({
+                "replica": rid, "url": e.url, "priority": e.priority, "weight": e.weight,
+                "inflight": self._inflight.get(rid, 0),
+                "engine": None if load is None else {
+                    "running": load.running, "waiting": load.waiting,
+                    "kv_cache": load.kv_cache},
+                "cost": costs.get(rid), "affinity_share": shares.get(rid, 0.0),
+                "cooldown": cooling.get(rid), "chosen": rid in in_tier, "why": why,
+            })
+        return out
 
     def cool_down(self, replica_id: str, seconds: float) -> None:
         """`choose()` passes `replica_id` over for `seconds` while others are left."""

@@ -165,6 +165,9 @@ class Rig:
     def __init__(self, timeouts: Timeouts | None = None) -> None:
         self.clock = FakeClock()  # the route table's (cooldowns)
         self.table = RouteTable(clock=self.clock)
+        # Draws always start at the first endpoint: with equal loads the
+        # first listed is tried first, so retry order is known.
+        self.table.rand = lambda: 0.0
         self.table.set_catalog([CatalogEntry("small", ("tiny",), 1),
                                 CatalogEntry("other", (), 2)])
         self.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "tests")})

@@ -1,0 +1,181 @@
+"""Choosing a replica: priorities, weights, engine load, prompt affinity.
+Pure functions, plus the poller that reads engines' /metrics, in-process."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from app.router.choice import (
+    Candidate,
+    EngineLoad,
+    affinity_key,
+    choose,
+    ring_order,
+    ring_shares,
+)
+from app.router.engine_load import EngineLoadPoller, parse_vllm_metrics
+from app.router.table import Endpoint, RouteTable
+
+NOW = 100.0
+
+
+def idle(at: float = NOW) -> EngineLoad:
+    return EngineLoad(0, 0, 0.1, at)
+
+
+def seeded(seed: int = 7) -> random.Random:
+    return random.Random(seed)
+
+
+def picks(cands: list[Candidate], loads: dict[str, EngineLoad | None], n: int = 2000,
+          inflight: dict[str, int] | None = None) -> collections.Counter[str]:
+    rnd = seeded()
+    out: collections.Counter[str] = collections.Counter()
+    for _ in range(n):
+        c = choose(cands, inflight or {}, loads, rand=rnd.random)
+        assert c is not None
+        out[c.replica_id] += 1
+    return out
+
+
+def test_a_lower_priority_is_used_only_when_every_higher_one_is_saturated() -> None:
+    cands = [Candidate("big-1", priority=10), Candidate("big-2", priority=10),
+             Candidate("spare", priority=1)]
+    assert set(picks(cands, {"big-1": idle(), "big-2": idle(), "spare": idle()})) == {
+        "big-1", "big-2"}
+    full = EngineLoad(30, 12, 0.99, NOW)
+    only_one = picks(cands, {"big-1": full, "big-2": idle(), "spare": idle()})
+    assert set(only_one) == {"big-2"}  # its tier still has room
+    spill = picks(cands, {"big-1": full, "big-2": full, "spare": idle()})
+    assert set(spill) == {"spare"}
+    everyone = choose(cands, {}, {"big-1": full, "big-2": full, "spare": full},
+                      rand=seeded().random)
+    assert everyone is not None and everyone.why == "fallback"
+
+
+def test_weights_share_a_priority_in_proportion() -> None:
+    cands = [Candidate("a", weight=3.0), Candidate("b", weight=1.0)]
+    # Equal loads everywhere: only the draws decide, by weight.
+    counts = picks(cands, {}, n=4000)
+    assert 0.70 < counts["a"] / 4000 < 0.80, counts
+
+
+def test_the_less_loaded_of_two_wins_and_unknown_load_is_not_idle() -> None:
+    cands = [Candidate("busy"), Candidate("calm"), Candidate("quiet")]
+    loads: dict[str, EngineLoad | None] = {
+        "busy": EngineLoad(20, 5, 0.5, NOW), "calm": EngineLoad(1, 0, 0.1, NOW),
+        "quiet": None}  # its metrics went stale
+    counts = picks(cands, loads)
+    # "busy" can win only against... nothing: it is the most loaded known;
+    # "quiet" is charged like "busy", so "calm" wins every draw it is in.
+    assert counts["busy"] == 0 or counts["busy"] < counts["calm"]
+    assert counts["calm"] > counts["quiet"] and counts["calm"] > 1000, counts
+    # Without any known load, in-flight requests on this gateway decide.
+    counts = picks(cands, {}, inflight={"busy": 9, "calm": 0, "quiet": 9})
+    assert counts["calm"] > 1000
+
+
+def test_a_conversation_sticks_to_one_replica_until_it_is_past_the_bound() -> None:
+    cands = [Candidate(f"r{i}") for i in range(4)]
+    loads = {c.replica_id: idle() for c in cands}
+    first = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": "Plan a trip to Lisbon."}]
+    later = [*first, {"role": "assistant", "content": "Sure."},
+             {"role": "user", "content": "And Porto?"}]
+    key = affinity_key({"messages": first}, None)
+    assert key is not None and key == affinity_key({"messages": later}, None)
+    home = ring_order([c.replica_id for c in cands], key)[0]
+    for _ in range(20):
+        c = choose(cands, {}, loads, affinity=key, rand=seeded().random)
+        assert c is not None and (c.replica_id, c.why) == (home, "affinity")
+    # Its replica loaded far past the tier's mean: the next on the ring takes it.
+    heavy = {**loads, home: EngineLoad(40, 0, 0.5, NOW)}
+    c = choose(cands, {}, heavy, affinity=key, rand=seeded().random)
+    assert c is not None and c.replica_id != home and c.why == "affinity-bounded"
+    assert c.replica_id == ring_order([x.replica_id for x in cands], key)[1]
+    # Another conversation (or session id) lands elsewhere, roughly evenly.
+    homes = collections.Counter(
+        ring_order([x.replica_id for x in cands], affinity_key({}, f"s{i}") or "")[0]
+        for i in range(400))
+    assert len(homes) == 4 and min(homes.values()) > 50, homes
+    shares = ring_shares([x.replica_id for x in cands])
+    assert abs(sum(shares.values()) - 1.0) < 1e-9 and min(shares.values()) > 0.1
+
+
+def test_a_table_uses_fresh_engine_loads_only() -> None:
+    clock = itertools.count(NOW).__next__
+    table = RouteTable(clock=lambda: float(clock()))
+    a, b = Endpoint("a", "http://a", "ka"), Endpoint("b", "http://b", "kb")
+    table.set_endpoints({"m": [a, b]})
+    table.rand = seeded().random
+    table.set_loads({"a": EngineLoad(0, 0, 0.1, NOW), "b": EngineLoad(50, 20, 0.9, NOW)})
+    assert {table.choose("m", set()) for _ in range(3)} == {a}  # fresh: b is busy
+    table.stale_after = 0.5  # the clock moves a second per read: both stale now
+    assert {table.choose("m", set()) for _ in range(40)} == {a, b}
+    rows = {r["replica"]: r for r in table.explain("m")}
+    assert rows["a"]["why"] == "candidate" and rows["a"]["engine"] is None
+
+
+METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:prompt_tokens_total{model_name="m"} 1234.0
+"""
+
+
+def test_vllm_metrics_are_summed_over_engines() -> None:
+    assert parse_vllm_metrics(METRICS, 5.0) == EngineLoad(5.0, 4.0, 0.5, 5.0)
+    old = METRICS.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
+    assert parse_vllm_metrics(old, 5.0) == EngineLoad(5.0, 4.0, 0.5, 5.0)
+    assert parse_vllm_metrics("# nothing\nprocess_cpu_seconds_total 3\n", 5.0) is None
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[TestServer, TestServer]]:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=METRICS, content_type="text/plain")
+
+    async def missing(request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+    vllm, llama = web.Application(), web.Application()
+    vllm.router.add_get("/metrics", metrics)
+    llama.router.add_get("/metrics", missing)
+    servers = TestServer(vllm, host="127.0.0.1"), TestServer(llama, host="127.0.0.1")
+    for s in servers:
+        await s.start_server()
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            await s.close()
+
+
+async def test_the_poller_reads_each_engines_load_into_the_table(
+    engines: tuple[TestServer, TestServer],
+) -> None:
+    vllm, llama = engines
+    table = RouteTable()
+    table.set_endpoints({"m": [Endpoint("v", str(vllm.make_url("")).rstrip("/"), "k1"),
+                               Endpoint("l", str(llama.make_url("")).rstrip("/"), "k2"),
+                               Endpoint("gone", "http://127.0.0.1:9", "k3")]})
+    async with aiohttp.ClientSession() as session:
+        poller = EngineLoadPoller(table, lambda: session, clock=lambda: 42.0)
+        loads = await poller.poll()
+    # The one with vLLM's gauges has a load; no /metrics or no answer: unknown.
+    assert loads == {"v": EngineLoad(5.0, 4.0, 0.5, 42.0)}
