@@ -187,3 +187,61 @@ def test_inventory_fields_are_optional_for_older_readers_and_writers() -> None:
 def test_declared_gpus() -> None:
     hw = gpus.declared_hardware(2)
     assert [g.index for g in hw.gpus] == [0, 1] and hw.source == "declared"
+
+
+class Beats:
+    """The agent's gateway, in memory: records heartbeats."""
+
+    def __init__(self) -> None:
+        self.inventories: list[dict[str, Any]] = []
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def heartbeat(self, inventory: dict[str, Any]) -> dict[str, Any]:
+        self.inventories.append(inventory)
+        return {"ttl": 15}
+
+    async def assignments(self, since: str, wait: float) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def report(self, replicas: list[dict[str, Any]]) -> None: ...
+
+    def move_on(self) -> None: ...
+
+
+async def test_the_agent_discovers_again_now_and_then_off_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    from app.agent.agent import Agent, AgentConfig
+
+    now = [0.0]
+    first = probe(nvml=lambda: RecordedNvml("nvml-8xh100.json"), smi=no_smi, host=lambda: HOST)
+    later = RecordedNvml("nvml-8xh100.json")
+    for dev in later.rec["devices"]:
+        dev["nvmlDeviceGetMemoryInfo"]["free"] = 1 << 30  # 1 GiB free on each
+    loop_thread: list[bool] = []
+
+    def rediscover() -> Hardware:
+        import threading
+
+        loop_thread.append(threading.current_thread() is threading.main_thread())
+        return probe(nvml=lambda: later, smi=no_smi, host=lambda: HOST)
+
+    beats = Beats()
+    agent = Agent(AgentConfig(
+        gateways=["http://127.0.0.1:9"], node="gpu-01", token="t", gpus=first.gpus,
+        engines=["vllm"], work_dir=tmp_path, advertise_host="127.0.0.1", hardware=first,
+        rediscover=rediscover, rediscover_interval=60), clock=lambda: now[0], client=beats)
+    await agent.heartbeat()
+    now[0] = 59.0
+    await agent.heartbeat()
+    assert loop_thread == []
+    now[0] = 60.0
+    await agent.heartbeat()
+    assert loop_thread == [False]  # run in a worker thread
+    sent = [[g["memory_free_mib"] for g in inv["gpus"]] for inv in beats.inventories]
+    assert sent == [[8769] * 4 + [81007] * 4] * 2 + [[1024] * 8]
+    assert beats.inventories[-1]["driver_version"] == "550.90.07"
+    assert beats.inventories[-1]["gpu_discovery"] == "nvml"

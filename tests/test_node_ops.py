@@ -14,7 +14,7 @@ import httpx
 
 from app.agent import logfiles
 from app.agent.engines import open_log
-from app.control.keys import engine_key
+from app.control.keys import engine_key, node_token
 from tests.support.procs import SECRET, Cluster, GatewayProc, put_model, wait_for, wait_ready
 
 
@@ -59,10 +59,16 @@ def admin(gw: GatewayProc) -> httpx.Client:
     return c
 
 
-def node_known(gw: GatewayProc, node: str) -> dict[str, Any] | None:
+def inventory(gw: GatewayProc, node: str) -> dict[str, Any] | None:
     with admin(gw) as c:
         found = [n for n in c.get("/admin/nodes").json() if n["name"] == node]
-    return found[0] if found and found[0]["api_url"] else None
+    return found[0] if found else None
+
+
+def node_known(gw: GatewayProc, node: str) -> dict[str, Any] | None:
+    """The node's inventory once it reports its agent API."""
+    info = inventory(gw, node)
+    return info if info and info["api_url"] else None
 
 
 def test_logs_of_the_agent_and_of_a_replica_through_another_gateway(cluster: Cluster) -> None:
@@ -129,6 +135,20 @@ def test_an_unreachable_agent_is_a_502_or_504_never_a_500(cluster: Cluster) -> N
     assert r.status_code == 502, r.text
     assert "unreachable" in r.json()["detail"]
 
+    # A node reporting no API (an older agent), or one elsewhere than its own
+    # address: the gateway sends no node token there.
+    token = {"Authorization": f"Bearer {node_token(SECRET, 'node-x')}"}
+    for api_url, said in (("", "reports no agent API"),
+                          ("http://127.0.0.2:9", "not on the node's address")):
+        report = {"name": "node-x", "address": "127.0.0.1", "api_url": api_url}
+        r = httpx.put(gw.url + "/agent/v1/nodes/node-x", json=report, headers=token)
+        assert r.status_code == 200, r.text
+        wait_for(lambda u=api_url: (inventory(gw, "node-x") or {}).get("api_url") == u,
+                 5, "node-x's inventory")
+        with admin(gw) as c:
+            r = c.get("/admin/nodes/node-x/logs")
+        assert r.status_code == 502 and said in r.json()["detail"], r.text
+
 
 def make_cache(root: Path) -> tuple[Path, Path]:
     """A Hugging Face style cache, a folder outside it and a symlink out."""
@@ -145,6 +165,15 @@ def make_cache(root: Path) -> tuple[Path, Path]:
     (cache / ".locks").mkdir()
     (cache / "models--evil").symlink_to(outside, target_is_directory=True)
     return cache, outside
+
+
+def test_all_in_one_serves_its_own_nodes_logs(solo: Cluster) -> None:
+    gw = solo.gateway("aio", local_gpus="1", local_node="local")
+    wait_for(lambda: node_known(gw, "local"), 20, "the in-process agent's API")
+    with admin(gw) as c:
+        r = c.get("/admin/nodes/local/logs", params={"lines": 500})
+    assert r.status_code == 200, r.text
+    assert any("node API of local at" in line for line in r.json()["lines"])
 
 
 def test_weights_listed_and_removed_only_inside_the_cache_and_never_in_use(
@@ -201,3 +230,24 @@ def test_weights_listed_and_removed_only_inside_the_cache_and_never_in_use(
     assert not (cache / "models--other--x").exists()
     assert (outside / "keep.txt").read_text() == "not the cache's"
     assert (cache / "models--acme--m" / "blobs" / "b1").exists()
+
+
+async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> None:
+    from app.agent.agent import Agent, AgentConfig, _Running
+    from app.agent.engines import EngineProcess, EngineSpec
+
+    agent = Agent(AgentConfig(
+        gateways=["http://127.0.0.1:9"], node="n", token="t", gpus=[], engines=["vllm"],
+        work_dir=tmp_path, advertise_host="127.0.0.1", log_max_bytes=1000, log_keep=2))
+    logs = {}
+    for rid, size in (("big", 1001), ("small", 1000)):
+        spec = EngineSpec(replica_id=rid, model="m", weights="w", engine="vllm", gpus=(0,),
+                          key="k")
+        logs[rid] = tmp_path / "logs" / f"{rid}.log"
+        os.close(open_log(logs[rid]))
+        logs[rid].write_bytes(b"x" * size)
+        agent.running[rid] = _Running(EngineProcess(spec, "127.0.0.1", 9, logs[rid]))
+    assert await agent.rotate_logs() == [logs["big"]]
+    assert logs["big"].stat().st_size == 0
+    assert logs["big"].with_name("big.log.1").stat().st_size == 1001
+    assert logs["small"].stat().st_size == 1000
