@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from app.agent import logfiles
 from app.agent.engines import open_log
@@ -251,3 +253,23 @@ async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> Non
     assert logs["big"].stat().st_size == 0
     assert logs["big"].with_name("big.log.1").stat().st_size == 1001
     assert logs["small"].stat().st_size == 1000
+
+
+async def test_an_agent_whose_api_port_is_taken_runs_on_without_its_api(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from app.agent.agent import Agent, AgentConfig
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        agent = Agent(AgentConfig(
+            gateways=["http://127.0.0.1:9"], node="n", token="t", gpus=[], engines=[],
+            work_dir=tmp_path, advertise_host="127.0.0.1", api_port=port))
+        await agent.start()
+        try:
+            assert agent.inventory().api_url == ""
+            assert f"node API not served: cannot listen on 127.0.0.1:{port}" in caplog.text
+        finally:
+            await agent.shutdown()

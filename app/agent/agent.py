@@ -140,7 +140,11 @@ class Agent:
         self._health = aiohttp.ClientSession()
         self.adopt()
         if self.cfg.api_port is not None:
-            await self.node_api.start(self.host, self.cfg.api_port)
+            try:
+                await self.node_api.start(self.host, self.cfg.api_port)
+            except OSError as exc:  # engines matter more than logs: run on without it
+                logger.error("node API not served: cannot listen on %s:%d: %s",
+                             self.host, self.cfg.api_port, exc)
 
     # --- engines left by an earlier run ---------------------------------------------
 

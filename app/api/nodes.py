@@ -68,8 +68,8 @@ def routes(gw: Gateway) -> APIRouter:
                           "(its agent has not heartbeated within the node TTL)")
         if not info.api_url:
             raise Problem(502, "Agent API unknown",
-                          f"node {node!r} reports no agent API (its agent predates node "
-                          "operations; upgrade it)")
+                          f"node {node!r} reports no agent API: its agent predates node "
+                          "operations, or could not listen on its API port (see its log)")
         # Gateways send the node token there: only to the node's own address.
         why = check_engine_url(info.api_url, info)
         if why is not None:
