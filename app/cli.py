@@ -69,6 +69,7 @@ def agent(args: argparse.Namespace) -> None:
     from app.agent.agent import Agent, AgentConfig
     from app.agent.engines import available_engines, resolve_vllm
     from app.agent.gpus import declared_hardware, probe
+    from app.agent.nodeops import NodeOpsConfig
     from app.agent.weights import default_cache_dir
 
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
@@ -86,9 +87,11 @@ def agent(args: argparse.Namespace) -> None:
         work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
         stop_engines_on_exit=args.stop_engines_on_exit,
-        hardware=hw, rediscover=probe if args.gpus is None else None,
-        api_port=args.api_port,
-        cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir(),
+        ops=NodeOpsConfig(
+            hardware=hw, rediscover=probe if args.gpus is None else None,
+            api_port=args.api_port,
+            cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir
+            else default_cache_dir()),
     )
 
     async def main() -> None:
@@ -103,7 +106,7 @@ def agent(args: argparse.Namespace) -> None:
             await a.start()
             logging.getLogger(__name__).info(
                 "agent for node %s: %d GPUs (%s), engines %s, API at %s", cfg.node, len(gpus),
-                hw.source, cfg.engines, a.node_api.url or "(not served)")
+                hw.source, cfg.engines, a.ops.api.url or "(not served)")
             await a.run()
         except asyncio.CancelledError:
             pass

@@ -215,6 +215,7 @@ async def test_the_agent_discovers_again_now_and_then_off_the_event_loop(
     tmp_path: Path,
 ) -> None:
     from app.agent.agent import Agent, AgentConfig
+    from app.agent.nodeops import NodeOpsConfig
 
     now = [0.0]
     first = probe(nvml=lambda: RecordedNvml("nvml-8xh100.json"), smi=no_smi, host=lambda: HOST)
@@ -232,8 +233,9 @@ async def test_the_agent_discovers_again_now_and_then_off_the_event_loop(
     beats = Beats()
     agent = Agent(AgentConfig(
         gateways=["http://127.0.0.1:9"], node="gpu-01", token="t", gpus=first.gpus,
-        engines=["vllm"], work_dir=tmp_path, advertise_host="127.0.0.1", hardware=first,
-        rediscover=rediscover, rediscover_interval=60), clock=lambda: now[0], client=beats)
+        engines=["vllm"], work_dir=tmp_path, advertise_host="127.0.0.1",
+        ops=NodeOpsConfig(hardware=first, rediscover=rediscover, rediscover_interval=60)),
+        clock=lambda: now[0], client=beats)
     await agent.heartbeat()
     now[0] = 59.0
     await agent.heartbeat()

@@ -237,10 +237,12 @@ def test_weights_listed_and_removed_only_inside_the_cache_and_never_in_use(
 async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> None:
     from app.agent.agent import Agent, AgentConfig, _Running
     from app.agent.engines import EngineProcess, EngineSpec
+    from app.agent.nodeops import NodeOpsConfig
 
     agent = Agent(AgentConfig(
         gateways=["http://127.0.0.1:9"], node="n", token="t", gpus=[], engines=["vllm"],
-        work_dir=tmp_path, advertise_host="127.0.0.1", log_max_bytes=1000, log_keep=2))
+        work_dir=tmp_path, advertise_host="127.0.0.1",
+        ops=NodeOpsConfig(log_max_bytes=1000, log_keep=2)))
     logs = {}
     for rid, size in (("big", 1001), ("small", 1000)):
         spec = EngineSpec(replica_id=rid, model="m", weights="w", engine="vllm", gpus=(0,),
@@ -249,7 +251,8 @@ async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> Non
         os.close(open_log(logs[rid]))
         logs[rid].write_bytes(b"x" * size)
         agent.running[rid] = _Running(EngineProcess(spec, "127.0.0.1", 9, logs[rid]))
-    assert await agent.rotate_logs() == [logs["big"]]
+    rotated = await agent.ops.rotate(e.proc.log_path for e in agent.running.values())
+    assert rotated == [logs["big"]]
     assert logs["big"].stat().st_size == 0
     assert logs["big"].with_name("big.log.1").stat().st_size == 1001
     assert logs["small"].stat().st_size == 1000
@@ -259,6 +262,7 @@ async def test_an_agent_whose_api_port_is_taken_runs_on_without_its_api(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     from app.agent.agent import Agent, AgentConfig
+    from app.agent.nodeops import NodeOpsConfig
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -266,7 +270,7 @@ async def test_an_agent_whose_api_port_is_taken_runs_on_without_its_api(
         port = taken.getsockname()[1]
         agent = Agent(AgentConfig(
             gateways=["http://127.0.0.1:9"], node="n", token="t", gpus=[], engines=[],
-            work_dir=tmp_path, advertise_host="127.0.0.1", api_port=port))
+            work_dir=tmp_path, advertise_host="127.0.0.1", ops=NodeOpsConfig(api_port=port)))
         await agent.start()
         try:
             assert agent.inventory().api_url == ""

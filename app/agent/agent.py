@@ -27,7 +27,7 @@ from typing import Any, Literal
 import aiohttp
 
 from app import __version__
-from app.agent import health, logfiles
+from app.agent import health
 from app.agent.engines import EngineProcess, EngineSpec, free_port
 from app.agent.gateway_client import (
     GatewayAPI,
@@ -36,9 +36,7 @@ from app.agent.gateway_client import (
     GatewayUnreachable,
     advertise_address,
 )
-from app.agent.gpus import Hardware, host_only, refreshed
-from app.agent.nodeapi import NodeApi, NodeApiConfig
-from app.agent.weights import default_cache_dir
+from app.agent.nodeops import NodeOps, NodeOpsConfig
 from app.control.state import Engine, GpuInfo, NodeInfo, Phase, ReplicaStatus
 
 logger = logging.getLogger(__name__)
@@ -81,23 +79,8 @@ class AgentConfig:
     poll_wait: float = 25.0
     # Per probe; a slow answer counts as a failed probe.
     probe_timeout: float = 2.0
-    # --- node operations (docs/architecture.md, "Node operations") ---
-    # Driver, CUDA, CPUs, memory and how the GPUs were found; None: the host's
-    # CPUs and memory around `gpus`.
-    hardware: Hardware | None = None
-    # Run again every `rediscover_interval` s, off the event loop, for free
-    # memory and utilisation. Each change is one inventory write to the store.
-    rediscover: Callable[[], Hardware] | None = None
-    rediscover_interval: float = 60.0
-    # The agent's API (nodeapi.py) on the advertised address: 0 any free port
-    # (reported in the inventory), None not served.
-    api_port: int | None = 0
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    # The agent's own log, work_dir/agent.log (the node API's source "agent").
-    log_to_file: bool = True
-    # Engine and agent logs rotate past this size, `log_keep` copies kept.
-    log_max_bytes: int = 64 * 2**20
-    log_keep: int = 3
+    # Hardware refresh, the agent's API, log files (nodeops.py).
+    ops: NodeOpsConfig = field(default_factory=NodeOpsConfig)
 
 
 class Agent:
@@ -124,27 +107,14 @@ class Agent:
         # unknown: converging then would stop every adopted engine.
         self.synced = False
         self._state_path = cfg.work_dir / "engines.json"
-        self.hardware = cfg.hardware or host_only(cfg.gpus)
-        self._rediscovered = clock()
-        self.node_api = NodeApi(NodeApiConfig(
-            node=cfg.node, token=cfg.token, work_dir=cfg.work_dir, cache_dir=cfg.cache_dir,
-            log_keep=cfg.log_keep), self)
-        self._log_handler: logging.Handler | None = None
+        self.ops = NodeOps(cfg.ops, node=cfg.node, token=cfg.token, work_dir=cfg.work_dir,
+                           gpus=cfg.gpus, view=self, clock=clock)
 
     async def start(self) -> None:
-        if self.cfg.log_to_file:
-            self._log_handler = logfiles.file_handler(
-                self.node_api.cfg.agent_log, self.cfg.log_max_bytes, self.cfg.log_keep)
-            logging.getLogger("app").addHandler(self._log_handler)
         await self.client.start()
         self._health = aiohttp.ClientSession()
         self.adopt()
-        if self.cfg.api_port is not None:
-            try:
-                await self.node_api.start(self.host, self.cfg.api_port)
-            except OSError as exc:  # engines matter more than logs: run on without it
-                logger.error("node API not served: cannot listen on %s:%d: %s",
-                             self.host, self.cfg.api_port, exc)
+        await self.ops.start(self.host)
 
     # --- engines left by an earlier run ---------------------------------------------
 
@@ -181,7 +151,7 @@ class Agent:
     def inventory(self) -> NodeInfo:
         return NodeInfo(
             name=self.cfg.node, engines=self.cfg.engines, address=self.host,
-            version=__version__, api_url=self.node_api.url, **self.hardware.node_fields(),
+            version=__version__, api_url=self.ops.api.url, **self.ops.hardware.node_fields(),
         )
 
     def engine_specs(self) -> list[EngineSpec]:
@@ -189,24 +159,11 @@ class Agent:
         weights are not removed, their keys are masked in logs."""
         return [*self.desired.values(), *(e.proc.spec for e in self.running.values())]
 
-    async def rediscover(self) -> None:
-        """Discovers the hardware again, off the event loop (gpus.refreshed)."""
-        if self.cfg.rediscover is not None:
-            self._rediscovered = self._clock()
-            found = await asyncio.to_thread(self.cfg.rediscover)
-            self.hardware = refreshed(self.hardware, found)
-
-    async def rotate_logs(self) -> list[Path]:
-        """Rotates engine logs grown past log_max_bytes (logfiles.rotate)."""
-        return await logfiles.rotate_oversized(
-            [e.proc.log_path for e in self.running.values()],
-            self.cfg.log_max_bytes, self.cfg.log_keep)
 
     # --- steps -------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        if self._clock() - self._rediscovered >= self.cfg.rediscover_interval:
-            await self.rediscover()
+        await self.ops.refresh()  # now and then: free memory, utilisation
         answer = await self.client.heartbeat(self.inventory().model_dump(mode="json"))
         # The node's key lives `ttl` seconds past each heartbeat: beat at
         # least three times per TTL, whatever the gateways are set to.
@@ -387,7 +344,7 @@ class Agent:
         await self.converge()  # restarts failed engines once their backoff ends
         await self.observe()
         await self.report()
-        await self.rotate_logs()
+        await self.ops.rotate(e.proc.log_path for e in self.running.values())
 
     async def run(self) -> None:
         await asyncio.gather(
@@ -408,10 +365,7 @@ class Agent:
                 logger.info("leaving %d engines running for the next run to adopt",
                             len(self.running))
             self._save()
-        await self.node_api.stop()
         await self.client.close()
         if self._health is not None:
             await self._health.close()
-        if self._log_handler is not None:
-            logging.getLogger("app").removeHandler(self._log_handler)
-            self._log_handler.close()
+        await self.ops.stop()
