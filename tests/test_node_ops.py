@@ -277,3 +277,36 @@ async def test_an_agent_whose_api_port_is_taken_runs_on_without_its_api(
             assert f"node API not served: cannot listen on 127.0.0.1:{port}" in caplog.text
         finally:
             await agent.shutdown()
+
+
+class NoEngines:
+    def engine_specs(self) -> list[Any]:
+        return []
+
+
+async def test_node_api_refuses_bad_requests_with_problems(tmp_path: Path) -> None:
+    from app.agent.nodeapi import NodeApi, NodeApiConfig
+
+    cache = tmp_path / "not-a-folder"
+    cache.write_text("")
+    api = NodeApi(NodeApiConfig(node="n", token="node-token", work_dir=tmp_path,
+                                cache_dir=cache), NoEngines())
+    url = await api.start("127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            r = await c.get("/node/v1/logs", headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            auth = {"Authorization": "Bearer node-token"}
+            r = await c.get("/node/v1/logs", params={"lines": "x"}, headers=auth)
+            assert r.status_code == 400 and "lines" in r.json()["detail"]
+            r = await c.get("/node/v1/weights", headers=auth)
+            assert r.status_code == 500 and r.json()["title"] == "Cache unreadable"
+            r = await c.request("DELETE", "/node/v1/weights", content=b"{", headers=auth)
+            assert r.status_code == 400 and r.json()["title"] == "Bad body"
+            r = await c.request("DELETE", "/node/v1/weights", json={"paths": [1]}, headers=auth)
+            assert r.status_code == 400
+            r = await c.get("/node/v1/nothing", headers=auth)
+            assert r.status_code == 404
+            assert r.headers["content-type"].startswith("application/problem+json")
+    finally:
+        await api.stop()

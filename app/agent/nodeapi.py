@@ -161,7 +161,12 @@ class NodeApi:
         return weights.in_use_paths(self.cfg.cache_dir, by_weights)
 
     async def list_weights(self, request: web.Request) -> web.Response:
-        entries = await asyncio.to_thread(weights.listing, self.cfg.cache_dir, self._in_use())
+        try:
+            entries = await asyncio.to_thread(weights.listing, self.cfg.cache_dir,
+                                              self._in_use())
+        except OSError as exc:  # not a folder, no permission
+            logger.warning("model cache %s unreadable: %s", self.cfg.cache_dir, exc)
+            raise _Problem(500, "Cache unreadable", f"{self.cfg.cache_dir}: {exc}") from None
         return web.json_response({"node": self.cfg.node, "cache_dir": str(self.cfg.cache_dir),
                                   "entries": [e.as_dict() for e in entries]})
 
@@ -182,5 +187,9 @@ class NodeApi:
             title = {404: "No such path", 409: "Weights in use"}.get(exc.status, "Path refused")
             raise _Problem(exc.status, title, f"{exc.path!r}: {exc.reason}; nothing removed",
                            path=exc.path) from None
+        except OSError as exc:  # no permission, a disk error: some may be gone already
+            logger.exception("removing %s from the model cache failed", paths)
+            raise _Problem(500, "Removal failed", f"{exc}; some paths may be removed "
+                           "already: list the cache again") from None
         logger.info("removed from the model cache: %s", ", ".join(removed))
         return web.json_response({"node": self.cfg.node, "removed": removed})
