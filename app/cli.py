@@ -13,7 +13,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.control.keys import node_token
 from app.control.state import check_name
 from app.settings import Settings
 
@@ -69,7 +68,9 @@ def serve(args: argparse.Namespace) -> None:
 def agent(args: argparse.Namespace) -> None:
     from app.agent.agent import Agent, AgentConfig
     from app.agent.engines import available_engines, resolve_vllm
-    from app.agent.gpus import declared, discover
+    from app.agent.gpus import declared_hardware, probe
+    from app.agent.nodeops import NodeOpsConfig
+    from app.agent.weights import default_cache_dir
 
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
     if not token:
@@ -77,13 +78,20 @@ def agent(args: argparse.Namespace) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     vllm_env = os.environ.get("LLMGW_VLLM_BIN", "")
-    gpus = declared(args.gpus) if args.gpus is not None else discover()
+    # Before the event loop runs: discovery blocks (NVML, nvidia-smi).
+    hw = declared_hardware(args.gpus) if args.gpus is not None else probe()
+    gpus = hw.gpus
     cfg = AgentConfig(
         gateways=[u for u in args.gateway.split(",") if u], node=args.node, token=token,
         gpus=gpus, engines=available_engines(gpus, vllm_env),
         work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
         stop_engines_on_exit=args.stop_engines_on_exit,
+        ops=NodeOpsConfig(
+            hardware=hw, rediscover=probe if args.gpus is None else None,
+            api_port=args.api_port,
+            cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir
+            else default_cache_dir()),
     )
 
     async def main() -> None:
@@ -96,31 +104,32 @@ def agent(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, task.cancel)
         try:
             await a.start()
+            logging.getLogger(__name__).info(
+                "agent for node %s: %d GPUs (%s), engines %s, API at %s", cfg.node, len(gpus),
+                hw.source, cfg.engines, a.ops.api.url or "(not served)")
             await a.run()
         except asyncio.CancelledError:
             pass
         finally:
             await a.shutdown()
 
-    logging.getLogger(__name__).info(
-        "agent for node %s: %d GPUs, engines %s", cfg.node, len(gpus), cfg.engines)
     asyncio.run(main())
 
 
 def ctl(args: argparse.Namespace) -> None:
-    if args.ctl == "node-token":
-        secret = os.environ.get("LLMGW_SECRET", "")
-        if not secret:
-            data_dir = Path(os.environ.get("LLMGW_DATA_DIR", "~/.local/share/llmgw"))
-            path = data_dir.expanduser() / "secret"
-            if not path.exists():
-                print("llmgw ctl: set LLMGW_SECRET", file=sys.stderr)
-                raise SystemExit(2)
-            secret = path.read_text().strip()
-        print(node_token(secret, args.node))
+    from app.ctl import run
+
+    run(args.rest)
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:
+        # typer parses ctl's own options (`--json`, `--gateway`) wherever they stand.
+        from app.ctl import run
+
+        run(argv[1:])
+        return
     p = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -143,12 +152,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stop-engines-on-exit", action="store_true",
                     help="stop this node's engines when the agent stops (default: leave "
                     "them running; the next agent run adopts them)")
+    ap.add_argument("--api-port", type=int,
+                    default=int(os.environ.get("LLMGW_AGENT_API_PORT", "0")),
+                    help="port of the agent's own API (logs, cached weights) on the "
+                    "advertised address; 0: any free port, reported to the gateways")
+    ap.add_argument("--cache-dir", default=os.environ.get("LLMGW_AGENT_CACHE_DIR") or None,
+                    help="the model cache the API lists and prunes (default: "
+                    "huggingface_hub's: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub)")
     ap.set_defaults(func=agent)
 
-    cp = sub.add_parser("ctl", help="operator commands")
-    csub = cp.add_subparsers(dest="ctl", required=True)
-    nt = csub.add_parser("node-token", help="print the agent token for a node")
-    nt.add_argument("node", type=_node_name)
+    cp = sub.add_parser("ctl", help="operator commands (`llmgw ctl --help`)", add_help=False)
+    cp.add_argument("rest", nargs=argparse.REMAINDER)
     cp.set_defaults(func=ctl)
 
     args = p.parse_args(argv)

@@ -155,6 +155,14 @@ class Settings(BaseSettings):
     # Empty: `vllm` on PATH, and only on nodes with GPUs.
     vllm_bin: str = ""
 
+    # --- node operations (docs/architecture.md, "Node operations") ---------------------
+    # Seconds a gateway waits for an agent's API (logs, cached weights) on an
+    # admin's behalf, connecting included; then 504. Removing a large model's
+    # files can take seconds; longer holds an admin request on a hung agent.
+    node_api_timeout: float = Field(30.0, gt=0)
+    # Seconds to connect to an agent's API; then 502 (unreachable).
+    node_api_connect_timeout: float = Field(5.0, gt=0)
+
     @field_validator("secret", "admin_token")
     @classmethod
     def _refuse_placeholders(cls, v: SecretStr | None) -> SecretStr | None:

@@ -1,10 +1,11 @@
-"""The agent's parts that touch the outside: GPU discovery and engine command lines."""
+"""The agent's parts that touch the outside: engine command lines and environments.
+
+GPU discovery is tested in test_gpus.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,36 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.agent.engines import EngineSpec, command, environment
-from app.agent.gpus import discover, parse_nvidia_smi
 from tests.support.procs import FAKE_BIN
-
-SMI = """0, NVIDIA H200, 143771, GPU-1b2c
-1, NVIDIA H200, [N/A], GPU-3d4e
-"""
-
-
-def test_parse_nvidia_smi() -> None:
-    gpus = parse_nvidia_smi(SMI + "garbage line\n")
-    assert [(g.index, g.name, g.memory_mib, g.uuid) for g in gpus] == [
-        (0, "NVIDIA H200", 143771, "GPU-1b2c"), (1, "NVIDIA H200", 0, "GPU-3d4e")]
-
-
-def _tool(dir_: Path, body: str) -> None:
-    exe = dir_ / "nvidia-smi"
-    exe.write_text(f"#!/bin/sh\n{body}\n")
-    exe.chmod(0o755)
-
-
-def test_discover_runs_nvidia_smi_and_survives_its_failure(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    query = "*--query-gpu=index,name,memory.total,uuid*--format=csv,noheader,nounits*"
-    _tool(tmp_path, f"""case "$*" in {query}) printf '{SMI}';; *) exit 9;; esac""")
-    assert [g.index for g in discover()] == [0, 1]
-    _tool(tmp_path, "echo 'NVIDIA-SMI has failed' >&2; exit 9")
-    assert discover() == []  # a broken driver makes a CPU node, not a crash
-    assert discover("no-such-nvidia-smi") == []
 
 
 def recorded_vllm_flags() -> tuple[str, set[str]]:

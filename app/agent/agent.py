@@ -36,6 +36,7 @@ from app.agent.gateway_client import (
     GatewayUnreachable,
     advertise_address,
 )
+from app.agent.nodeops import NodeOps, NodeOpsConfig
 from app.control.state import Engine, GpuInfo, NodeInfo, Phase, ReplicaStatus
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class AgentConfig:
     poll_wait: float = 25.0
     # Per probe; a slow answer counts as a failed probe.
     probe_timeout: float = 2.0
+    # Hardware refresh, the agent's API, log files (nodeops.py).
+    ops: NodeOpsConfig = field(default_factory=NodeOpsConfig)
 
 
 class Agent:
@@ -104,11 +107,14 @@ class Agent:
         # unknown: converging then would stop every adopted engine.
         self.synced = False
         self._state_path = cfg.work_dir / "engines.json"
+        self.ops = NodeOps(cfg.ops, node=cfg.node, token=cfg.token, work_dir=cfg.work_dir,
+                           gpus=cfg.gpus, view=self, clock=clock)
 
     async def start(self) -> None:
         await self.client.start()
         self._health = aiohttp.ClientSession()
         self.adopt()
+        await self.ops.start(self.host)
 
     # --- engines left by an earlier run ---------------------------------------------
 
@@ -144,13 +150,20 @@ class Agent:
 
     def inventory(self) -> NodeInfo:
         return NodeInfo(
-            name=self.cfg.node, gpus=self.cfg.gpus, engines=self.cfg.engines,
-            address=self.host, version=__version__,
+            name=self.cfg.node, engines=self.cfg.engines, address=self.host,
+            version=__version__, api_url=self.ops.api.url, **self.ops.hardware.node_fields(),
         )
+
+    def engine_specs(self) -> list[EngineSpec]:
+        """Assigned or running engines (the node API's NodeView): their
+        weights are not removed, their keys are masked in logs."""
+        return [*self.desired.values(), *(e.proc.spec for e in self.running.values())]
+
 
     # --- steps -------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
+        await self.ops.refresh()  # now and then: free memory, utilisation
         answer = await self.client.heartbeat(self.inventory().model_dump(mode="json"))
         # The node's key lives `ttl` seconds past each heartbeat: beat at
         # least three times per TTL, whatever the gateways are set to.
@@ -332,6 +345,7 @@ class Agent:
         await self.converge()  # restarts failed engines once their backoff ends
         await self.observe()
         await self.report()
+        await self.ops.rotate(e.proc.log_path for e in self.running.values())
 
     async def run(self) -> None:
         await asyncio.gather(
@@ -355,3 +369,4 @@ class Agent:
         await self.client.close()
         if self._health is not None:
             await self._health.close()
+        await self.ops.stop()

@@ -295,6 +295,10 @@ class GpuInfo(_Stored):
     name: str = ""
     memory_mib: int = 0
     uuid: str = ""
+    # As last discovered (app/agent/gpus.py); None where unknown (declared
+    # GPUs, MIG mode). Refreshed now and then, not per heartbeat.
+    memory_free_mib: int | None = None
+    utilization: int | None = None  # percent
 
 
 class NodeInfo(_Stored):
@@ -305,6 +309,16 @@ class NodeInfo(_Stored):
     engines: list[Engine] = Field(default_factory=list)
     address: str = ""
     version: str = ""
+    # Added for node operations (docs/architecture.md); older agents leave
+    # them empty and older gateways ignore them.
+    driver_version: str = ""
+    cuda_version: str = ""
+    # How the GPUs were found: "nvml", "nvidia-smi", "declared", "none (why)".
+    gpu_discovery: str = ""
+    cpus: int = 0
+    memory_mib: int = 0
+    # The agent's own API (logs, cached weights): http://ADDRESS:PORT.
+    api_url: str = ""
 
     @field_validator("name")
     @classmethod

@@ -1,0 +1,92 @@
+"""The agent's node-operation parts, wired in one place: its hardware as last
+discovered, its own API (nodeapi.py), its log file and its engines' log
+rotation (logfiles.py). See docs/architecture.md, "Node operations".
+
+The agent calls four one-step methods: `start()`, `refresh()` (from the
+heartbeat), `rotate()` (from the engine check) and `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.agent import logfiles
+from app.agent.gpus import Hardware, host_only, refreshed
+from app.agent.nodeapi import NodeApi, NodeApiConfig, NodeView
+from app.agent.weights import default_cache_dir
+from app.control.state import GpuInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeOpsConfig:
+    # Driver, CUDA, CPUs, memory and how GPUs were found; None: the host's
+    # CPUs and memory around the agent's `gpus`.
+    hardware: Hardware | None = None
+    # Run again every `rediscover_interval` s, in a thread, for free memory
+    # and utilisation; each change costs one inventory write to the store.
+    rediscover: Callable[[], Hardware] | None = None
+    rediscover_interval: float = 60.0
+    # The API on the advertised address: 0 any free port (reported in the
+    # inventory), None not served.
+    api_port: int | None = 0
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # The agent's own log in work_dir/agent.log (the API's source "agent").
+    log_to_file: bool = True
+    # Agent and engine logs rotate past this size, `log_keep` copies kept.
+    # Larger keeps more history on disk; each copy is up to this size.
+    log_max_bytes: int = 64 * 2**20
+    log_keep: int = 3
+
+
+class NodeOps:
+    def __init__(
+        self, cfg: NodeOpsConfig, *, node: str, token: str, work_dir: Path,
+        gpus: list[GpuInfo], view: NodeView, clock: Callable[[], float],
+    ) -> None:
+        self.cfg = cfg
+        self._clock = clock
+        self.hardware = cfg.hardware or host_only(gpus)
+        self._rediscovered = clock()
+        self.api = NodeApi(NodeApiConfig(node=node, token=token, work_dir=work_dir,
+                                         cache_dir=cfg.cache_dir, log_keep=cfg.log_keep), view)
+        self._log_handler: logging.Handler | None = None
+
+    async def start(self, host: str) -> None:
+        if self.cfg.log_to_file:
+            self._log_handler = logfiles.file_handler(
+                self.api.cfg.agent_log, self.cfg.log_max_bytes, self.cfg.log_keep)
+            logging.getLogger("app").addHandler(self._log_handler)
+        if self.cfg.api_port is not None:
+            try:
+                await self.api.start(host, self.cfg.api_port)
+            except OSError as exc:  # engines matter more than logs: run on without it
+                logger.error("node API not served: cannot listen on %s:%d: %s",
+                             host, self.cfg.api_port, exc)
+
+    async def refresh(self) -> bool:
+        """Discovers the hardware again if it is time, in a worker thread
+        (gpus.refreshed decides what to keep). Returns whether it ran."""
+        due = self._clock() - self._rediscovered >= self.cfg.rediscover_interval
+        if self.cfg.rediscover is None or not due:
+            return False
+        self._rediscovered = self._clock()
+        found = await asyncio.to_thread(self.cfg.rediscover)
+        self.hardware = refreshed(self.hardware, found)
+        return True
+
+    async def rotate(self, logs: Iterable[Path]) -> list[Path]:
+        """Rotates the engine logs grown past log_max_bytes."""
+        return await logfiles.rotate_oversized(logs, self.cfg.log_max_bytes, self.cfg.log_keep)
+
+    async def stop(self) -> None:
+        await self.api.stop()
+        if self._log_handler is not None:
+            logging.getLogger("app").removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None

@@ -1,0 +1,148 @@
+"""Admin routes that reach a node's agent: its logs and its model cache.
+
+Any gateway answers them: it finds the node's agent API in the mirrored
+inventory (`api_url`), authenticates with the node's token (derived from
+the shared secret, app/control/keys.py) and relays the answer. The agent's
+own answers (400 a path refused, 404 no such log, 409 weights in use) come
+back as they are; a gateway never answers 500 for an agent's trouble:
+
+- node not in the fleet: 404;
+- this gateway's state not loaded: 503 (answer only from state you have);
+- no API reported (an agent older than node operations), an API URL not on
+  the node's own address, connection refused, an agent refusing the
+  gateway's token, a broken answer: 502, saying which;
+- no answer within LLMGW_NODE_API_TIMEOUT: 504.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import TYPE_CHECKING, Annotated, Any
+
+import aiohttp
+from fastapi import APIRouter, Body, Depends, Query
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+
+from app.agent.logfiles import mask
+from app.api.agent import check_engine_url
+from app.api.errors import Problem
+from app.control.keys import engine_key, node_token
+
+if TYPE_CHECKING:
+    from app.gateway import Gateway
+
+logger = logging.getLogger(__name__)
+
+_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
+
+
+class WeightsDelete(BaseModel):
+    paths: list[str] = Field(..., min_length=1, max_length=1000,
+                             description="entries to remove: relative to the node's cache "
+                                         "directory, or absolute paths inside it")
+
+
+def routes(gw: Gateway) -> APIRouter:
+    # The same check as app/api/admin.py's, which keeps its own inside its
+    # routes(); one more route module should not reach into that one.
+    def require_admin(
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if creds is None or not creds.credentials:
+            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
+        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
+            raise Problem(401, "Unauthorized", "wrong admin token")
+
+    r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)])
+
+    async def call(node: str, method: str, path: str, *, params: dict[str, str] | None = None,
+                   body: Any = None) -> dict[str, Any]:
+        if not gw.ready:
+            raise Problem(503, "State not loaded",
+                          "this gateway has not loaded the fleet's state yet; retry")
+        info = gw.mirror.nodes().get(node)
+        if info is None:
+            raise Problem(404, "No such node", f"node {node!r} is not in the fleet "
+                          "(its agent has not heartbeated within the node TTL)")
+        if not info.api_url:
+            raise Problem(502, "Agent API unknown",
+                          f"node {node!r} reports no agent API: its agent predates node "
+                          "operations, or could not listen on its API port (see its log)")
+        # Gateways send the node token there: only to the node's own address.
+        why = check_engine_url(info.api_url, info)
+        if why is not None:
+            raise Problem(502, "Agent API refused", f"node {node!r}'s agent API: {why}")
+        url = info.api_url.rstrip("/") + path
+        timeout = aiohttp.ClientTimeout(total=gw.settings.node_api_timeout,
+                                        sock_connect=gw.settings.node_api_connect_timeout)
+        headers = {"Authorization": f"Bearer {node_token(gw.secret, node)}"}
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
+                method, url, params=params, json=body, headers=headers,
+            ) as resp:
+                try:
+                    answer = await resp.json(content_type=None)
+                except ValueError:
+                    answer = None
+                status = resp.status
+        except aiohttp.ConnectionTimeoutError:
+            raise Problem(504, "Agent unreachable",
+                          f"node {node!r}'s agent at {info.api_url}: no connection within "
+                          f"{gw.settings.node_api_connect_timeout:g} s") from None
+        except (aiohttp.ServerTimeoutError, TimeoutError):
+            raise Problem(504, "Agent timed out",
+                          f"node {node!r}'s agent at {info.api_url} did not answer within "
+                          f"{gw.settings.node_api_timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise Problem(502, "Agent unreachable",
+                          f"node {node!r}'s agent at {info.api_url} is unreachable: "
+                          f"{exc or type(exc).__name__}") from None
+        if not isinstance(answer, dict):
+            raise Problem(502, "Bad agent answer",
+                          f"node {node!r}'s agent answered {status} without a JSON object")
+        if status == 401:
+            logger.warning("agent of node %s refused this gateway's node token", node)
+            raise Problem(502, "Agent refused the gateway",
+                          f"node {node!r}'s agent refused the node token this gateway derives "
+                          "(is its LLMGW_AGENT_TOKEN from another LLMGW_SECRET?)")
+        if 400 <= status < 500:
+            extra = {k: v for k, v in answer.items()
+                     if k not in ("type", "title", "status", "detail")}
+            raise Problem(status, str(answer.get("title", "Refused by the agent")),
+                          str(answer.get("detail", "")), **extra)
+        if status >= 300:
+            raise Problem(502, "Agent failed",
+                          f"node {node!r}'s agent answered {status}: {answer.get('detail', '')}")
+        return answer
+
+    @r.get("/{node:path}/logs", summary="Recent lines of a node's log (the agent's or a "
+           "replica engine's), engine keys masked")
+    async def logs(
+        node: str,
+        source: Annotated[str, Query(max_length=200, description="'agent' or a replica id")]
+        = "agent",
+        lines: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> dict[str, Any]:
+        answer = await call(node, "GET", "/node/v1/logs",
+                            params={"source": source, "lines": str(lines)})
+        # The agent masks already; this gateway knows every key of the node's
+        # replicas, so it masks again (DESIGN invariant 6).
+        keys = [engine_key(gw.secret, rid) for rid, rep in gw.mirror.replicas().items()
+                if rep.node == node]
+        answer["lines"] = [mask(str(line), keys) for line in answer.get("lines", [])]
+        return answer
+
+    @r.get("/{node:path}/weights", summary="What a node's model cache holds")
+    async def list_weights(node: str) -> dict[str, Any]:
+        return await call(node, "GET", "/node/v1/weights")
+
+    @r.delete("/{node:path}/weights", summary="Remove entries from a node's model cache "
+              "(all or none; only inside the cache, never a running replica's weights)")
+    async def delete_weights(
+        node: str, req: Annotated[WeightsDelete, Body()],
+    ) -> dict[str, Any]:
+        return await call(node, "DELETE", "/node/v1/weights", body={"paths": req.paths})
+
+    return r
