@@ -19,7 +19,8 @@ import aiohttp
 from app import __version__
 from app.agent.agent import Agent, AgentConfig
 from app.agent.engines import available_engines, resolve_vllm
-from app.agent.gpus import declared, discover
+from app.agent.gpus import declared_hardware, probe
+from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog
 from app.control import state as s
 from app.control.keys import hash_client_key, node_token
@@ -164,9 +165,10 @@ class Gateway:
         host = "127.0.0.1" if st.host in ("0.0.0.0", "::", "") else st.host
         url = f"http://{host}:{st.port}"
         await _wait_http(url + "/healthz")
-        # nvidia-smi can take seconds: not on the event loop.
-        gpus = (declared(st.local_gpus) if st.local_gpus is not None
-                else await asyncio.to_thread(discover))
+        # NVML or nvidia-smi can take seconds: not on the event loop.
+        hw = (declared_hardware(st.local_gpus) if st.local_gpus is not None
+              else await asyncio.to_thread(probe))
+        gpus = hw.gpus
         self.agent = Agent(AgentConfig(
             gateways=[url], node=st.local_node, token=node_token(self.secret, st.local_node),
             gpus=gpus, engines=available_engines(gpus, st.vllm_bin),
@@ -177,6 +179,8 @@ class Gateway:
             # upgrade reloads no model. The leader keeps their replicas over
             # the restart for node_grace seconds.
             stop_engines_on_exit=st.stop_engines_on_exit,
+            ops=NodeOpsConfig(hardware=hw,
+                              rediscover=probe if st.local_gpus is None else None),
         ))
         await self.agent.start()
         await self.agent.run()
