@@ -139,7 +139,13 @@ def models(gateway: Gateway = _DEFAULT_GATEWAY, as_json: AsJson = False) -> None
         st = m.get("status", {})
         problem = st.get("unplaced") or "; ".join(
             f"{f['id']} failed" for f in st.get("failed", [])) or ""
-        table.add_row(m["name"], m["model"], m["engine"], str(m["gpus"]),
+        # A spec is stored as given: flat engine/gpus, profiles, or external.
+        first = (m.get("profiles") or [{}])[0]
+        engine = m.get("engine") or first.get("engine") or (
+            "external" if m.get("external") else "vllm")
+        gpus = m.get("gpus", first.get("gpus"))
+        weights = m.get("model") or (m.get("external") or {}).get("url", "")
+        table.add_row(m["name"], weights, engine, "" if gpus is None else str(gpus),
                       f"{st.get('ready', 0)}/{st.get('wanted', 0)}",
                       ", ".join(m.get("aliases", [])), problem)
     _out(data, as_json, table)
