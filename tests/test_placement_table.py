@@ -84,6 +84,10 @@ ROWS: dict[str, Row] = {
     "spread: a model's second replica goes to another node": Row(
         [h100x8("h1"), h100x8("h2")], spec(gpus=1), Fit("h2", [0]),
         replicas=[rep("m1", "m", "h1", [0])]),
+    "spread beats a node's fewer replicas": Row(
+        [h100x8("h1"), h100x8("h2")], spec(gpus=1), Fit("h2", [2]),
+        replicas=[rep("m1", "m", "h1", [0]), rep("x1", "x", "h2", [0]),
+                  rep("y1", "y", "h2", [1])]),
     "spread beats free GPUs": Row(
         [h100x8("h1"), node("small", H100)], spec(gpus=1), Fit("small", [0]),
         replicas=[rep("m1", "m", "h1", [0])]),
