@@ -166,6 +166,7 @@ class DRow:
     models: list[s.StoredModel]
     replicas: list[s.Replica]
     want: Displacement | None
+    quotas: dict[str, s.Quota] = field(default_factory=dict)
 
 
 def _why(rid: str, model: s.StoredModel, on: str) -> dict[str, str]:
@@ -176,6 +177,7 @@ def _why(rid: str, model: s.StoredModel, on: str) -> dict[str, str]:
 
 L1 = low("l", mn=1)
 MID = low("mid", mn=0, prio=5)
+LQ = low("lq", mn=0).model_copy(update={"quota": "t"})
 DROWS: dict[str, DRow] = {
     # "l" may lose one of its two (minimum 1), not both: the second GPU comes
     # from "mid", of a higher priority than "l" but lower than "high".
@@ -205,6 +207,13 @@ DROWS: dict[str, DRow] = {
          low("small", mn=0), low("big", mn=0, prio=1, gpus=3)],
         [rep("small-1", "small", "n", [0]), rep("big-1", "big", "n", [1, 2, 3])],
         Displacement("n", ["big-1"], _why("big-1", low("big", mn=0, prio=1), "n"))),
+    "a full quota scope: its lower models give way, not another scope's": DRow(
+        [node("n", H100, H100, H100, H100)],
+        [HIGH.model_copy(update={"quota": "t"}), LQ, low("free", mn=0)],
+        [rep("free-1", "free", "n", [0]), rep("lq-1", "lq", "n", [1]),
+         rep("lq-2", "lq", "n", [2])],
+        Displacement("n", ["lq-1", "lq-2"], _why("lq-1", LQ, "n") | _why("lq-2", LQ, "n")),
+        quotas={"t": s.Quota(max_gpus=2)}),
     "cordoned nodes free nothing": DRow(
         [node("c", H100, H100)], [HIGH, low("l", mn=0)],
         [rep("l-1", "l", "c", [0]), rep("l-2", "l", "c", [1])], None),
@@ -215,7 +224,7 @@ def test_displace(row: DRow) -> None:
     models = {m.name: m for m in row.models}
     confs = {"c": s.NodeConf(cordoned=True)}
     got = displace("high", models["high"], models, {n.name: n for n in row.nodes},
-                   {r.id: r for r in row.replicas}, nodeconfs=confs)
+                   {r.id: r for r in row.replicas}, nodeconfs=confs, quotas=row.quotas)
     assert got == row.want
 
 
