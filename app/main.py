@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
-from app.api import admin, agent, docs, errors, nodes
+from app.api import admin, agent, docs, errors, fleet, nodes
 from app.gateway import Gateway
 from app.router.proxy import Proxy, openapi_paths
 from app.settings import Settings
@@ -86,6 +86,7 @@ def create_app(settings: Settings) -> GatewayApp:
         return JSONResponse(body, status_code=200 if gw.ready else 503)
 
     app.include_router(admin.routes(gw))
+    app.include_router(fleet.routes(gw))
     app.include_router(agent.routes(gw))
     app.include_router(nodes.routes(gw))
 

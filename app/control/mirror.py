@@ -199,6 +199,12 @@ class Mirror:
     def statuses(self) -> dict[str, s.ReplicaStatus]:
         return self.parsed(s.STATUS, s.ReplicaStatus)
 
+    def nodeconfs(self) -> dict[str, s.NodeConf]:
+        return self.parsed(s.NODECONF, s.NodeConf)
+
+    def quotas(self) -> dict[str, s.Quota]:
+        return self.parsed(s.QUOTAS, s.Quota)
+
     def client_keys(self) -> dict[str, s.ClientKey]:
         return self.parsed(s.KEYS, s.ClientKey)
 

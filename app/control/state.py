@@ -33,6 +33,10 @@ NODES = "nodes/"
 REPLICAS = "replicas/"
 STATUS = "status/"
 KEYS = "keys/"
+# The operator's choices per node (cordon, drain, pool, labels) and capacity
+# quotas per scope: written by the admin API, read by placement.
+NODECONF = "nodeconf/"
+QUOTAS = "quotas/"
 
 # OpenAI model ids often hold a slash ("org/model"); spaces, control
 # characters and a leading dot or slash do not belong in a key or a URL.
@@ -333,6 +337,44 @@ class NodeInfo(_Stored):
     @property
     def cpu_only(self) -> bool:
         return not self.gpus
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    for k, val in labels.items():
+        check_name(k, "label name")
+        if len(val) > 256 or any(ord(c) < 0x20 or ord(c) == 0x7f for c in val):
+            raise ValueError(f"label {k!r}: its value must be at most 256 printable characters")
+    return labels
+
+
+class NodeConf(_Stored):
+    """The operator's choices for one node (`nodeconf/{node}`), kept apart
+    from `nodes/{node}`, which its agent rewrites and which vanishes with its
+    lease: a cordon must outlive an agent restart."""
+
+    cordoned: bool = Field(default=False, description="no new replicas are placed here")
+    draining: bool = Field(
+        default=False, description="cordoned, and its replicas are moved to other nodes")
+    pool: str = Field(default="default", max_length=64,
+                      description="only profiles of this pool are placed here")
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, v: str) -> str:
+        return check_name(v, "pool")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_labels(v)
+
+
+class Quota(_Stored):
+    """A capacity quota (`quotas/{scope}`): the most GPUs the replicas of the
+    models naming this scope (`quota` in their spec) may hold together."""
+
+    max_gpus: int = Field(..., ge=0, le=100_000, description="GPUs the scope may hold")
 
 
 class Replica(_Stored):

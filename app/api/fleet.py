@@ -1,0 +1,178 @@
+"""Admin routes for the fleet: cordon, uncordon and drain a node, its pool
+and labels (`nodeconf/{node}`), and capacity quotas (`quotas/{scope}`).
+
+Every write is decided on the mirror and conditioned on the key's revision
+as read, or on its absence (DESIGN invariant 9): two admins on two gateways
+cannot overwrite each other's change unseen; the loser decides again on
+the winner's value. Every route answers 503 until the gateway's mirror has
+loaded: a node conf decided on an empty mirror would overwrite the stored
+one with defaults (uncordoning the node, moving it to the default pool).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.api.errors import Problem
+from app.control import fleet
+from app.control import state as s
+from app.store.base import Compare, Delete, Put
+
+if TYPE_CHECKING:
+    from app.gateway import Gateway
+
+_SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
+_TRIES = 5
+_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
+
+
+class NodeConfBody(BaseModel):
+    """`PUT /admin/nodes/{node}/conf`: the node's pool and labels. Cordon
+    and drain have routes of their own and are kept as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+    pool: str = Field(default=fleet.DEFAULT_POOL, max_length=64)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, v: str) -> str:
+        return s.check_name(v, "pool")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return s.check_labels(v)
+
+
+class QuotaBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_gpus: int = Field(..., ge=0, le=100_000, description="GPUs the scope may hold")
+
+
+def routes(gw: Gateway) -> APIRouter:
+    def require_admin(
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if creds is None or not creds.credentials:
+            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
+        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
+            raise Problem(401, "Unauthorized", "wrong admin token")
+        if not gw.ready:
+            raise Problem(503, "State not loaded",
+                          "this gateway has not loaded the fleet's state yet; ask another")
+
+    r = APIRouter(prefix="/admin", tags=["fleet"], dependencies=[Depends(require_admin)])
+
+    async def write(key: str, decide: Callable[[bytes | None], bytes | None]) -> None:
+        """Writes `decide(value read)` (None: delete) to `key`, conditioned on
+        the key's revision as read (absent: on its absence). A race lost to
+        another gateway waits for the winner's write and decides again."""
+        for _ in range(_TRIES):
+            kv = gw.mirror.get(key)
+            new = decide(kv.value if kv is not None else None)
+            if new == (kv.value if kv is not None else None):
+                return
+            cond = (Compare.modified_at(key, kv.mod_revision) if kv is not None
+                    else Compare.absent(key))
+            res = await gw.store.txn([cond], [Put(key, new) if new is not None else Delete(key)])
+            if res.succeeded:
+                await gw.mirror.wait_for(res.revision, _SETTLE)
+                return
+            latest = await gw.store.get(key)
+            await gw.mirror.wait_for(latest.mod_revision if latest is not None else res.revision,
+                                     _SETTLE)
+        raise Problem(409, "Busy", f"{key} kept changing under this request; retry")
+
+    # --- nodes -------------------------------------------------------------------
+
+    def known(node: str) -> None:
+        """A node is known while its agent beats, it has a conf, or replicas
+        still name it (an agent restarting must stay cordonable)."""
+        if (gw.mirror.get(s.NODES + node) is None and gw.mirror.get(s.NODECONF + node) is None
+                and not any(rep.node == node for rep in gw.mirror.replicas().values())):
+            raise Problem(404, "No such node", f"no node {node!r} is known to the fleet")
+
+    def conf_view(node: str) -> dict[str, Any]:
+        conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+        return {"node": node} | conf.model_dump()
+
+    async def change(node: str, edit: Callable[[s.NodeConf], s.NodeConf]) -> dict[str, Any]:
+        known(node)
+
+        def decide(value: bytes | None) -> bytes:
+            conf = s.NodeConf()
+            if value is not None:
+                try:
+                    conf = s.NodeConf.model_validate_json(value)
+                except ValidationError:
+                    pass  # unreadable (the mirror logs it): replaced by this write
+            return edit(conf).model_dump_json().encode()
+
+        await write(s.NODECONF + node, decide)
+        return conf_view(node)
+
+    @r.get("/nodes/{node}/conf")
+    async def get_conf(node: str) -> dict[str, Any]:
+        known(node)
+        return conf_view(node)
+
+    @r.put("/nodes/{node}/conf")
+    async def put_conf(node: str, body: NodeConfBody) -> dict[str, Any]:
+        return await change(node, lambda c: c.model_copy(
+            update={"pool": body.pool, "labels": body.labels}))
+
+    @r.post("/nodes/{node}/cordon")
+    async def cordon(node: str) -> dict[str, Any]:
+        """No new replicas go to the node; those on it stay."""
+        return await change(node, lambda c: c.model_copy(update={"cordoned": True}))
+
+    @r.post("/nodes/{node}/uncordon")
+    async def uncordon(node: str) -> dict[str, Any]:
+        """Replicas may be placed on the node again; ends a drain."""
+        return await change(node, lambda c: c.model_copy(
+            update={"cordoned": False, "draining": False}))
+
+    @r.post("/nodes/{node}/drain")
+    async def drain(node: str) -> dict[str, Any]:
+        """Cordons the node and moves its replicas to other nodes."""
+        return await change(node, lambda c: c.model_copy(
+            update={"cordoned": True, "draining": True}))
+
+    # --- quotas ------------------------------------------------------------------
+
+    @r.get("/quotas")
+    async def quotas() -> list[dict[str, Any]]:
+        """Every scope: its limit (null: none), GPUs held by its models'
+        replicas (draining ones excluded) and those models."""
+        return fleet.quota_report(gw.mirror.models(), gw.mirror.replicas(), gw.mirror.quotas())
+
+    def check_scope(scope: str) -> None:
+        try:
+            s.check_name(scope, "quota scope")
+        except ValueError as exc:
+            raise Problem(400, "Invalid quota scope", str(exc)) from None
+
+    @r.put("/quotas/{scope}")
+    async def put_quota(scope: str, body: QuotaBody) -> dict[str, Any]:
+        check_scope(scope)
+        value = s.Quota(max_gpus=body.max_gpus).model_dump_json().encode()
+        await write(s.QUOTAS + scope, lambda _: value)
+        return {"scope": scope, "max_gpus": body.max_gpus}
+
+    @r.delete("/quotas/{scope}", status_code=204)
+    async def delete_quota(scope: str) -> Response:
+        def decide(value: bytes | None) -> None:
+            if value is None:
+                raise Problem(404, "No such quota", f"no quota is set for scope {scope!r}")
+
+        await write(s.QUOTAS + scope, decide)
+        return Response(status_code=204)
+
+    return r
