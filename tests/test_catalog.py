@@ -198,7 +198,8 @@ async def test_full_specs_are_stored_as_given_and_exported(
     assert got["status"]["wanted"] == 0
     remote = (await c.get("/admin/models/remote")).json()
     assert remote["status"] == {"wanted": 0, "replicas": 0, "ready": 0, "failed": [],
-                                "unplaced": None}
+                                "unplaced": None,
+                                "health": {"state": "ok", "detail": "", "reasons": {}}}
     r = await c.get("/admin/catalog")
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {"models": FULL}

@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
-from app.control import catalog
+from app.control import catalog, fleet
 from app.control import state as s
 from app.control.keys import hash_client_key, new_client_key
 from app.control.placement import NoFit, place
@@ -92,14 +92,17 @@ def routes(gw: Gateway) -> APIRouter:
         failed = [{"id": r.id, "node": r.node, "detail": st.detail}
                   for r in mine if (st := statuses.get(r.id)) is not None
                   and s.replica_phase(r, st) == "failed"]
-        unplaced = None
+        nofit: NoFit | None = None
         wanted = model.replica_range.min
         if len(mine) < wanted:
-            fit = place(model.name, model, gw.mirror.nodes(), replicas)
-            unplaced = str(fit) if isinstance(fit, NoFit) else None
+            fit = place(model.name, model, gw.mirror.nodes(), replicas,
+                        nodeconfs=gw.mirror.nodeconfs(), quotas=gw.mirror.quotas(),
+                        models=gw.mirror.models())
+            nofit = fit if isinstance(fit, NoFit) else None
         return stored_view(model) | {"status": {
             "wanted": wanted, "replicas": len(mine), "ready": ready,
-            "failed": failed, "unplaced": unplaced}}
+            "failed": failed, "unplaced": str(nofit) if nofit is not None else None,
+            "health": fleet.model_health(model, mine, nofit).as_dict()}}
 
     def stored_view(model: s.StoredModel) -> dict[str, Any]:
         """The spec as given (fields left out stay out), its name and creation."""
