@@ -70,7 +70,8 @@ class Gateway:
         self.proxy = Proxy(self.table, hash_client_key, Timeouts(
             connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
             idle=settings.stream_idle_timeout, request=settings.request_timeout,
-            cooldown=settings.replica_cooldown), observer=self.metrics)
+            cooldown=settings.replica_cooldown), observer=self.metrics,
+            affinity=settings.router_affinity)
         self._store: Store | None = None
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None

@@ -131,6 +131,11 @@ class Settings(BaseSettings):
     # Longer spares clients a dead replica until the agent reports it (a few
     # seconds); shorter puts a recovered one back to work sooner. 0: off.
     replica_cooldown: float = Field(5.0, ge=0)
+    # Prompt affinity: requests of one conversation (X-Session-Id,
+    # prompt_cache_key, or the same opening messages) go to one replica while
+    # its load stays within 1.25x the mean, so the engine reuses its prefix
+    # cache. Off: power of two choices alone (measured in bench/affinity.py).
+    router_affinity: bool = True
 
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on

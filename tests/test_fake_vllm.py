@@ -366,6 +366,24 @@ async def test_metrics_count_tokens_and_requests(server: Proc) -> None:
     assert after[("vllm:num_requests_running", lab)] == 0
 
 
+async def test_a_repeated_chat_prefix_is_a_prefix_cache_hit(server: Proc) -> None:
+    lab = _labels(NAMES[0])
+    before = await _get_metrics(server.base)
+    first = [{"role": "system", "content": "a b c d e f g h"},
+             {"role": "user", "content": "one"}]
+    nxt = [*first, {"role": "assistant", "content": "x"}, {"role": "user", "content": "two"}]
+    async with aiohttp.ClientSession() as s:
+        for messages in (first, nxt):
+            async with s.post(server.base + "/v1/chat/completions",
+                              headers={"Authorization": f"Bearer {API_KEY}"},
+                              json={"model": NAMES[0], "messages": messages}) as r:
+                assert r.status == 200
+    after = await _get_metrics(server.base)
+    hits = after[("vllm:prefix_cache_hits_total", lab)] - before[
+        ("vllm:prefix_cache_hits_total", lab)]
+    assert hits == 9 + 2  # the second turn found the first's system and user messages
+
+
 # ------------------------------------------------------------ slow: live gauges
 
 

@@ -101,7 +101,9 @@ class Proxy:
         timeouts: Timeouts,
         observer: RequestObserver | None = None,
         session_factory: SessionFactory = default_session,
+        affinity: bool = True,
     ) -> None:
+        self._affinity = affinity
         self._table = table
         self._session_factory = session_factory
         self._hash_key = hash_key
@@ -164,7 +166,7 @@ class Proxy:
                 cache_key = body.get("prompt_cache_key")
                 affinity = affinity_key(
                     body, session or (cache_key if isinstance(cache_key, str) else None),
-                ) if len(self._table.endpoints(model)) > 1 else None
+                ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
                 outcome.status = await self._upstreams.forward(
                     watch, model, url_tail, body, accept_encoding,
                     body.get("stream") is True, send, affinity)

@@ -25,6 +25,10 @@ and ``vllm:request_success_total{finished_reason="abort"}`` counts it.
 Environment:
 
 * ``FAKE_VLLM_TOKEN_DELAY``   seconds to sleep before each generated word (default 0)
+* ``FAKE_VLLM_PREFILL_DELAY`` seconds of prefill per prompt token not in the prefix cache,
+  before a chat's first token (default 0). The cache holds every message prefix of
+  the chats served (as vLLM's automatic prefix caching holds their KV blocks), so the
+  next turn of a conversation on the same engine prefills only its new messages.
 * ``FAKE_VLLM_STARTUP_DELAY`` seconds to wait before binding the port (default 0),
   like vLLM loading weights; ``/health`` is unreachable until then.
 * ``VLLM_API_KEY``            the key ``/v1`` demands when ``--api-key`` is not given,
@@ -75,6 +79,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import hashlib
 import json
 import os
@@ -249,6 +254,7 @@ class Stats:
         self.waiting = 0
         self.kv_tokens = 0  # tokens held by running requests
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache
         self.generation_tokens = 0
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -293,7 +299,8 @@ class Stats:
                 "Prefix cache queries, in terms of number of queried tokens.",
                 {"": self.prompt_tokens})
         counter("vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.", {"": 0})
+                "Prefix cache hits, in terms of number of cached tokens.",
+                {"": self.cached_tokens})
         counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                 {"": 0})
         counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
@@ -381,6 +388,9 @@ class FakeVLLM:
         keys = args.api_key or [os.environ.get("VLLM_API_KEY", "")]
         self.api_keys: list[str] = [k for k in keys if k]
         self.token_delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0") or 0)
+        self.prefill_delay = float(os.environ.get("FAKE_VLLM_PREFILL_DELAY", "0") or 0)
+        # Message-prefix hash -> its token count; oldest dropped past the cap.
+        self.prefix_cache: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.stats = Stats(self.names[0], args.max_num_seqs, args.max_model_len)
         self.slots = asyncio.Semaphore(args.max_num_seqs)
         self.created = int(time.time())
@@ -557,6 +567,7 @@ class FakeVLLM:
             _count_tokens(_content_text(m.get("content"))) + 1
             for m in messages if isinstance(m, dict)
         )
+        await self._prefill(messages)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         words, reason = self._reply_words(model, asked, limit)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -603,6 +614,28 @@ class FakeVLLM:
         await self._sse(resp, "[DONE]")
         await resp.write_eof()
         return resp
+
+    async def _prefill(self, messages: list[Any]) -> None:
+        """Sleeps for the prompt tokens the prefix cache does not hold, then
+        caches every message prefix of this prompt."""
+        tokens, cached, keys = 0, 0, []
+        digest = hashlib.sha256()
+        for m in messages:
+            digest.update(json.dumps(m, sort_keys=True).encode())
+            tokens += _count_tokens(_content_text(m.get("content")) if isinstance(m, dict)
+                                    else "") + 1
+            key = digest.hexdigest()
+            keys.append((key, tokens))
+            if key in self.prefix_cache:
+                cached = tokens
+                self.prefix_cache.move_to_end(key)
+        self.stats.cached_tokens += cached
+        for key, count in keys:
+            self.prefix_cache[key] = count
+        while len(self.prefix_cache) > 4096:
+            self.prefix_cache.popitem(last=False)
+        if self.prefill_delay > 0:
+            await asyncio.sleep((tokens - cached) * self.prefill_delay)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
