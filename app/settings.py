@@ -50,10 +50,16 @@ class Settings(BaseSettings):
     # long; shorter fails over faster but loses leadership to etcd hiccups
     # (with TTL 3 a lease expired while a 3-member etcd elected a new leader;
     # keepalives stalled 7-8 s).
-    lease_ttl: int = 10
-    # How often a gateway renews its lease or, as a candidate, tries to win.
-    # Shorter: faster takeover after a clean stop, more etcd traffic.
-    election_interval: float = 0.5
+    lease_ttl: int = Field(10, ge=1)
+    # How often a gateway renews its lease and, while its mirror shows no
+    # leader, tries to win. Shorter: faster takeover after a clean stop, one
+    # more keepalive per gateway each time.
+    election_interval: float = Field(0.5, gt=0)
+    # The three are checked together at start, as client-go checks its lease
+    # duration, renew deadline and retry period: lease_ttl >= 3 x
+    # election_interval (three renewals per lease) and, with etcd, lease_ttl
+    # >= 2 x etcd_timeout (a renewal that hangs until its deadline leaves
+    # time for another before the lease runs out).
 
     # --- this gateway ---------------------------------------------------------
     host: str = "127.0.0.1"
@@ -67,9 +73,24 @@ class Settings(BaseSettings):
     # Seconds between reconcile passes when nothing changes; catalog and node
     # changes wake it at once. Shorter costs CPU on the leader only.
     reconcile_interval: float = 2.0
-    # How long a replica being removed stays out of the router before its
-    # engine is stopped, so that requests already routed to it can finish.
-    drain_seconds: float = 2.0
+    # The cap on a drain: a replica being removed is out of every router at
+    # once, and its engine is stopped when the gateways' usage snapshots
+    # show no request left on it, or after this long whatever they show.
+    # Must exceed request_timeout, or a drain could cut a stream the proxy
+    # would still have let run. Longer: a gateway that stopped reporting
+    # (an older version during an upgrade) holds a drained replica's GPUs
+    # that long.
+    drain_seconds: float = Field(660.0, gt=0)
+
+    # --- usage snapshots (usage/{gateway}) ---------------------------------------
+    # How often a gateway looks at its in-flight counts and writes its
+    # snapshot if they changed. Shorter: drains end sooner after their last
+    # request, for more store writes from busy gateways.
+    usage_interval: float = Field(2.0, gt=0)
+    # Last-use times alone are written at most this often. The leader calls
+    # a model idle only this (plus usage_interval) after its idle_timeout,
+    # so a longer value stops idle models later, a shorter one writes more.
+    usage_refresh: float = Field(30.0, gt=0)
 
     # --- agents -----------------------------------------------------------------
     # A node whose agent has not heartbeated for this long is gone: its
@@ -208,6 +229,7 @@ class Settings(BaseSettings):
             raise ValueError("LLMGW_SECRET is required when LLMGW_ETCD_ENDPOINTS is set")
         if self.uses_etcd and self.admin_token is None:
             raise ValueError("LLMGW_ADMIN_TOKEN is required when LLMGW_ETCD_ENDPOINTS is set")
+        self._check_timings()
         if not self.gateway_id:
             self.gateway_id = f"{socket.gethostname()}-{self.port}"
         if not self.public_url:
@@ -218,6 +240,24 @@ class Settings(BaseSettings):
         if not self.local_node:
             self.local_node = socket.gethostname()
         return self
+
+    def _check_timings(self) -> None:
+        """Durations that only work together (docs/architecture.md, Election)."""
+        if self.lease_ttl < 3 * self.election_interval:
+            raise ValueError(
+                f"LLMGW_LEASE_TTL ({self.lease_ttl} s) must be at least 3 x "
+                f"LLMGW_ELECTION_INTERVAL ({self.election_interval} s): a leader renews its "
+                "lease every interval and must get several tries in before it expires")
+        if self.uses_etcd and self.lease_ttl < 2 * self.etcd_timeout:
+            raise ValueError(
+                f"LLMGW_LEASE_TTL ({self.lease_ttl} s) must be at least 2 x "
+                f"LLMGW_ETCD_TIMEOUT ({self.etcd_timeout} s): a renewal that hangs until "
+                "its deadline must leave time for another before the lease expires")
+        if self.drain_seconds <= self.request_timeout:
+            raise ValueError(
+                f"LLMGW_DRAIN_SECONDS ({self.drain_seconds} s) must exceed "
+                f"LLMGW_REQUEST_TIMEOUT ({self.request_timeout} s): the drain cap must not "
+                "cut a request the proxy would still let run")
 
     @property
     def uses_etcd(self) -> bool:

@@ -26,7 +26,8 @@ def agreed_leader(gws: list[GatewayProc]) -> str | None:
 @pytest.fixture
 def three(cluster: Cluster) -> list[GatewayProc]:
     cluster.ttl = TTL
-    return [cluster.gateway(n) for n in ("gw-a", "gw-b", "gw-c")]
+    # A lease of 4 s needs etcd calls that give up within 2 s (settings.py).
+    return [cluster.gateway(n, etcd_timeout="2") for n in ("gw-a", "gw-b", "gw-c")]
 
 
 def test_exactly_one_leader_and_sigkill_failover(three: list[GatewayProc]) -> None:

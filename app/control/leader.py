@@ -1,8 +1,12 @@
 """Leader election on a store lease, with fencing.
 
-Each gateway holds one lease: it binds the gateway's `gateways/{id}` record
-and, on the winner, the `leader` key. `tick()` is one step: renew the lease
-(or get a new one), then try to create the `leader` key if nobody holds it.
+Each gateway holds one lease: it binds the gateway's `gateways/{id}` record,
+its usage snapshot and, on the winner, the `leader` key. Two steps, run by
+two loops so that a renewal never waits behind a campaign stuck on a slow
+store: `renew()` renews the lease (or gets a new one), and `campaign()`
+tries to create the `leader` key, only when the mirror shows none (so a
+fleet with a leader costs the store one keepalive per gateway and
+interval, not a transaction). `tick()` runs both, for tests.
 
 What this does *not* guarantee: that only one gateway *believes* it leads.
 A gateway paused longer than the TTL (GC, SIGSTOP, a VM migration) may wake
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.control import state as s
+from app.control.mirror import Mirror
 from app.store.base import Compare, LeaseExpired, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -46,8 +51,12 @@ class Elector:
         gateway: s.GatewayInfo,
         ttl: int,
         clock: Callable[[], float] = time.monotonic,
+        mirror: Mirror | None = None,
     ) -> None:
         self._store = store
+        # Without a mirror (some tests), every campaign asks the store.
+        self._mirror = mirror
+        self._was_leader = False
         self._gateway = gateway
         self._ttl = ttl
         self._clock = clock
@@ -90,7 +99,15 @@ class Elector:
         return [Compare.created_at(s.LEADER, self._leader_revision)]
 
     async def tick(self) -> ElectionStep:
+        """One renewal, then one campaign."""
         was = self.is_leader
+        await self.renew()
+        await self.campaign()
+        now = self.is_leader
+        return ElectionStep(now, now != was)
+
+    async def renew(self) -> None:
+        """Renews the lease, or gets a new one (and rewrites `gateways/{id}`)."""
         sent = self._clock()
         try:
             if self.lease == 0:
@@ -104,33 +121,68 @@ class Elector:
             else:
                 await self._store.keepalive(self.lease)
                 self._renewed_at = sent
-            await self._campaign()
-        except LeaseExpired:
+        except StoreError as exc:
+            self._failed("renewal", exc)
+        self._note()
+
+    async def campaign(self) -> None:
+        """Takes the `leader` key if no one holds it; notes whether we do."""
+        try:
+            if self.lease != 0 and self._needs_campaign():
+                await self._campaign()
+        except StoreError as exc:
+            self._failed("campaign", exc)
+        self._note()
+
+    def _needs_campaign(self) -> bool:
+        """What the mirror shows of the `leader` key, without asking the store."""
+        m = self._mirror
+        if m is None:
+            return True
+        if not m.ready:
+            return False  # cannot see whether someone leads
+        kv = m.get(s.LEADER)
+        if kv is not None:
+            if kv.lease == self.lease:
+                self._leader_revision = kv.create_revision  # ours (an answer lost)
+            elif m.revision >= self._leader_revision:
+                self._leader_revision = 0  # another gateway's, after ours
+            return False
+        if self._leader_revision and m.revision < self._leader_revision:
+            return False  # we just won: the mirror has not seen our key yet
+        self._leader_revision = 0  # none, or ours gone with our lease
+        return True
+
+    def _failed(self, what: str, exc: StoreError) -> None:
+        if isinstance(exc, LeaseExpired):
             logger.warning("gateway %s lost its lease; starting over", self._gateway.id)
             self.lease = 0
             self._leader_revision = 0
-        except StoreUnavailable as exc:
+        elif isinstance(exc, StoreUnavailable):
             # Said once by the store when it became unreachable; not every
             # election interval here. is_leader lapses on its own with time.
-            logger.debug("election step failed: %s", exc)
-        except StoreError as exc:
-            logger.warning("election step failed: %s", exc)
+            logger.debug("election %s failed: %s", what, exc)
+        else:
+            logger.warning("election %s failed: %s", what, exc)
+
+    def _note(self) -> None:
         now = self.is_leader
-        if now != was:
+        if now != self._was_leader:
             logger.info("gateway %s %s leadership", self._gateway.id,
                         "took" if now else "lost")
-        return ElectionStep(now, now != was)
+        self._was_leader = now
 
     async def _campaign(self) -> None:
         value = s.LeaderInfo(id=self._gateway.id, url=self._gateway.url).model_dump_json()
+        lease = self.lease
         result = await self._store.txn(
-            [Compare.absent(s.LEADER)], [Put(s.LEADER, value.encode(), self.lease)]
+            [Compare.absent(s.LEADER)], [Put(s.LEADER, value.encode(), lease)]
         )
         if result.succeeded:
             self._leader_revision = result.revision
             return
         current = await self._store.get(s.LEADER)
-        if current is not None and current.lease == self.lease:
+        if current is not None and current.lease == lease:
             self._leader_revision = current.create_revision
         else:
             self._leader_revision = 0
