@@ -27,8 +27,9 @@ from app.control.keys import hash_client_key, node_token
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
+from app.control.usage import UsagePublisher
 from app.metrics import GatewayMetrics
-from app.publish import Publisher
+from app.publish import LastUse, Publisher, RouterUsage
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
@@ -67,10 +68,13 @@ class Gateway:
         self._store_factory = store_factory
         self.table = RouteTable()
         self.metrics = GatewayMetrics(self)
+        # Notes each model's last use for the usage snapshots, then counts
+        # the request in the metrics.
+        self.last_use = LastUse(then=self.metrics)
         self.proxy = Proxy(self.table, hash_client_key, Timeouts(
             connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
             idle=settings.stream_idle_timeout, request=settings.request_timeout,
-            cooldown=settings.replica_cooldown), observer=self.metrics,
+            cooldown=settings.replica_cooldown), observer=self.last_use,
             affinity=settings.router_affinity)
         self._store: Store | None = None
         self._mirror: Mirror | None = None
@@ -113,15 +117,25 @@ class Gateway:
         self._mirror.start()
         info = s.GatewayInfo(id=st.gateway_id, url=st.public_url, version=__version__,
                              started=time.time())
-        self._elector = Elector(self._store, info, st.lease_ttl)
+        self._elector = Elector(self._store, info, st.lease_ttl, mirror=self._mirror)
         reconciler = Reconciler(self._store, self._mirror, self._elector,
                                 drain_seconds=st.drain_seconds, interval=st.reconcile_interval,
-                                node_grace=st.node_grace)
+                                node_grace=st.node_grace,
+                                idle_slack=st.usage_refresh + st.usage_interval)
+        elector = self._elector
+        usage = UsagePublisher(self._store, self._mirror,
+                               RouterUsage(self.table, self.last_use, publisher),
+                               st.gateway_id, lambda: elector.lease, refresh=st.usage_refresh)
         await self.proxy.start()
         self._tasks += [
-            asyncio.create_task(self._elect(), name="election"),
+            # Two loops: a renewal never waits behind a campaign stuck on a
+            # slow store (docs/architecture.md, Election).
+            asyncio.create_task(self._every(elector.renew, "renewal"), name="election-renew"),
+            asyncio.create_task(self._every(elector.campaign, "campaign"),
+                                name="election-campaign"),
             asyncio.create_task(reconciler.run(), name="reconciler"),
             asyncio.create_task(publisher.run(st.publish_interval), name="publisher"),
+            asyncio.create_task(usage.run(st.usage_interval), name="usage"),
         ]
         if st.local_agent:
             self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")
@@ -150,14 +164,14 @@ class Gateway:
         else:
             logger.info("catalog already in the store: %s not used", self.settings.catalog_file)
 
-    async def _elect(self) -> None:
+    async def _every(self, step: Callable[[], Awaitable[None]], what: str) -> None:
         while True:
             try:
-                await self.elector.tick()
+                await step()
             except Exception:
-                # tick() handles store failures; anything else is a bug, but
+                # The steps handle store failures; anything else is a bug, but
                 # the loop must outlive it or this gateway never leads again.
-                logger.exception("election step crashed")
+                logger.exception("election %s crashed", what)
             await asyncio.sleep(self.settings.election_interval)
 
     async def _run_local_agent(self) -> None:

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from app.control import state as s
 from app.control.keys import engine_key
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
+from app.router.proxy import RequestObserver
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,9 @@ class Publisher:
         self._last: tuple[object, ...] = ()
         # Why each external model's key could not be read, as last logged.
         self._key_errors: dict[str, str] = {}
+        # The mirror revision of the last publish: the router's tables hold
+        # every change up to it (a drain included), whatever the fingerprint.
+        self.published_revision = 0
         mirror.subscribe(self._on_change)
 
     async def run(self, interval: float) -> None:
@@ -91,6 +97,7 @@ class Publisher:
         """Rebuilds the router's tables; False when nothing it serves changed."""
         self._scheduled = False
         m = self._mirror
+        revision = m.revision
         models = m.models()
         catalog = tuple(
             CatalogEntry(name, tuple(spec.aliases), int(spec.created))
@@ -147,12 +154,55 @@ class Publisher:
         fingerprint = (catalog, ep_view, tuple(sorted(grants.items())),
                        tuple(sorted(unavailable.items())))
         if fingerprint == self._last:
+            self.published_revision = revision
             return False
         self._last = fingerprint
         self._table.set_catalog(catalog)
         self._table.set_endpoints(endpoints)
         self._table.set_client_keys(grants)
         self._table.set_unavailable(unavailable)
+        self.published_revision = revision
         logger.debug("published %d models, %d endpoints",
                      len(catalog), sum(len(v) for v in endpoints.values()))
         return True
+
+
+class LastUse:
+    """The proxy's request observer: notes when each model was last asked
+    for (at the request's end, so a long stream counts until it ends), then
+    passes the request on to `then` (the metrics). On the request path: one
+    dict write."""
+
+    def __init__(self, then: RequestObserver | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._then = then
+        self._wall = wall
+        self.by_model: dict[str, float] = {}
+
+    def observe(self, model: str, status: int, seconds: float) -> None:
+        # Every request that named a catalog model counts, a 503 for want of
+        # a replica included: it asked for the model (docs/architecture.md,
+        # Reconciler). An unknown model's label is dropped by the snapshot,
+        # which keeps catalog models only.
+        self.by_model[model] = self._wall()
+        if self._then is not None:
+            self._then.observe(model, status, seconds)
+
+
+class RouterUsage:
+    """The router as the usage publisher reads it (app/control/usage.py's
+    `UsageSource`)."""
+
+    def __init__(self, table: RouteTable, last_use: LastUse, publisher: Publisher) -> None:
+        self._table = table
+        self._last_use = last_use
+        self._publisher = publisher
+
+    def inflight_by_replica(self) -> dict[str, int]:
+        return self._table.inflight_by_replica()
+
+    def last_used_by_model(self) -> dict[str, float]:
+        return dict(self._last_use.by_model)
+
+    def routed_revision(self) -> int:
+        return self._publisher.published_revision

@@ -6,7 +6,7 @@ import itertools
 
 from app.control import state as s
 from app.control.placement import Fit, NoFit, place
-from app.control.plan import Plan, plan
+from app.control.plan import Plan, plan, wanted
 
 
 def gpu_node(name: str, gpus: int) -> s.NodeInfo:
@@ -28,11 +28,21 @@ def suffixes() -> itertools.count[int]:
 
 def run_plan(models: list[s.StoredModel], nodes: list[s.NodeInfo],
              replicas: dict[str, s.Replica], now: float = 100.0,
-             absent_for: dict[str, float] | None = None, node_grace: float = 0.0) -> Plan:
+             absent_for: dict[str, float] | None = None, node_grace: float = 0.0,
+             ready: tuple[str, ...] = (), inflight: dict[str, int] | None = None,
+             last_used: dict[str, float] | None = None, idle_slack: float = 0.0) -> Plan:
     counter = suffixes()
+    statuses = {rid: s.ReplicaStatus(id=rid, node=replicas[rid].node, phase="ready")
+                for rid in ready}
     return plan({m.name: m for m in models}, {n.name: n for n in nodes}, replicas,
                 now=now, drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}",
-                absent_for=absent_for, node_grace=node_grace)
+                absent_for=absent_for, node_grace=node_grace, statuses=statuses,
+                inflight=inflight, last_used=last_used, idle_slack=idle_slack)
+
+
+def old_replica(rid: str, gpu: int = 0, node: str = "n1") -> s.Replica:
+    """A replica of model "m" on weights the spec no longer names."""
+    return s.Replica(id=rid, model="m", node=node, gpus=[gpu], weights="org/old")
 
 
 def test_places_min_replicas_spread_over_nodes() -> None:
@@ -104,3 +114,101 @@ def test_changed_spec_replaces_the_replica() -> None:
 def test_steady_state_plans_nothing() -> None:
     rep = s.Replica(id="r1", model="m", node="n1", gpus=[0], weights="org/m")
     assert run_plan([model("m")], [gpu_node("n1", 1)], {"r1": rep}).empty
+
+
+# --- rollout order on a spec change -------------------------------------------------
+
+
+def test_a_spec_change_places_the_replacement_before_draining_the_old_one() -> None:
+    nodes = [gpu_node("n1", 2)]
+    reps = {"r1": old_replica("r1")}
+    p = run_plan([model("m")], nodes, reps, ready=("r1",))
+    # The old one keeps serving while the new one loads.
+    assert p.drain == [] and [(r.node, r.gpus, r.weights) for r in p.create] == [
+        ("n1", [1], "org/m")]
+    new = p.create[0]
+    reps[new.id] = new
+    assert run_plan([model("m")], nodes, reps, ready=("r1",)).empty  # new one still loading
+    p = run_plan([model("m")], nodes, reps, ready=("r1", new.id))
+    assert p.drain == ["r1"] and p.create == []
+
+
+def test_an_old_replica_that_serves_nothing_is_drained_at_once() -> None:
+    p = run_plan([model("m")], [gpu_node("n1", 2)], {"r1": old_replica("r1")})
+    assert p.drain == ["r1"] and len(p.create) == 1
+
+
+def test_no_room_for_a_surge_replica_falls_back_to_drain_first_and_says_so() -> None:
+    nodes = [gpu_node("n1", 1)]
+    reps = {"r1": old_replica("r1")}
+    p = run_plan([model("m")], nodes, reps, ready=("r1",))
+    assert p.drain == ["r1"] and p.create == [] and p.unplaced == {}
+    assert "draining r1 first" in p.reasons["m"]
+    # While it drains it holds its GPU: nothing placed, nothing else drained.
+    reps["r1"] = reps["r1"].model_copy(update={"draining_since": 99.5})
+    p = run_plan([model("m")], nodes, reps, ready=("r1",))
+    assert p.empty and "waiting for r1 to stop" in p.reasons["m"]
+    # Gone: its replacement takes the GPU.
+    p = run_plan([model("m")], nodes, {})
+    assert [r.gpus for r in p.create] == [[0]]
+
+
+def test_a_spec_that_fits_nowhere_leaves_the_old_replica_serving() -> None:
+    p = run_plan([model("m", gpus=2)], [gpu_node("n1", 1)], {"r1": old_replica("r1")},
+                 ready=("r1",))
+    assert p.empty
+    assert p.unplaced == {"m": "n1: needs 2 free GPUs, has 0 of 1"}
+    assert "keep serving" in p.reasons["m"]
+
+
+def test_two_replicas_roll_one_at_a_time_when_there_is_room_for_one_more() -> None:
+    nodes = [gpu_node("n1", 3)]
+    spec = model("m", replicas={"min": 2, "max": 2})
+    reps = {"r1": old_replica("r1", 0), "r2": old_replica("r2", 1)}
+    p = run_plan([spec], nodes, reps, ready=("r1", "r2"))
+    # One surge replica; no old one drained while it loads.
+    assert [r.gpus for r in p.create] == [[2]] and p.drain == []
+    assert "waiting for" in p.reasons["m"]
+    new = p.create[0]
+    reps[new.id] = new
+    p = run_plan([spec], nodes, reps, ready=("r1", "r2", new.id))
+    assert p.drain == ["r2"] and p.create == []  # one old one stands in for the missing new
+
+
+# --- drains wait for the work ---------------------------------------------------------
+
+
+def test_a_draining_replica_goes_when_nothing_is_in_flight_or_at_the_cap() -> None:
+    rep = s.Replica(id="r1", model="gone", node="n1", gpus=[0], weights="org/gone",
+                    draining_since=99.0)
+    nodes = [gpu_node("n1", 1)]
+    assert run_plan([], nodes, {"r1": rep}, inflight={"r1": 0}).delete == ["r1"]
+    assert run_plan([], nodes, {"r1": rep}, inflight={"r1": 2}).delete == []
+    # Not known (a gateway has not reported since the drain): waits too...
+    assert run_plan([], nodes, {"r1": rep}, inflight={}).delete == []
+    # ...until the cap (drain_seconds, 2 s here), whatever is in flight.
+    assert run_plan([], nodes, {"r1": rep}, now=101.0, inflight={"r1": 2}).delete == ["r1"]
+
+
+# --- idle stop --------------------------------------------------------------------------
+
+
+def test_a_min_zero_model_runs_one_replica_while_used_and_none_after_its_idle_timeout() -> None:
+    spec = model("m", replicas={"min": 0, "max": 2}, idle_timeout=60)
+    nodes = [gpu_node("n1", 1)]
+    assert wanted(spec, None, now=100.0) == 0  # never used: nothing placed
+    assert run_plan([spec], nodes, {}).empty
+    p = run_plan([spec], nodes, {}, last_used={"m": 50.0})
+    assert [r.model for r in p.create] == ["m"]
+    rep = p.create[0]
+    assert run_plan([spec], nodes, {rep.id: rep}, now=109.9, last_used={"m": 50.0}).empty
+    assert run_plan([spec], nodes, {rep.id: rep}, now=110.0,
+                    last_used={"m": 50.0}).drain == [rep.id]
+    # The slack (how late a use may reach the leader) comes on top.
+    assert run_plan([spec], nodes, {rep.id: rep}, now=110.0, last_used={"m": 50.0},
+                    idle_slack=5).empty
+    # min above 0 ignores use; max 0, or no idle timeout (an old spec): nothing placed.
+    assert wanted(model("m", replicas={"min": 1, "max": 2}), None, now=100.0) == 1
+    assert wanted(model("m", replicas={"min": 0, "max": 0}, idle_timeout=60), 99.0,
+                  now=100.0) == 0
+    assert wanted(model("m", replicas={"min": 0, "max": 1}), 99.0, now=100.0) == 0

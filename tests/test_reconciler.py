@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from app.control import state as s
 from app.control.leader import Elector
 from app.control.mirror import Mirror
-from app.control.reconciler import Reconciler
+from app.control.reconciler import Reconciler, TickResult
+from app.settings import Settings
 from app.store.embedded import EmbeddedStore
 
 
@@ -146,3 +150,206 @@ async def test_an_absent_nodes_replicas_are_kept_for_the_grace_and_a_handover_re
     assert await mirror.wait_for(recs[a].written_revision, 2)
     assert mirror.replicas() == {}
     assert recs[a].last_unplaced == {"m": "no nodes"}
+
+
+# --- rollout, drains and idle stop, from the usage snapshots --------------------------
+
+
+async def status(store: EmbeddedStore, mirror: Mirror, rid: str, phase: s.Phase) -> None:
+    await put(store, mirror, s.STATUS + rid, s.ReplicaStatus(id=rid, node="n1", phase=phase))
+
+
+async def usage(store: EmbeddedStore, mirror: Mirror, elector: Elector, **kw: object) -> None:
+    """This gateway's snapshot, as its usage publisher would write it."""
+    value = s.Usage(gateway="gw", **kw)  # type: ignore[arg-type]
+    rev = await store.put(s.USAGE + "gw", value.model_dump_json().encode(), lease=elector.lease)
+    assert await mirror.wait_for(rev, 2)
+
+
+async def applied(rec: Reconciler, mirror: Mirror) -> TickResult:
+    result = await rec.tick()
+    assert not result.refused and not result.skipped, result
+    assert await mirror.wait_for(rec.written_revision, 2)
+    return result
+
+
+async def test_a_spec_change_rolls_new_first_and_the_old_drains_when_its_work_is_done(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, elector = parts
+    wall = Clock(1000.0)
+    suffixes = iter(["a", "b"])
+    rec = Reconciler(store, mirror, elector, drain_seconds=60, interval=1, node_grace=0,
+                     wall=wall, new_suffix=lambda: next(suffixes))
+    assert (await elector.tick()).is_leader
+    assert await mirror.wait_for(elector.lead_revision, 2)
+    await put(store, mirror, s.NODES + "n1", s.NodeInfo(
+        name="n1", gpus=[s.GpuInfo(index=0), s.GpuInfo(index=1)], engines=["vllm"]))
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(name="m", model="org/m"))
+    assert [r.id for r in (await applied(rec, mirror)).plan.create] == ["m-a"]
+    await status(store, mirror, "m-a", "ready")
+
+    # New weights: the replacement is placed; the old one keeps serving.
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(name="m", model="org/m2"))
+    result = await applied(rec, mirror)
+    assert [r.id for r in result.plan.create] == ["m-b"] and result.plan.drain == []
+    await status(store, mirror, "m-b", "starting")
+    assert (await applied(rec, mirror)).plan.empty  # still loading: nothing drains
+    await status(store, mirror, "m-b", "ready")
+    assert (await applied(rec, mirror)).plan.drain == ["m-a"]
+    drained_at = mirror.get(s.REPLICAS + "m-a")
+    assert drained_at is not None
+
+    # This gateway has not reported since the drain: the old one stays.
+    await usage(store, mirror, elector, revision=drained_at.mod_revision - 1)
+    wall.now += 30
+    assert (await applied(rec, mirror)).plan.empty
+    # It has let go of it, with a stream still running on it: stays.
+    await usage(store, mirror, elector, revision=drained_at.mod_revision, inflight={"m-a": 1})
+    assert (await applied(rec, mirror)).plan.empty
+    # The stream ended: removed, long before the cap.
+    await usage(store, mirror, elector, revision=drained_at.mod_revision)
+    assert (await applied(rec, mirror)).plan.delete == ["m-a"]
+    assert set(mirror.replicas()) == {"m-b"}
+
+
+async def test_a_drain_ends_at_the_cap_whatever_is_in_flight(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, elector = parts
+    wall = Clock(1000.0)
+    rec = Reconciler(store, mirror, elector, drain_seconds=60, interval=1, node_grace=0,
+                     wall=wall, new_suffix=lambda: "a")
+    assert (await elector.tick()).is_leader
+    assert await mirror.wait_for(elector.lead_revision, 2)
+    await put(store, mirror, s.NODES + "n1", s.NodeInfo(
+        name="n1", gpus=[s.GpuInfo(index=0)], engines=["vllm"]))
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(name="m", model="org/m"))
+    await applied(rec, mirror)
+    assert await store.delete(s.MODELS + "m")
+    assert await mirror.wait_for((await store.range("")).revision, 2)
+    assert (await applied(rec, mirror)).plan.drain == ["m-a"]
+    kv = mirror.get(s.REPLICAS + "m-a")
+    assert kv is not None
+    await usage(store, mirror, elector, revision=kv.mod_revision, inflight={"m-a": 3})
+    wall.now += 59.9
+    assert (await applied(rec, mirror)).plan.empty
+    wall.now += 0.1
+    assert (await applied(rec, mirror)).plan.delete == ["m-a"]
+
+
+async def test_a_min_zero_model_stops_after_its_idle_timeout_and_a_handover_stops_nothing(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, elector = parts
+    wall = Clock(1000.0)
+    rec = Reconciler(store, mirror, elector, drain_seconds=60, interval=1, node_grace=0,
+                     idle_slack=5, wall=wall, new_suffix=lambda: "a")
+    assert (await elector.tick()).is_leader
+    assert await mirror.wait_for(elector.lead_revision, 2)
+    await put(store, mirror, s.NODES + "n1", s.NodeInfo(
+        name="n1", gpus=[s.GpuInfo(index=0)], engines=["vllm"]))
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(
+        name="m", model="org/m", replicas=s.ReplicaRange(min=0, max=1), idle_timeout=60))
+    assert (await applied(rec, mirror)).plan.empty  # never used: nothing runs
+    await usage(store, mirror, elector, last_used={"m": 1000.0})
+    assert [r.id for r in (await applied(rec, mirror)).plan.create] == ["m-a"]
+    # A gateway restart loses its counts: the leader remembers the last use.
+    await usage(store, mirror, elector)
+    wall.now += 64
+    assert (await applied(rec, mirror)).plan.empty  # within idle_timeout + slack
+    wall.now += 1
+    assert (await applied(rec, mirror)).plan.drain == ["m-a"]
+
+    # A new lead counts a running model's idle time from when it took it.
+    await store.delete(s.REPLICAS + "m-a")
+    rep = s.Replica(id="m-b", model="m", node="n1", gpus=[0], weights="org/m")
+    await put(store, mirror, s.REPLICAS + "m-b", rep)
+    await elector.resign()
+    assert (await elector.tick()).is_leader
+    assert await mirror.wait_for(elector.lead_revision, 2)
+    assert (await applied(rec, mirror)).plan.empty  # the first pass of the new lead
+    wall.now += 64
+    assert (await applied(rec, mirror)).plan.empty
+    wall.now += 1
+    assert (await applied(rec, mirror)).plan.drain == ["m-b"]
+
+
+# --- the election that gates it ----------------------------------------------------------
+
+
+async def test_a_gateway_campaigns_only_when_its_mirror_shows_no_leader(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, a = parts
+    b = Elector(store, s.GatewayInfo(id="gw-b", url="u", version="t", started=0), ttl=10,
+                mirror=mirror)
+    txns = 0
+    real_txn = store.txn
+
+    async def counting_txn(*args: Any, **kw: Any) -> Any:
+        nonlocal txns
+        txns += 1
+        return await real_txn(*args, **kw)
+
+    store.txn = counting_txn  # type: ignore[method-assign]
+    assert (await a.tick()).is_leader
+    assert await mirror.wait_for(a.lead_revision, 2)
+    txns = 0
+    for _ in range(5):
+        assert not (await b.tick()).is_leader
+    assert txns == 0  # renewals only: it sees a leader
+    await a.resign()  # the leader key goes with a's lease
+    assert await mirror.wait_for((await store.range("")).revision, 2)
+    assert (await b.tick()).is_leader
+    assert txns == 1
+    # Leading, it does not campaign either.
+    assert await mirror.wait_for(b.lead_revision, 2)
+    assert (await b.tick()).is_leader and txns == 1
+
+
+async def test_a_renewal_does_not_wait_behind_a_campaign(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, _ = parts
+    clock = Clock(0.0)
+    b = Elector(store, s.GatewayInfo(id="gw-b", url="u", version="t", started=0), ttl=10,
+                clock=clock, mirror=mirror)
+    await b.renew()
+    stuck = asyncio.Event()
+    real_txn = store.txn
+
+    async def slow_txn(*args: Any, **kw: Any) -> Any:
+        await stuck.wait()  # a campaign stuck on a slow store
+        return await real_txn(*args, **kw)
+
+    store.txn = slow_txn  # type: ignore[method-assign]
+    campaign = asyncio.create_task(b.campaign())
+    await asyncio.sleep(0)
+    clock.now = 7.0
+    async with asyncio.timeout(2):
+        await b.renew()  # goes through while the campaign hangs
+    assert b._renewed_at == 7.0
+    stuck.set()
+    await campaign
+    assert b.is_leader
+
+
+def test_lease_ttl_election_interval_and_etcd_timeout_are_checked_together(
+    tmp_path: Path,
+) -> None:
+    etcd = {"etcd_endpoints": "127.0.0.1:2379", "secret": "s" * 20, "admin_token": "a" * 20}
+    with pytest.raises(ValidationError, match=r"LLMGW_LEASE_TTL \(1 s\).*3 x "
+                                              r"LLMGW_ELECTION_INTERVAL \(0.5 s\)"):
+        Settings(data_dir=tmp_path, lease_ttl=1)
+    with pytest.raises(ValidationError, match=r"LLMGW_LEASE_TTL \(4 s\).*2 x "
+                                              r"LLMGW_ETCD_TIMEOUT \(5.0 s\)"):
+        Settings(data_dir=tmp_path, lease_ttl=4, **etcd)
+    with pytest.raises(ValidationError, match=r"LLMGW_DRAIN_SECONDS \(600.0 s\) must exceed "
+                                              r"LLMGW_REQUEST_TIMEOUT \(600.0 s\)"):
+        Settings(data_dir=tmp_path, drain_seconds=600)
+    # The defaults, and what the tests run with, hold.
+    Settings(data_dir=tmp_path)
+    Settings(data_dir=tmp_path, **etcd)
+    Settings(data_dir=tmp_path, lease_ttl=4, etcd_timeout=2, **etcd)
+    Settings(data_dir=tmp_path, etcd_timeout=0.3, **etcd)

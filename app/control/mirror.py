@@ -208,6 +208,9 @@ class Mirror:
     def client_keys(self) -> dict[str, s.ClientKey]:
         return self.parsed(s.KEYS, s.ClientKey)
 
+    def usages(self) -> dict[str, s.Usage]:
+        return self.parsed(s.USAGE, s.Usage)
+
     def leader(self) -> s.LeaderInfo | None:
         return self.one(s.LEADER, s.LeaderInfo)
 

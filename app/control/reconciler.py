@@ -10,6 +10,13 @@ before it has seen its own last write. Each write is conditional on what the
 plan read: a create on the replica key being absent, a drain or a delete on
 the replica's mod revision as mirrored. A write refused for either reason
 ends the pass; the next one plans again on a mirror that has caught up.
+
+Usage comes from the gateways' snapshots (app/control/usage.py): a drain
+ends when every gateway has let go of the replica and none has a request on
+it (or at the cap, `drain_seconds`), and a model with `replicas.min` 0
+stops after its idle timeout. Last use never counts from before this leader
+took the lead, nor goes back: a handover, or a gateway restart that lost
+its counts, must not make a model look idle.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from app.control import state as s
+from app.control import usage
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
 from app.control.plan import Plan, plan
@@ -53,6 +61,7 @@ class Reconciler:
         drain_seconds: float,
         interval: float,
         node_grace: float,
+        idle_slack: float = 0.0,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
@@ -63,6 +72,9 @@ class Reconciler:
         self._drain_seconds = drain_seconds
         self._interval = interval
         self._node_grace = node_grace
+        # How late a use can reach us (the usage snapshots' refresh and
+        # interval): a model is idle only that much after its idle timeout.
+        self._idle_slack = idle_slack
         self._wall = wall  # for draining_since, which every gateway reads
         self._clock = clock  # for the node grace, which only this leader counts
         self._new_suffix = new_suffix
@@ -77,6 +89,11 @@ class Reconciler:
         # Nodes with replicas but no `nodes/` key: when this leader first saw
         # each one absent.
         self._absent_since: dict[str, float] = {}
+        # The latest use of each model seen in any snapshot, by wall time;
+        # and the wall time at which we took the lead.
+        self._last_use: dict[str, float] = {}
+        self._led_since_wall = 0.0
+        self.last_reasons: dict[str, str] = {}
 
     async def tick(self) -> TickResult:
         if not self._elector.is_leader:
@@ -86,7 +103,9 @@ class Reconciler:
             # A new lead (a handover, a restart): no node has had a chance to
             # reach us yet, so every grace starts now.
             self._term, self._led_since = lead, self._clock()
+            self._led_since_wall = self._wall()
             self._absent_since.clear()
+            self._last_use.clear()
         if not self._mirror.ready or self._mirror.revision < lead:
             return TickResult(skipped=(
                 "mirror behind the revision at which we took the lead "
@@ -99,16 +118,30 @@ class Reconciler:
             self._mirror.models(), self._mirror.nodes(), self._mirror.replicas())
         read_at = {rid: kv.mod_revision for rid in replicas
                    if (kv := self._mirror.get(s.REPLICAS + rid)) is not None}
+        usages = self._mirror.usages()
+        # A drained replica's key was last written by its drain.
+        inflight = usage.drain_inflight(
+            {rid: read_at[rid] for rid, r in replicas.items()
+             if r.draining_since is not None and rid in read_at},
+            self._mirror.parsed(s.GATEWAYS, s.GatewayInfo), usages)
         p = plan(
             models, nodes, replicas,
             now=self._wall(), drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
             absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
-            node_grace=self._node_grace,
+            node_grace=self._node_grace, statuses=self._mirror.statuses(),
+            inflight=inflight, last_used=self._last_uses(
+                models, usages,
+                {r.model for r in replicas.values() if r.draining_since is None}),
+            idle_slack=self._idle_slack,
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():
                 logger.warning("cannot place a replica of %s: %s", model, why)
         self.last_unplaced = p.unplaced
+        if p.reasons != self.last_reasons:
+            for model, why in p.reasons.items():
+                logger.info("rolling %s: %s", model, why)
+        self.last_reasons = p.reasons
         result = TickResult(plan=p)
         if p.empty:
             return result
@@ -126,7 +159,12 @@ class Reconciler:
                 await self._write([Compare.modified_at(key, read_at[rid])],
                                   [Put(key, drained.model_dump_json().encode())])
             for rid in p.delete:
-                logger.info("removing replica %s", rid)
+                if replicas[rid].draining_since is None or inflight.get(rid) == 0:
+                    logger.info("removing replica %s", rid)
+                else:
+                    logger.warning("removing replica %s: drain cap of %.0f s reached with %s "
+                                   "requests in flight", rid, self._drain_seconds,
+                                   inflight.get(rid, "unknown"))
                 key = s.REPLICAS + rid
                 await self._write([Compare.modified_at(key, read_at[rid])],
                                   [Delete(key), Delete(s.STATUS + rid)])
@@ -135,6 +173,22 @@ class Reconciler:
             result.refused = str(exc)
         result.acted = True
         return result
+
+    def _last_uses(self, models: Collection[str], usages: dict[str, s.Usage],
+                   running: set[str]) -> dict[str, float]:
+        """Each model's last use: the latest any snapshot showed while we
+        lead. For a model with replicas, never before we took the lead: a
+        new leader has not heard from every gateway yet, and a handover must
+        stop no engine (DESIGN invariant 10). A model without replicas is
+        started only on a use a snapshot shows."""
+        for model, at in usage.last_used(usages).items():
+            self._last_use[model] = max(self._last_use.get(model, at), at)
+        for gone in self._last_use.keys() - set(models):
+            del self._last_use[gone]
+        out = {m: at for m, at in self._last_use.items() if m in models}
+        for m in running & set(models):
+            out[m] = max(out.get(m, self._led_since_wall), self._led_since_wall)
+        return out
 
     def _absences(self, present: Collection[str], placed_on: set[str]) -> dict[str, float]:
         """Seconds each node holding replicas has been absent from `nodes/`,

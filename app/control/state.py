@@ -37,6 +37,8 @@ KEYS = "keys/"
 # quotas per scope: written by the admin API, read by placement.
 NODECONF = "nodeconf/"
 QUOTAS = "quotas/"
+# One usage snapshot per gateway, bound to its election lease (app/control/usage.py).
+USAGE = "usage/"
 
 # OpenAI model ids often hold a slash ("org/model"); spaces, control
 # characters and a leading dot or slash do not belong in a key or a URL.
@@ -415,6 +417,24 @@ class ClientKey(_Stored):
     name: str
     created: float
     models: list[str] = Field(default_factory=list)
+
+
+class Usage(_Stored):
+    """One gateway's usage snapshot at `usage/{gateway}`, written every few
+    seconds when it changed (never per request) and bound to the gateway's
+    election lease, so a dead gateway's snapshot goes with it."""
+
+    gateway: str
+    # The store revision this gateway's router tables reflected when the
+    # snapshot was taken: a replica drained at or before it gets no new
+    # request from this gateway, so its count below can only fall.
+    revision: int = 0
+    # Requests in flight on this gateway, per replica (only those above 0).
+    inflight: dict[str, int] = Field(default_factory=dict)
+    # Unix time this gateway last had a request for each model (now, for a
+    # model with one in flight).
+    last_used: dict[str, float] = Field(default_factory=dict)
+    updated: float = 0.0
 
 
 class GatewayInfo(_Stored):

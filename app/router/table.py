@@ -143,6 +143,11 @@ class RouteTable:
     def inflight(self, replica_id: str) -> int:
         return self._inflight.get(replica_id, 0)
 
+    def inflight_by_replica(self) -> dict[str, int]:
+        """Every replica with requests in flight here, routed or not (a
+        drained one keeps its count until its last request ends)."""
+        return dict(self._inflight)
+
     def choose(self, model: str, exclude: set[str],
                affinity: str | None = None) -> Endpoint | None:
         """A ready replica of `model` not in `exclude`, by choice.choose():

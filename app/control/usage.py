@@ -1,0 +1,173 @@
+"""Usage snapshots: what each gateway's router is doing, for the leader.
+
+Every few seconds each gateway writes `usage/{gateway}` (`state.Usage`):
+requests in flight per replica, when each model was last asked for, and the
+store revision its router tables reflected. The key is bound to the
+gateway's election lease (`Elector.lease`), so a dead gateway's snapshot
+goes with its lease. The leader reads the snapshots from its mirror to end
+drains when the work is done and to stop idle models (docs/architecture.md,
+Reconciler).
+
+The request path never waits on this: the router only counts (its in-flight
+leases, the proxy's request observer) and `UsagePublisher.step()` reads the
+counts on its own schedule. A snapshot is written when the counts changed or
+the router let go of a drained replica; last-use times alone are written at
+most every `refresh` seconds, so a busy gateway writes every few seconds,
+never per request.
+
+The router is not imported here (DESIGN invariant 8): `UsageSource` is what
+this side needs, and app/publish.py implements it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
+
+from app.control import state as s
+from app.control.mirror import Mirror
+from app.store.base import Store, StoreError, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class UsageSource(Protocol):
+    """A gateway's router, as the usage publisher reads it."""
+
+    def inflight_by_replica(self) -> Mapping[str, int]:
+        """Requests this gateway has in flight, per replica id (routed or not)."""
+        ...
+
+    def last_used_by_model(self) -> Mapping[str, float]:
+        """Unix time of the last request for each model that ended here."""
+        ...
+
+    def routed_revision(self) -> int:
+        """The mirror revision the router's tables were last rebuilt at."""
+        ...
+
+
+def drain_inflight(
+    draining: Mapping[str, int],
+    gateways: Collection[str],
+    usages: Mapping[str, s.Usage],
+) -> dict[str, int]:
+    """Requests still in flight on each draining replica, over all gateways.
+
+    `draining` maps a draining replica to the revision of its drain write.
+    A replica is in the answer only when every gateway (those in `gateways/`
+    and any with a snapshot) has written a snapshot at or past that revision:
+    such a gateway routes nothing new to it, so its count can only fall. A
+    gateway that has not yet done so may still be routing to it: the replica
+    is left out (unknown), and the leader waits (until the drain cap).
+    """
+    everyone = set(gateways) | set(usages)
+    out: dict[str, int] = {}
+    for rid, drained_at in draining.items():
+        total = 0
+        for gw in everyone:
+            u = usages.get(gw)
+            if u is None or u.revision < drained_at:
+                break
+            total += u.inflight.get(rid, 0)
+        else:
+            out[rid] = total
+    return out
+
+
+def last_used(usages: Mapping[str, s.Usage]) -> dict[str, float]:
+    """The latest use of each model over every gateway's snapshot."""
+    out: dict[str, float] = {}
+    for u in usages.values():
+        for model, at in u.last_used.items():
+            out[model] = max(out.get(model, at), at)
+    return out
+
+
+class UsagePublisher:
+    """Writes this gateway's snapshot. `step()` is one look, `run()` repeats it."""
+
+    def __init__(
+        self,
+        store: Store,
+        mirror: Mirror,
+        source: UsageSource,
+        gateway_id: str,
+        lease: Callable[[], int],
+        *,
+        refresh: float,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._mirror = mirror
+        self._source = source
+        self._gateway_id = gateway_id
+        self._lease = lease  # the election lease: the snapshot dies with it
+        self._refresh = refresh
+        self._wall = wall
+        self.written: s.Usage | None = None
+        self._written_lease = 0
+        self._let_go: frozenset[str] = frozenset()
+
+    def snapshot(self) -> tuple[s.Usage, frozenset[str]]:
+        """The snapshot as of now, and the drained replicas the router has let go of."""
+        now = self._wall()
+        revision = self._source.routed_revision()
+        inflight = {rid: n for rid, n in self._source.inflight_by_replica().items() if n > 0}
+        models = self._mirror.models()
+        replicas = self._mirror.replicas()
+        used = {m: at for m, at in self._source.last_used_by_model().items() if m in models}
+        # A model with a request in flight (a long stream) is in use now,
+        # however long ago that request began.
+        for rid in inflight:
+            if rid in replicas:
+                used[replicas[rid].model] = now
+        let_go = frozenset(
+            rid for rid, r in replicas.items()
+            if r.draining_since is not None
+            and (kv := self._mirror.get(s.REPLICAS + rid)) is not None
+            and kv.mod_revision <= revision)
+        return (s.Usage(gateway=self._gateway_id, revision=revision, inflight=inflight,
+                        last_used=used, updated=now), let_go)
+
+    def _due(self, usage: s.Usage, let_go: frozenset[str], lease: int) -> bool:
+        old = self.written
+        if old is None or lease != self._written_lease:
+            return True  # never written, or written under a lease now gone
+        if usage.inflight != old.inflight or let_go != self._let_go:
+            # Drains wait on these: written at the next step.
+            return True
+        if usage.last_used.keys() - old.last_used.keys():
+            return True  # a model used for the first time (or since a restart)
+        # Last-use times alone: at most every `refresh` seconds (the leader
+        # allows for that much lag before it calls a model idle).
+        return usage.last_used != old.last_used and usage.updated - old.updated >= self._refresh
+
+    async def step(self) -> bool:
+        """Writes the snapshot if it is due; True when it wrote."""
+        lease = self._lease()
+        if lease == 0 or not self._mirror.ready:
+            return False  # no lease to bind it to yet, or nothing to read
+        usage, let_go = self.snapshot()
+        if not self._due(usage, let_go, lease):
+            return False
+        await self._store.put(s.USAGE + self._gateway_id, usage.model_dump_json().encode(),
+                              lease=lease)
+        self.written, self._written_lease, self._let_go = usage, lease, let_go
+        return True
+
+    async def run(self, interval: float) -> None:
+        while True:
+            try:
+                await self.step()
+            except StoreUnavailable as exc:
+                logger.debug("usage snapshot not written: %s", exc)  # the store says so once
+            except StoreError as exc:
+                # A lease that just expired: the election grants a new one.
+                logger.warning("usage snapshot not written: %s", exc)
+            except Exception:
+                logger.exception("usage snapshot crashed")
+            await asyncio.sleep(interval)

@@ -1,0 +1,163 @@
+"""Usage snapshots: the publisher's step with an injected clock, and the
+leader's reading of them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from app.control import state as s
+from app.control.mirror import Mirror
+from app.control.usage import UsagePublisher, drain_inflight, last_used
+from app.publish import LastUse
+from app.store.embedded import EmbeddedStore
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Source:
+    """The router's side, as plain values a test sets."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[str, int] = {}
+        self.used: dict[str, float] = {}
+        self.revision = 0
+
+    def inflight_by_replica(self) -> dict[str, int]:
+        return dict(self.inflight)
+
+    def last_used_by_model(self) -> dict[str, float]:
+        return dict(self.used)
+
+    def routed_revision(self) -> int:
+        return self.revision
+
+
+@pytest.fixture
+async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror]]:
+    store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
+    mirror = Mirror(store)
+    mirror.start()
+    try:
+        yield store, mirror
+    finally:
+        await mirror.stop()
+        await store.close()
+
+
+async def put(store: EmbeddedStore, mirror: Mirror, key: str, value: s.BaseModel) -> int:
+    rev = await store.put(key, value.model_dump_json().encode())
+    assert await mirror.wait_for(rev, 2)
+    return rev
+
+
+async def stored(store: EmbeddedStore) -> s.Usage | None:
+    kv = await store.get(s.USAGE + "gw")
+    return None if kv is None else s.Usage.model_validate_json(kv.value)
+
+
+async def test_a_snapshot_is_written_when_counts_change_and_last_use_at_most_every_refresh(
+    parts: tuple[EmbeddedStore, Mirror],
+) -> None:
+    store, mirror = parts
+    lease = await store.grant(10)
+    wall = Clock(1000.0)
+    src = Source()
+    pub = UsagePublisher(store, mirror, src, "gw", lambda: lease, refresh=30, wall=wall)
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(name="m", model="org/m"))
+    await put(store, mirror, s.REPLICAS + "r1", s.Replica(id="r1", model="m", node="n1",
+                                                            weights="org/m"))
+
+    assert await pub.step()  # the first one, even empty
+    assert await stored(store) == s.Usage(gateway="gw", updated=1000.0)
+    assert not await pub.step()  # unchanged: nothing written
+
+    # A request begins: in flight, and its model in use now.
+    src.inflight = {"r1": 1}
+    wall.now += 2
+    assert await pub.step()
+    got = await stored(store)
+    assert got is not None and got.inflight == {"r1": 1} and got.last_used == {"m": 1002.0}
+    # Still running: its model's last use moves, but is written only after `refresh`.
+    wall.now += 2
+    assert not await pub.step()
+    wall.now += 28
+    assert await pub.step()
+    got = await stored(store)
+    assert got is not None and got.last_used == {"m": 1032.0}
+    # It ends: the count goes at once; its end time is the last use.
+    src.inflight, src.used = {}, {"m": 1033.0}
+    wall.now += 2
+    assert await pub.step()
+    got = await stored(store)
+    assert got is not None and got.inflight == {} and got.last_used == {"m": 1033.0}
+    # A model outside the catalog (the proxy's "(unknown)" label) is left out.
+    src.used["(unknown)"] = 1034.0
+    assert not await pub.step()
+
+    # Bound to the lease: revoked (a dead gateway), the snapshot is gone.
+    await store.revoke(lease)
+    assert await stored(store) is None
+
+
+async def test_the_router_letting_go_of_a_drained_replica_is_written_at_once(
+    parts: tuple[EmbeddedStore, Mirror],
+) -> None:
+    store, mirror = parts
+    lease = await store.grant(10)
+    src = Source()
+    pub = UsagePublisher(store, mirror, src, "gw", lambda: lease, refresh=30,
+                         wall=Clock(1000.0))
+    rep = s.Replica(id="r1", model="m", node="n1", weights="org/m")
+    await put(store, mirror, s.REPLICAS + "r1", rep)
+    src.inflight = {"r1": 2}
+    src.revision = mirror.revision
+    assert await pub.step()
+    drained_at = await put(store, mirror, s.REPLICAS + "r1",
+                           rep.model_copy(update={"draining_since": 1000.0}))
+    # The router has not republished yet: nothing new to say.
+    assert not await pub.step()
+    src.revision = drained_at
+    assert await pub.step()
+    got = await stored(store)
+    assert got is not None and got.revision == drained_at and got.inflight == {"r1": 2}
+    # The leader: both requests still in flight there.
+    assert drain_inflight({"r1": drained_at}, ["gw"], {"gw": got}) == {"r1": 2}
+
+
+def test_drain_inflight_counts_only_gateways_that_let_go_of_the_replica() -> None:
+    a = s.Usage(gateway="a", revision=10, inflight={"r1": 1})
+    b = s.Usage(gateway="b", revision=10)
+    old = s.Usage(gateway="b", revision=9)
+    assert drain_inflight({"r1": 10, "r2": 10}, ["a", "b"], {"a": a, "b": b}) == {
+        "r1": 1, "r2": 0}
+    # b has not written since the drain: it may still route to r1, so unknown.
+    assert drain_inflight({"r1": 10}, ["a", "b"], {"a": a, "b": old}) == {}
+    # A gateway with no snapshot at all: unknown too.
+    assert drain_inflight({"r2": 10}, ["a", "b"], {"a": a}) == {}
+    assert last_used({"a": s.Usage(gateway="a", last_used={"m": 5.0, "n": 1.0}),
+                      "b": s.Usage(gateway="b", last_used={"m": 7.0})}) == {"m": 7.0, "n": 1.0}
+
+
+def test_last_use_notes_each_request_and_passes_it_on() -> None:
+    seen: list[tuple[str, int, float]] = []
+
+    class Then:
+        def observe(self, model: str, status: int, seconds: float) -> None:
+            seen.append((model, status, seconds))
+
+    wall = Clock(5.0)
+    lu = LastUse(then=Then(), wall=wall)
+    lu.observe("m", 200, 0.5)
+    wall.now = 9.0
+    lu.observe("m", 503, 0.1)  # asked for, even unanswered: a use
+    assert lu.by_model == {"m": 9.0}
+    assert seen == [("m", 200, 0.5), ("m", 503, 0.1)]
