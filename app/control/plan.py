@@ -94,10 +94,11 @@ def plan(
     is placed first, and an old replica is drained only once enough
     replicas of the new spec are ready (`statuses`) to stand in for it; an
     old replica that is not ready serves nothing and goes at once. When no
-    node has room for the extra replica, one old replica is drained first
-    (the model runs short until its replacement is ready) and `reasons`
-    says so; when even that would not make room, the old replicas keep
-    serving and `unplaced` says why.
+    node has room for the extra replica, the plan waits for a replacement
+    already loading, else drains one old replica first (the model runs
+    short until its replacement is ready); `reasons` says which. When even
+    that would not make room, the old replicas keep serving and `unplaced`
+    says why.
 
     A draining replica is deleted once `inflight` (summed over every
     gateway that has let go of it; usage.drain_inflight) says 0, or after
