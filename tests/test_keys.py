@@ -19,11 +19,14 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from app.control import state as s
-from app.control.key_usage import KeyUsageWriter
+from app.control.key_usage import KeyUsageWriter, usage_key
 from app.control.keys import hash_client_key
+from app.control.mirror import Mirror
 from app.main import GatewayApp, create_app
-from app.router.limits import Limiter
+from app.router.limits import Limiter, Limits
 from app.settings import Settings
+from app.store.embedded import EmbeddedStore
+from app.store.etcd import EtcdStore
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args
 from tests.support.etcd import EtcdServer, ExternalEtcd
@@ -62,9 +65,8 @@ async def _until(pred: Any, what: str, timeout: float = 10.0) -> None:
 
 
 @asynccontextmanager
-async def fleet(etcd: EtcdServer | ExternalEtcd, prefix: str, tmp: Path
-                ) -> AsyncIterator[tuple[Gw, Gw, FakeVLLM]]:
-    """Two gateways serving model "m", an external model at the stand-in."""
+async def stand_in(tmp: Path) -> AsyncIterator[tuple[FakeVLLM, dict[str, Any]]]:
+    """The vLLM stand-in serving "m", and the spec of an external model at it."""
     fake_vllm._import_aiohttp()  # the stand-in imports aiohttp once its argv is good
     fake = FakeVLLM(parse_args(["serve", "org/m", "--served-model-name", "m",
                                 "--api-key", PROVIDER_KEY]))
@@ -72,30 +74,43 @@ async def fleet(etcd: EtcdServer | ExternalEtcd, prefix: str, tmp: Path
     await server.start_server()
     key_file = tmp / "provider-key"
     key_file.write_text(PROVIDER_KEY)
+    try:
+        yield fake, {"external": {"url": str(server.make_url("")).rstrip("/"), "model": "m",
+                                  "api_key_file": str(key_file)}}
+    finally:
+        await server.close()
+
+
+async def _serve_m(gws: list[Gw], spec: dict[str, Any]) -> None:
+    for g in gws:
+        await _until(lambda g=g: g.gw.ready, "mirror loaded")
+    r = await gws[0].admin.put("/admin/models/m", json=spec)
+    assert r.status_code == 201, r.text
+    for g in gws:
+        await _until(lambda g=g: g.gw.table.endpoints("m"), "m routed")
+
+
+@asynccontextmanager
+async def fleet(etcd: EtcdServer | ExternalEtcd, prefix: str, tmp: Path
+                ) -> AsyncIterator[tuple[Gw, Gw, FakeVLLM]]:
+    """Two gateways serving model "m", an external model at the stand-in."""
     apps = [create_app(Settings(
         etcd_endpoints=etcd.endpoint, etcd_prefix=prefix, secret=SECRET, admin_token=ADMIN,
         gateway_id=f"gw{i}", port=19100 + i, data_dir=tmp / f"gw{i}", local_agent=False))
         for i in range(2)]
     gws: list[Gw] = []
-    try:
-        for app in apps:
-            await app.state.gateway.start()
-            gws.append(Gw(app))
-        for g in gws:
-            await _until(lambda g=g: g.gw.ready, "mirror loaded")
-        r = await gws[0].admin.put("/admin/models/m", json={"external": {
-            "url": str(server.make_url("")).rstrip("/"), "model": "m",
-            "api_key_file": str(key_file)}})
-        assert r.status_code == 201, r.text
-        for g in gws:
-            await _until(lambda g=g: g.gw.table.endpoints("m"), "m routed")
-        yield gws[0], gws[1], fake
-    finally:
-        for g in gws:
-            await g.admin.aclose()
-        for app in apps:
-            await app.state.gateway.stop()
-        await server.close()
+    async with stand_in(tmp) as (fake, spec):
+        try:
+            for app in apps:
+                await app.state.gateway.start()
+                gws.append(Gw(app))
+            await _serve_m(gws, spec)
+            yield gws[0], gws[1], fake
+        finally:
+            for g in gws:
+                await g.admin.aclose()
+            for app in apps:
+                await app.state.gateway.stop()
 
 
 async def _new_key(g: Gw, **body: Any) -> dict[str, Any]:
@@ -279,3 +294,74 @@ async def test_a_key_stored_before_limits_existed_still_works(
         assert listed["prefix"] == "" and listed["expires"] is None
         assert listed["limits"] == {"requests_per_minute": None, "tokens_per_minute": None,
                                     "concurrent_requests": None}
+
+
+class Counted:
+    """A usage source holding what a test hands it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], tuple[int, int, int]] = {}
+
+    def take_usage(self) -> dict[tuple[str, str], tuple[int, int, int]]:
+        taken, self.counts = self.counts, {}
+        return taken
+
+
+async def test_usage_writes_survive_a_lagging_mirror_and_an_unreachable_store(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str
+) -> None:
+    store = await EtcdStore.open([etcd_server.endpoint], prefix=etcd_prefix)
+    dead = await EtcdStore.open(["127.0.0.1:9"], prefix=etcd_prefix, timeout=0.5)
+    try:
+        source = Counted()
+        # A mirror never loaded: every record it shows is absent, i.e. stale.
+        writer = KeyUsageWriter(store, Mirror(store), "gw0", source, clock=lambda: 7.0)
+        source.counts = {("k1", "m"): (1, 10, 20), ("k2", "m"): (2, 3, 4)}
+        assert await writer.flush() == 2
+        # Written on a stale read, refused, redone on a fresh one: nothing lost.
+        source.counts = {("k1", "m"): (1, 5, 5), ("k1", "other"): (1, 1, 1)}
+        assert await writer.flush() == 1
+        writer._store = dead  # the store is gone: the counts wait
+        source.counts = {("k1", "m"): (1, 1, 1)}
+        assert await writer.flush() == 0 and writer.pending == 1
+        writer._store = store
+        assert await writer.flush() == 1 and writer.pending == 0
+        kv = await store.get(usage_key("k1", "gw0"))
+        assert kv is not None
+        rec = s.KeyUsage.model_validate_json(kv.value)
+        assert {m: (u.requests, u.prompt_tokens, u.completion_tokens)
+                for m, u in rec.models.items()} == {"m": (3, 16, 26), "other": (1, 1, 1)}
+        assert rec.key == "k1" and rec.gateway == "gw0" and rec.updated == 7.0
+    finally:
+        await dead.close()
+        await store.close()
+
+
+async def test_a_gateway_writes_its_usage_every_interval_and_when_it_stops(
+    tmp_path: Path
+) -> None:
+    """main.py's wiring, through the app's own lifespan, on the embedded store."""
+    settings = Settings(secret=SECRET, admin_token=ADMIN, gateway_id="solo",
+                        data_dir=tmp_path / "gw", local_agent=False, key_usage_interval=0.1)
+    app = create_app(settings)
+    async with stand_in(tmp_path) as (fake, spec):
+        async with app.router.lifespan_context(app):
+            g = Gw(app)
+            await _serve_m([g], spec)
+            key = await _new_key(g)
+            await _until(lambda: g.gw.table.grant(hash_client_key(key["key"])), "the key")
+            client = g.client(key["key"])
+            await client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+            await _until(lambda: g.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage), "usage written")
+            assert (await _usage(g, key["id"]))["total"]["requests"] == 1
+            # Counted just before the stop: written by the stop itself.
+            g.gw.proxy.limits.admit(key["id"], "m", Limits()).release()
+            await g.admin.aclose()
+        store = await EmbeddedStore.open(settings.data_dir / "state.db")
+        try:
+            kv = await store.get(usage_key(key["id"], "solo"))
+            assert kv is not None
+            assert s.KeyUsage.model_validate_json(kv.value).models["m"].requests == 2
+        finally:
+            await store.close()
+        assert fake.stats.prompt_tokens > 0
