@@ -139,6 +139,11 @@ def test_a_streams_usage_is_read_and_cut_only_for_a_client_that_did_not_ask() ->
     # A chunk naming usage but carrying choices is the client's, never cut.
     mixed = CHUNK | {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
     assert cut.read_events(_sse(mixed)) == _sse(mixed)
+    # OpenAI's `"usage": null` on every chunk once asked: passed, nothing noted.
+    nulls = _sse(CHUNK | {"usage": None}, b"[DONE]")
+    fresh = _ticket()
+    fresh.strip_usage = True
+    assert fresh.read_events(nulls) == nulls and fresh.prompt_tokens == 0
     # CRLF framing (sse-starlette, llama-cpp-python) is cut the same way.
     crlf = stream.replace(b"\n\n", b"\r\n\r\n")
     assert cut.read_events(crlf) == _sse(CHUNK, b"[DONE]").replace(b"\n\n", b"\r\n\r\n")

@@ -237,7 +237,9 @@ class Ticket:
         parts = _EVENT_SPLIT.split(chunk)
         out: list[bytes] = []
         for event, end in zip(parts[0::2], [*parts[1::2], b""], strict=True):
-            if b'"usage"' in event and self._usage_only(event):
+            # OpenAI sends `"usage": null` on every chunk once asked: no parse.
+            if (b'"usage"' in event and b'"usage":null' not in event
+                    and b'"usage": null' not in event and self._usage_only(event)):
                 continue
             out += [event, end]
         return b"".join(out)

@@ -160,9 +160,9 @@ class Proxy:
                             "invalid_request_error")
             body, model = self._request(grant, await _read_body(receive))
             outcome.model = model
-            ticket = self._admit(grant, model, path, body)
             query = scope.get("query_string", b"")
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
+            ticket = self._admit(grant, model, path, body)  # released below, however it ends
             watch = Watch(receive, self._timeouts, started)
             try:
                 # OpenAI's own `prompt_cache_key` names a conversation too.
