@@ -101,8 +101,8 @@ class Proxy:
         hash_key: Callable[[str], str],
         timeouts: Timeouts,
         observer: RequestObserver | None = None,
-        session_factory: SessionFactory = default_session,
         limiter: Limiter | None = None,
+        session_factory: SessionFactory = default_session,
     ) -> None:
         self._table = table
         # Client keys' limits and usage, decided here with no I/O.
