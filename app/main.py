@@ -6,6 +6,8 @@ three differently configured gateways in one process.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,10 +17,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
-from app.api import admin, agent, docs, errors, fleet, nodes
+from app.api import admin, agent, docs, errors, fleet, keys, nodes
+from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
 from app.router.proxy import Proxy, openapi_paths
 from app.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 
 class GatewayApp(FastAPI):
@@ -43,9 +48,20 @@ def create_app(settings: Settings) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        # Client key usage: counted by the router, written in batches here,
+        # where control and router meet (DESIGN invariant 8).
+        usage = KeyUsageWriter(gw.store, gw.mirror, settings.gateway_id, gw.proxy.limits)
+        app.state.key_usage = usage
+        writing = asyncio.create_task(usage.run(settings.key_usage_interval), name="key-usage")
         try:
             yield
         finally:
+            writing.cancel()
+            await asyncio.gather(writing, return_exceptions=True)
+            try:  # the last counts: a clean stop loses none while the store answers
+                await asyncio.wait_for(usage.flush(), settings.etcd_timeout)
+            except Exception:
+                logger.exception("last key usage write failed")
             await gw.stop()
 
     app = GatewayApp(
@@ -86,6 +102,7 @@ def create_app(settings: Settings) -> GatewayApp:
         return JSONResponse(body, status_code=200 if gw.ready else 503)
 
     app.include_router(admin.routes(gw))
+    app.include_router(keys.routes(gw))
     app.include_router(fleet.routes(gw))
     app.include_router(agent.routes(gw))
     app.include_router(nodes.routes(gw))

@@ -26,13 +26,15 @@ from app.control import state as s
 from app.control.keys import engine_key
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
+from app.router.limits import Limits
 from app.router.proxy import RequestObserver
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 
 logger = logging.getLogger(__name__)
 
 # Keys whose change can alter what the router serves.
-_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES)
+# The gateway count too: each gateway enforces its share of every key's limits.
+_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
 
 
 class Publisher:
@@ -146,8 +148,13 @@ class Publisher:
             name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints
         }
+        # Live gateways (lease-bound keys) share each key's limits equally;
+        # this one counts even before its own key is seen.
+        gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
         grants = {
-            digest: KeyGrant(rec.id, rec.name, frozenset(rec.models))
+            digest: KeyGrant(rec.id, rec.name, frozenset(rec.models), Limits(
+                rec.limits.requests_per_minute, rec.limits.tokens_per_minute,
+                rec.limits.concurrent_requests), gateways, rec.expires)
             for digest, rec in m.client_keys().items()
         }
         ep_view = tuple((k, tuple(v)) for k, v in sorted(endpoints.items()))

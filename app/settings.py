@@ -181,6 +181,13 @@ class Settings(BaseSettings):
     # Empty: `vllm` on PATH, and only on nodes with GPUs.
     vllm_bin: str = ""
 
+    # --- client keys (docs/architecture.md, "Client keys") -------------------------
+    # Seconds between this gateway's writes of client key usage (one
+    # transaction per 64 keys in use, never one per request). Longer: fewer
+    # store writes; GET /admin/keys/{id}/usage lags by up to this long, and a
+    # crashed gateway loses up to this long of counts (a clean stop loses none).
+    key_usage_interval: float = Field(5.0, gt=0)
+
     # --- node operations (docs/architecture.md, "Node operations") ---------------------
     # Seconds a gateway waits for an agent's API (logs, cached weights) on an
     # admin's behalf, connecting included; then 504. Removing a large model's

@@ -1,4 +1,4 @@
-"""The admin API (`/admin`): catalog, nodes, replicas, client keys, leader.
+"""The admin API (`/admin`): catalog, nodes, replicas, leader.
 
 Reads come from the mirror; writes go to the store and then wait (briefly)
 for the mirror to see them, so a GET right after a PUT on the same gateway
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,12 +16,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import yaml
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from app.api.errors import Problem
 from app.control import catalog, fleet
 from app.control import state as s
-from app.control.keys import hash_client_key, new_client_key
 from app.control.placement import NoFit, place
 from app.store.base import Compare, Delete, Op, Put
 
@@ -32,19 +30,6 @@ if TYPE_CHECKING:
 _SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
 # Declares the scheme (Swagger UI's "Authorize" button); we answer its errors.
 _bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
-
-
-class KeyRequest(BaseModel):
-    name: str = Field(..., min_length=1, max_length=128)
-    models: list[str] = Field(default_factory=list,
-                              description="model names this key may use; empty: all")
-
-
-class KeyCreated(BaseModel):
-    id: str
-    name: str
-    key: str = Field(description="shown once; only its hash is stored")
-    models: list[str]
 
 
 class LeaderView(BaseModel):
@@ -236,34 +221,5 @@ def routes(gw: Gateway) -> APIRouter:
                 "inflight": gw.table.inflight(rid),
             })
         return out
-
-    # --- client keys -------------------------------------------------------------------
-
-    @r.post("/keys", status_code=201, response_model=KeyCreated)
-    async def create_key(req: KeyRequest) -> KeyCreated:
-        key = new_client_key()
-        record = s.ClientKey(id=secrets.token_hex(6), name=req.name, created=time.time(),
-                             models=req.models)
-        rev = await gw.store.put(s.KEYS + hash_client_key(key), record.model_dump_json().encode())
-        await settle(rev)
-        return KeyCreated(id=record.id, name=record.name, key=key, models=record.models)
-
-    @r.get("/keys")
-    async def list_keys() -> list[s.ClientKey]:
-        return list(gw.mirror.client_keys().values())
-
-    @r.delete("/keys/{key_id}", status_code=204)
-    async def delete_key(key_id: str) -> Response:
-        for digest, rec in gw.mirror.client_keys().items():
-            kv = gw.mirror.get(s.KEYS + digest)
-            if rec.id != key_id or kv is None:
-                continue
-            # The very record read: a key re-created meanwhile is not deleted.
-            res = await gw.store.txn([Compare.created_at(kv.key, kv.create_revision)],
-                                     [Delete(kv.key)])
-            if res.succeeded:
-                await settle(res.revision)
-                return Response(status_code=204)
-        raise Problem(404, "No such key", f"no client key has id {key_id!r}")
 
     return r

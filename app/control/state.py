@@ -33,6 +33,10 @@ NODES = "nodes/"
 REPLICAS = "replicas/"
 STATUS = "status/"
 KEYS = "keys/"
+# Usage per client key, per gateway: `keyusage/{key id}/{gateway}` holds that
+# gateway's running totals for the key, written in batches (app/control/
+# key_usage.py), never per request. One writer per key, so no write races.
+KEY_USAGE = "keyusage/"
 # The operator's choices per node (cordon, drain, pool, labels) and capacity
 # quotas per scope: written by the admin API, read by placement.
 NODECONF = "nodeconf/"
@@ -410,13 +414,48 @@ class ReplicaStatus(_Stored):
     updated: float = 0.0
 
 
+class KeyLimits(BaseModel):
+    """A client key's limits, for all gateways together; None: no limit."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens, charged when an answer ends")
+    concurrent_requests: int | None = Field(default=None, ge=1)
+
+
 class ClientKey(_Stored):
-    """A client API key's record. The key itself is never stored."""
+    """A client API key's record. The key itself is never stored.
+
+    Records written before limits existed load with the defaults below
+    (no prefix, no limits, no expiry)."""
 
     id: str
     name: str
     created: float
     models: list[str] = Field(default_factory=list)
+    # The key's first characters, shown in listings so an operator can tell
+    # keys apart; the key itself is shown once, at creation.
+    prefix: str = ""
+    limits: KeyLimits = Field(default_factory=KeyLimits)
+    # Unix time after which the key is refused; None: never.
+    expires: float | None = None
+
+
+class ModelUsage(BaseModel):
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class KeyUsage(_Stored):
+    """`keyusage/{key id}/{gateway}`: one gateway's totals for one key."""
+
+    key: str
+    gateway: str
+    models: dict[str, ModelUsage] = Field(default_factory=dict)
+    updated: float = 0.0
 
 
 class Usage(_Stored):

@@ -31,6 +31,7 @@ import aiohttp
 
 from app.router.choice import affinity_key
 from app.router.engine_load import EngineLoadPoller
+from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
@@ -100,11 +101,14 @@ class Proxy:
         hash_key: Callable[[str], str],
         timeouts: Timeouts,
         observer: RequestObserver | None = None,
+        limiter: Limiter | None = None,
         session_factory: SessionFactory = default_session,
         affinity: bool = True,
     ) -> None:
         self._affinity = affinity
         self._table = table
+        # Client keys' limits and usage, decided here with no I/O.
+        self.limits = limiter or Limiter()
         self._session_factory = session_factory
         self._hash_key = hash_key
         self._observer = observer
@@ -160,6 +164,7 @@ class Proxy:
             outcome.model = model
             query = scope.get("query_string", b"")
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
+            ticket = self._admit(grant, model, path, body)  # released below, however it ends
             watch = Watch(receive, self._timeouts, started)
             try:
                 # OpenAI's own `prompt_cache_key` names a conversation too.
@@ -169,9 +174,15 @@ class Proxy:
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
                 outcome.status = await self._upstreams.forward(
                     watch, model, url_tail, body, accept_encoding,
-                    body.get("stream") is True, send, affinity)
+                    body.get("stream") is True, send, affinity, meter=ticket)
             finally:
                 watch.close()
+                ticket.release()
+        except OverLimit as over:
+            outcome.status = 429
+            await send_whole(send, 429, openai_error_body(
+                over.message, over.kind, "rate_limit_exceeded"),
+                [(b"retry-after", str(over.retry_after).encode())])
         except Reply as r:
             outcome.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
@@ -199,7 +210,19 @@ class Proxy:
         if grant is None:
             raise error(401, "Incorrect API key provided.", "invalid_request_error",
                         "invalid_api_key")
+        if self.limits.expired(grant.expires):
+            raise error(401, "This API key has expired.", "invalid_request_error",
+                        "invalid_api_key")
         return grant
+
+    def _admit(self, grant: KeyGrant, model: str, path: str, body: dict[str, Any]) -> Ticket:
+        """The key's ticket for this request (OverLimit if over a limit). A
+        stream asks the engine for its usage, which the client may not have:
+        usage is counted from it (app/router/limits.py)."""
+        ticket = self.limits.admit(grant.id, model, grant.limits, grant.gateways)
+        if body.get("stream") is True and path != "/v1/embeddings":
+            ticket.strip_usage = ask_for_usage(body)
+        return ticket
 
     def _listed(self, grant: KeyGrant) -> list[dict[str, Any]]:
         return [
@@ -306,6 +329,7 @@ def openapi_paths() -> dict[str, Any]:
             "responses": {"200": {"description": "the engine's answer, as OpenAI's API"},
                           "401": {"description": "missing or wrong client key"},
                           "404": {"description": "unknown model"},
+                          "429": {"description": "the key is over a limit (Retry-After)"},
                           "503": {"description": "no ready replica"},
                           "504": {"description": "the engine timed out (upstream_timeout)"}},
         }

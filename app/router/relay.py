@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from app.router.limits import Ticket
 from app.router.replies import Send, error, error_event, send_whole
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
@@ -59,13 +60,13 @@ class Upstreams:
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                       accept_encoding: str, stream: bool, send: Send,
-                      affinity: str | None = None) -> int:
+                      affinity: str | None = None, meter: Ticket | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
         model is the catalog name, which our engines serve; an external
         model's endpoint names the provider's model instead (encoded for
-        that attempt only).
+        that attempt only). `meter` notes the usage the answer reports.
         """
         assert self.session is not None, "Proxy.start() was not awaited"
         payload = json.dumps(body).encode()
@@ -100,11 +101,13 @@ class Upstreams:
                     raise error(502, f"replica {ep.replica_id} refused the gateway",
                                 "server_error", "upstream_auth")
                 if stream:
-                    return await self._relay(upstream, ep, watch, send)
+                    return await self._relay(upstream, ep, watch, send, meter)
                 # Read whole: nothing has reached the client yet, so a failure
                 # here is still retried, and the answer keeps its length.
                 answer = await upstream.read()
                 watch.close()  # the answer is whole: a client leaving now changes nothing
+                if meter is not None and upstream.status == 200:
+                    meter.read_answer(answer, upstream.headers.get("Content-Encoding"))
                 await send_whole(send, upstream.status, answer, _passed_on(upstream, ep),
                                  upstream.headers.get("Content-Type",
                                                       "application/json").encode())
@@ -147,7 +150,7 @@ class Upstreams:
                     "upstream_timeout")
 
     async def _relay(self, upstream: aiohttp.ClientResponse, ep: Endpoint, watch: Watch,
-                     send: Send) -> int:
+                     send: Send, meter: Ticket | None = None) -> int:
         """Streams the engine's bytes as they come; returns the status for metrics."""
         content = upstream.content
         # A failure before this read completes propagates: nothing was sent
@@ -169,6 +172,8 @@ class Upstreams:
             while chunk:
                 if framed and (tail or not chunk.endswith(_EVENT_ENDS)):
                     chunk, tail = _whole_events(tail + chunk)
+                if framed and meter is not None:
+                    chunk = meter.read_events(chunk)  # usage noted, maybe cut
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from app.router import choice
 from app.router.choice import EngineLoad
+from app.router.limits import NO_LIMITS, Limits
 
 # Longest reason `set_unavailable` keeps: a log tail is not a 503 message.
 REASON_MAX = 300
@@ -52,11 +53,18 @@ class CatalogEntry:
 
 @dataclass(frozen=True, slots=True)
 class KeyGrant:
-    """What a client key may do. `models` empty means every model."""
+    """What a client key may do. `models` empty means every model.
+
+    `limits` are the key's, for all gateways together; `gateways` is how many
+    share them (each enforces its share, app/router/limits.py). `expires`: a
+    Unix time, None for never."""
 
     id: str
     name: str
     models: frozenset[str] = frozenset()
+    limits: Limits = NO_LIMITS
+    gateways: int = 1
+    expires: float | None = None
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models

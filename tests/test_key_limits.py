@@ -1,0 +1,165 @@
+"""Client key limits, router side (app/router/limits.py), in-process with an
+injected clock: each gateway's share, the windows, what a refusal says, and
+the usage read from answers and streams."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from app.router.limits import Limiter, Limits, OverLimit, Ticket, ask_for_usage, share
+from tests.support.proxy_rig import FakeClock
+
+
+def _admitted(limiter: Limiter, limits: Limits, gateways: int, tries: int) -> int:
+    n = 0
+    for _ in range(tries):
+        try:
+            limiter.admit("k", "m", limits, gateways).release()
+            n += 1
+        except OverLimit:
+            pass
+    return n
+
+
+def test_shares_round_up_so_n_gateways_admit_at_most_the_limit_plus_n_minus_1() -> None:
+    assert share(None, 3) is None
+    assert [share(4, n) for n in (1, 2, 3, 4, 5)] == [4, 2, 2, 1, 1]
+    for limit in range(1, 20):
+        for n in range(1, 6):
+            total = n * (share(limit, n) or 0)
+            assert limit <= total <= limit + n - 1, (limit, n)
+    # Two gateways, each with its own window, requests spread evenly or not.
+    clock = FakeClock()
+    for limit, most in ((4, 4), (5, 6)):
+        a, b = Limiter(clock=clock), Limiter(clock=clock)
+        rpm = Limits(requests_per_minute=limit)
+        assert _admitted(a, rpm, 2, 10) + _admitted(b, rpm, 2, 10) == most
+        clock.now += 61
+
+
+def test_requests_per_minute_is_a_sliding_window_with_retry_after() -> None:
+    clock = FakeClock()
+    lim = Limiter(clock=clock)
+    rpm = Limits(requests_per_minute=2)
+    lim.admit("k", "m", rpm).release()
+    clock.now += 20
+    lim.admit("k", "m", rpm).release()
+    clock.now += 10
+    with pytest.raises(OverLimit) as over:
+        lim.admit("k", "m", rpm)
+    assert over.value.kind == "requests"
+    assert over.value.retry_after == 30  # the first leaves the window at 60 s
+    assert "limit 2" in over.value.message
+    lim.admit("other", "m", rpm).release()  # another key has its own window
+    clock.now += 30
+    lim.admit("k", "m", rpm).release()  # the first has left the window
+    with pytest.raises(OverLimit):
+        lim.admit("k", "m", rpm)
+
+
+def test_tokens_are_charged_when_the_answer_ends_and_may_overshoot_by_it() -> None:
+    clock = FakeClock()
+    lim = Limiter(clock=clock)
+    tpm = Limits(tokens_per_minute=100)
+    t1 = lim.admit("k", "m", tpm)
+    t2 = lim.admit("k", "m", tpm)  # under the limit while nothing is charged
+    t1.note({"prompt_tokens": 30, "completion_tokens": 50})
+    t1.release()
+    clock.now += 5
+    t2.note({"prompt_tokens": 10, "completion_tokens": 40})
+    t2.release()  # 130 charged: over by what was in flight, as documented
+    with pytest.raises(OverLimit) as over:
+        lim.admit("k", "m", tpm)
+    assert over.value.kind == "tokens"
+    # 130 - 80 = 50 < 100 once t1's tokens, charged 5 s ago, leave the window.
+    assert over.value.retry_after == 55
+    clock.now += 55
+    lim.admit("k", "m", tpm).release()
+    assert lim.take_usage() == {("k", "m"): (3, 40, 90)}
+    assert lim.take_usage() == {}
+
+
+def test_concurrency_counts_this_gateways_requests_in_flight() -> None:
+    lim = Limiter(clock=FakeClock())
+    conc = Limits(concurrent_requests=3)
+    held = [lim.admit("k", "m", conc, gateways=2) for _ in range(2)]  # share: 2
+    with pytest.raises(OverLimit) as over:
+        lim.admit("k", "m", conc, gateways=2)
+    assert over.value.retry_after == 1 and "2 on each of 2 gateways" in over.value.message
+    held[0].release()
+    held[0].release()  # idempotent
+    assert lim.inflight("k") == 1
+    lim.admit("k", "m", conc, gateways=2).release()
+    held[1].release()
+    assert lim.inflight("k") == 0
+
+
+def test_expiry_is_checked_against_the_wall_clock() -> None:
+    clock = FakeClock()
+    lim = Limiter(clock=clock, wall=clock)
+    assert not lim.expired(None)
+    assert not lim.expired(clock.now + 1)
+    clock.now += 1
+    assert lim.expired(clock.now)
+
+
+def _sse(*objs: object) -> bytes:
+    return b"".join(b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode())
+                    + b"\n\n" for o in objs)
+
+
+CHUNK = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "hi"}}]}
+USAGE = {"object": "chat.completion.chunk", "choices": [],
+         "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+
+
+def _ticket() -> Ticket:
+    return Limiter(clock=FakeClock()).admit("k", "m", Limits())
+
+
+def test_a_streams_usage_is_read_and_cut_only_for_a_client_that_did_not_ask() -> None:
+    body: dict[str, object] = {"stream": True}
+    assert ask_for_usage(body) is True
+    assert body["stream_options"] == {"include_usage": True}
+    asked: dict[str, object] = {"stream_options": {"include_usage": True}}
+    assert ask_for_usage(asked) is False
+    assert ask_for_usage({"stream_options": "junk"}) is False  # the engine refuses it
+
+    stream = _sse(CHUNK, USAGE, b"[DONE]")
+    cut = _ticket()
+    cut.strip_usage = True
+    assert cut.read_events(stream) == _sse(CHUNK, b"[DONE]")
+    assert (cut.prompt_tokens, cut.completion_tokens) == (7, 3)
+    kept = _ticket()
+    assert kept.read_events(stream) == stream
+    assert (kept.prompt_tokens, kept.completion_tokens) == (7, 3)
+    # A chunk naming usage but carrying choices is the client's, never cut.
+    mixed = CHUNK | {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    assert cut.read_events(_sse(mixed)) == _sse(mixed)
+    # OpenAI's `"usage": null` on every chunk once asked: passed, nothing noted.
+    nulls = _sse(CHUNK | {"usage": None}, b"[DONE]")
+    fresh = _ticket()
+    fresh.strip_usage = True
+    assert fresh.read_events(nulls) == nulls and fresh.prompt_tokens == 0
+    # CRLF framing (sse-starlette, llama-cpp-python) is cut the same way.
+    crlf = stream.replace(b"\n\n", b"\r\n\r\n")
+    assert cut.read_events(crlf) == _sse(CHUNK, b"[DONE]").replace(b"\n\n", b"\r\n\r\n")
+
+
+def test_a_plain_answers_usage_is_read_even_compressed() -> None:
+    answer = json.dumps({"choices": [], "usage": {"prompt_tokens": 5,
+                                                  "completion_tokens": 9}}).encode()
+    for body, encoding in ((answer, None), (gzip.compress(answer), "gzip")):
+        t = _ticket()
+        t.read_answer(body, encoding)
+        assert (t.prompt_tokens, t.completion_tokens) == (5, 9)
+    for junk, encoding in ((b"not json", None), (b"\x00", "gzip"), (answer, "br")):
+        t = _ticket()
+        t.read_answer(junk, encoding)
+        assert (t.prompt_tokens, t.completion_tokens) == (0, 0)
+    t = _ticket()
+    t.note({"prompt_tokens": -1, "completion_tokens": "3"})  # nonsense is not counted
+    assert (t.prompt_tokens, t.completion_tokens) == (0, 0)
