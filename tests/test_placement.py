@@ -30,14 +30,17 @@ def run_plan(models: list[s.StoredModel], nodes: list[s.NodeInfo],
              replicas: dict[str, s.Replica], now: float = 100.0,
              absent_for: dict[str, float] | None = None, node_grace: float = 0.0,
              ready: tuple[str, ...] = (), inflight: dict[str, int] | None = None,
-             last_used: dict[str, float] | None = None, idle_slack: float = 0.0) -> Plan:
+             last_used: dict[str, float] | None = None, idle_slack: float = 0.0,
+             nodeconfs: dict[str, s.NodeConf] | None = None,
+             quotas: dict[str, s.Quota] | None = None) -> Plan:
     counter = suffixes()
     statuses = {rid: s.ReplicaStatus(id=rid, node=replicas[rid].node, phase="ready")
                 for rid in ready}
     return plan({m.name: m for m in models}, {n.name: n for n in nodes}, replicas,
                 now=now, drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}",
                 absent_for=absent_for, node_grace=node_grace, statuses=statuses,
-                inflight=inflight, last_used=last_used, idle_slack=idle_slack)
+                inflight=inflight, last_used=last_used, idle_slack=idle_slack,
+                nodeconfs=nodeconfs, quotas=quotas)
 
 
 def old_replica(rid: str, gpu: int = 0, node: str = "n1") -> s.Replica:
@@ -212,3 +215,38 @@ def test_a_min_zero_model_runs_one_replica_while_used_and_none_after_its_idle_ti
     assert wanted(model("m", replicas={"min": 0, "max": 0}, idle_timeout=60), 99.0,
                   now=100.0) == 0
     assert wanted(model("m", replicas={"min": 0, "max": 1}), 99.0, now=100.0) == 0
+
+
+def test_the_plan_honours_cordons_and_moves_replicas_off_a_draining_node() -> None:
+    nodes = [gpu_node("n1", 1), gpu_node("n2", 1)]
+    p = run_plan([model("m")], nodes, {}, nodeconfs={"n1": s.NodeConf(cordoned=True)})
+    assert [(r.node, r.gpus) for r in p.create] == [("n2", [0])]
+    # Draining n1: its replica rolls to n2 first, and leaves once that is ready.
+    rep = s.Replica(id="r1", model="m", node="n1", gpus=[0], weights="org/m")
+    drain = {"n1": s.NodeConf(cordoned=True, draining=True)}
+    p = run_plan([model("m")], nodes, {"r1": rep}, ready=("r1",), nodeconfs=drain)
+    assert [r.node for r in p.create] == ["n2"] and p.drain == []
+    new = p.create[0]
+    p = run_plan([model("m")], nodes, {"r1": rep, new.id: new}, ready=("r1", new.id),
+                 nodeconfs=drain)
+    assert p.drain == ["r1"] and p.create == []
+    # A cordon alone moves nothing.
+    p = run_plan([model("m")], nodes, {"r1": rep}, ready=("r1",),
+                 nodeconfs={"n1": s.NodeConf(cordoned=True)})
+    assert p.empty
+
+
+def test_a_higher_priority_minimum_displaces_a_lower_priority_replica_above_its_own() -> None:
+    nodes = [gpu_node("n1", 1)]
+    low = model("lo", replicas={"min": 0, "max": 1}, idle_timeout=600)
+    high = model("hi", profiles=[{"engine": "vllm", "gpus": 1, "priority": 10}])
+    lo_rep = s.Replica(id="lo-1", model="lo", node="n1", gpus=[0], weights="org/lo")
+    p = run_plan([low, high], nodes, {"lo-1": lo_rep}, ready=("lo-1",),
+                 last_used={"lo": 99.0})
+    assert p.drain == ["lo-1"] and p.create == []
+    assert "waiting for lo-1 to stop on n1" in p.unplaced["hi"]
+    assert "displaced" in p.reasons["lo"]
+    # Never below the lower model's own minimum.
+    firm = model("lo", replicas={"min": 1, "max": 1})
+    p = run_plan([firm, high], nodes, {"lo-1": lo_rep}, ready=("lo-1",))
+    assert p.drain == [] and "hi" in p.unplaced

@@ -87,7 +87,9 @@ def routes(gw: Gateway) -> APIRouter:
         return stored_view(model) | {"status": {
             "wanted": wanted, "replicas": len(mine), "ready": ready,
             "failed": failed, "unplaced": str(nofit) if nofit is not None else None,
-            "health": fleet.model_health(model, mine, nofit).as_dict()}}
+            "health": fleet.model_health(model, mine, nofit, displaced={
+                r.id: r.drain_reason for r in replicas.values()
+                if r.model == model.name and r.drain_reason}).as_dict()}}
 
     def stored_view(model: s.StoredModel) -> dict[str, Any]:
         """The spec as given (fields left out stay out), its name and creation."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.control import state as s
-from app.control.placement import NoFit, place
+from app.control.placement import NoFit, displace, place
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -31,6 +32,8 @@ class Plan:
     unplaced: dict[str, str] = field(default_factory=dict)
     # Rollout decisions worth a log line: a drain-first fallback, a wait.
     reasons: dict[str, str] = field(default_factory=dict)
+    # Why a drained replica goes, where its model's status should say so.
+    drain_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -79,6 +82,8 @@ def plan(
     inflight: Mapping[str, int] | None = None,
     last_used: Mapping[str, float] | None = None,
     idle_slack: float = 0.0,
+    nodeconfs: Mapping[str, s.NodeConf] | None = None,
+    quotas: Mapping[str, s.Quota] | None = None,
 ) -> Plan:
     """One level-based pass: compares desired counts with `replicas/`.
 
@@ -107,8 +112,17 @@ def plan(
 
     `last_used` (model -> unix time) drives idle stop for models with
     `replicas.min` 0 (see `wanted()`).
+
+    `nodeconfs` and `quotas` go to place() (cordons, pools, quota scopes).
+    A replica on a node being drained rolls like one of a changed spec: its
+    replacement goes elsewhere first. Models are served by priority (their
+    first profile's), highest first: one whose minimum finds no room may
+    displace replicas of lower-priority models above their own minimum
+    (placement.displace()); those drain, and the room is taken once they stop.
     """
     absent = absent_for or {}
+    confs = nodeconfs or {}
+    fitting: dict[str, Any] = {"nodeconfs": confs, "quotas": quotas or {}, "models": models}
     phases = statuses or {}
     counts = inflight or {}
     used = last_used or {}
@@ -135,7 +149,15 @@ def plan(
                                          or not owner.profile_list):
             out.drain.append(rid)  # its model was deleted or turned external
 
-    for name, spec in sorted(models.items()):
+    def by_priority(item: tuple[str, s.StoredModel]) -> tuple[int, str]:
+        profiles = item[1].profile_list
+        return (-(profiles[0].priority if profiles else 0), item[0])
+
+    def moving(rid: str) -> bool:
+        conf = confs.get(live[rid].node)
+        return conf is not None and conf.draining
+
+    for name, spec in sorted(models.items(), key=by_priority):
         if spec.model is None or not spec.profile_list:
             continue  # external: served by its provider, nothing to place
         mine = sorted(rid for rid, r in live.items()
@@ -143,7 +165,7 @@ def plan(
         want = wanted(spec, used.get(name), now, idle_slack)
         # Ready ones first, so that a surplus drops those that serve nothing.
         by_use = sorted(mine, key=lambda rid: (not ready(rid), rid))
-        current = [rid for rid in by_use if _matches(spec, live[rid])]
+        current = [rid for rid in by_use if _matches(spec, live[rid]) and not moving(rid)]
         stale = [rid for rid in by_use if rid not in current]
         out.drain += current[want:]
         current = current[:want]
@@ -152,12 +174,14 @@ def plan(
         short = max(0, want - sum(map(ready, current)))
         keep = [rid for rid in stale if ready(rid)][:short]
         out.drain += [rid for rid in stale if rid not in keep]
-        for _ in range(want - len(current)):
-            fit = place(name, spec, nodes, live)
+        for i in range(want - len(current)):
+            fit = place(name, spec, nodes, live, **fitting)
             if isinstance(fit, NoFit):
                 coming = [rid for rid in current if not ready(rid)] + [
                     r.id for r in out.create if r.model == name]
-                _no_room(out, name, spec, nodes, live, keep, coming, fit)
+                _no_room(out, name, spec, nodes, live, keep, coming, fit, fitting)
+                if name in out.unplaced and len(current) + i < spec.replica_range.min:
+                    _displace(out, name, spec, models, nodes, live, now, fitting)
                 break
             prof = spec.profile_list[0]
             rep = s.Replica(
@@ -171,9 +195,33 @@ def plan(
     return out
 
 
+def _displace(out: Plan, name: str, spec: s.StoredModel,
+              models: Mapping[str, s.StoredModel], nodes: Mapping[str, s.NodeInfo],
+              live: dict[str, s.Replica], now: float, fitting: dict[str, Any]) -> None:
+    """Room for a replica of `name`'s minimum, made by draining replicas of
+    lower-priority models above their own minimum (placement.displace())."""
+    # This pass's drains count as leaving, or the same room is picked twice.
+    view = {rid: r.model_copy(update={"draining_since": now})
+            if rid in out.drain and r.draining_since is None else r
+            for rid, r in live.items()}
+    d = displace(name, spec, models, nodes, view, nodeconfs=fitting["nodeconfs"],
+                 quotas=fitting["quotas"])
+    if d is None:
+        return
+    for rid in d.victims:
+        out.drain.append(rid)
+        live[rid] = view[rid].model_copy(update={"draining_since": now})
+        out.reasons[live[rid].model] = f"{rid} displaced: {d.why.get(rid, '')}"
+        out.drain_reasons[rid] = d.why.get(rid, "displaced by a higher-priority model")
+    stopping = d.victims or sorted(rid for rid, r in view.items() if r.node == d.node
+                                   and r.draining_since is not None)
+    out.unplaced[name] += (f"; waiting for {', '.join(stopping)} to stop on {d.node}"
+                           if stopping else "")
+
+
 def _no_room(out: Plan, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo],
              live: Mapping[str, s.Replica], keep: list[str], coming: list[str],
-             fit: NoFit) -> None:
+             fit: NoFit, fitting: dict[str, Any]) -> None:
     """No node has room for a replica of the new spec: wait for what is on
     its way, else fall back to drain first, one old replica at a time, when
     that makes room."""
@@ -181,8 +229,9 @@ def _no_room(out: Plan, name: str, spec: s.StoredModel, nodes: Mapping[str, s.No
                      and (r.draining_since is not None or rid in out.drain))
     if leaving:
         # Their GPUs come free once they stop: one at a time, never two.
-        out.reasons[name] = (f"no room for a new replica ({fit}): waiting for "
-                             f"{', '.join(leaving)} to stop")
+        why = f"no room for a new replica ({fit}): waiting for {', '.join(leaving)} to stop"
+        # After a displacement, say both: why it went, and what it waits for.
+        out.reasons[name] = f"{out.reasons[name]}; {why}" if name in out.reasons else why
         return
     if not keep:
         out.unplaced[name] = str(fit)
@@ -194,8 +243,8 @@ def _no_room(out: Plan, name: str, spec: s.StoredModel, nodes: Mapping[str, s.No
                              f"{', '.join(coming)} to be ready")
         return
     for rid in reversed(keep):
-        if not isinstance(place(name, spec, nodes, {k: v for k, v in live.items() if k != rid}),
-                          NoFit):
+        others = {k: v for k, v in live.items() if k != rid}
+        if not isinstance(place(name, spec, nodes, others, **fitting), NoFit):
             keep.remove(rid)
             out.drain.append(rid)
             out.reasons[name] = (f"no room for a new replica beside the old ones ({fit}): "

@@ -133,6 +133,7 @@ class Reconciler:
                 models, usages,
                 {r.model for r in replicas.values() if r.draining_since is None}),
             idle_slack=self._idle_slack,
+            nodeconfs=self._mirror.nodeconfs(), quotas=self._mirror.quotas(),
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():
@@ -155,7 +156,9 @@ class Reconciler:
             for rid in p.drain:
                 logger.info("draining replica %s", rid)
                 key = s.REPLICAS + rid
-                drained = replicas[rid].model_copy(update={"draining_since": self._wall()})
+                drained = replicas[rid].model_copy(update={
+                    "draining_since": self._wall(),
+                    "drain_reason": p.drain_reasons.get(rid, "")})
                 await self._write([Compare.modified_at(key, read_at[rid])],
                                   [Put(key, drained.model_dump_json().encode())])
             for rid in p.delete:
