@@ -74,7 +74,8 @@ class Gateway:
         self.proxy = Proxy(self.table, hash_client_key, Timeouts(
             connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
             idle=settings.stream_idle_timeout, request=settings.request_timeout,
-            cooldown=settings.replica_cooldown), observer=self.last_use,
+            cooldown=settings.replica_cooldown, cold_start=settings.cold_start_timeout,
+            cold_start_held=settings.cold_start_max_held), observer=self.last_use,
             affinity=settings.router_affinity)
         self._store: Store | None = None
         self._mirror: Mirror | None = None

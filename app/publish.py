@@ -111,6 +111,7 @@ class Publisher:
         # Why each model's other replicas are not routable, for the 503 a
         # client gets when none is (kept only for models without endpoints).
         why: dict[str, list[str]] = {}
+        coming: set[str] = set()  # models with a replica loading on a live node
         for rid, rep in sorted(m.replicas().items()):
             st = statuses.get(rid)
             if rep.model not in models or rep.draining_since is not None:
@@ -123,6 +124,8 @@ class Publisher:
                     f"replica {rid}: node {rep.node} not heard from")
             elif st is None or st.phase != "ready":
                 phase = s.replica_phase(rep, st)
+                if phase in ("pending", "starting"):
+                    coming.add(rep.model)
                 detail = f": {st.detail}" if st is not None and st.detail else ""
                 why.setdefault(rep.model, []).append(
                     f"replica {rid} is {phase} on {rep.node}{detail}")
@@ -148,6 +151,14 @@ class Publisher:
             name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints
         }
+        # Scale from zero: requests are held for a model whose replica is
+        # loading, or one stopped while idle that a request will start again
+        # (its use reaches the leader in the next usage snapshot), unless no
+        # node could take it. A failed replica's model is not held for.
+        holdable = frozenset(
+            name for name in unavailable
+            if name in coming or (name not in why and _starts_on_use(models[name])
+                                  and "no replica is placed:" not in unavailable[name]))
         # Live gateways (lease-bound keys) share each key's limits equally;
         # this one counts even before its own key is seen.
         gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
@@ -159,7 +170,7 @@ class Publisher:
         }
         ep_view = tuple((k, tuple(v)) for k, v in sorted(endpoints.items()))
         fingerprint = (catalog, ep_view, tuple(sorted(grants.items())),
-                       tuple(sorted(unavailable.items())))
+                       tuple(sorted(unavailable.items())), holdable)
         if fingerprint == self._last:
             self.published_revision = revision
             return False
@@ -168,10 +179,19 @@ class Publisher:
         self._table.set_endpoints(endpoints)
         self._table.set_client_keys(grants)
         self._table.set_unavailable(unavailable)
+        self._table.set_holdable(holdable)
         self.published_revision = revision
         logger.debug("published %d models, %d endpoints",
                      len(catalog), sum(len(v) for v in endpoints.values()))
         return True
+
+
+def _starts_on_use(spec: s.StoredModel) -> bool:
+    """A model placed only while used (min 0, an idle timeout): a request for
+    it is what starts its replica (app/control/plan.py, `wanted`)."""
+    rng = spec.replica_range
+    return (spec.external is None and rng.min == 0 and rng.max > 0
+            and spec.idle_timeout is not None)
 
 
 class LastUse:
@@ -210,6 +230,9 @@ class RouterUsage:
 
     def last_used_by_model(self) -> dict[str, float]:
         return dict(self._last_use.by_model)
+
+    def held_by_model(self) -> dict[str, int]:
+        return self._table.held()
 
     def routed_revision(self) -> int:
         return self._publisher.published_revision

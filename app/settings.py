@@ -157,6 +157,14 @@ class Settings(BaseSettings):
     # its load stays within 1.25x the mean, so the engine reuses its prefix
     # cache. Off: power of two choices alone (measured in bench/affinity.py).
     router_affinity: bool = True
+    # Scale from zero: a request for a model whose replica is on its way
+    # (loading, or a min-0 model stopped while idle) is held this long, then
+    # answered 503. Longer covers slower model loads (a 70B model can take
+    # minutes); it must stay under request_timeout.
+    cold_start_timeout: float = Field(300.0, gt=0)
+    # Requests one gateway holds per starting model; more answer 503 with
+    # Retry-After at once. Each held request is one open connection.
+    cold_start_max_held: int = Field(64, ge=0)
 
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on

@@ -263,6 +263,8 @@ class Usage(_Stored):
     # Unix time this gateway last had a request for each model (now, for a
     # model with one in flight).
     last_used: dict[str, float] = Field(default_factory=dict)
+    # Requests held here per model, waiting for a replica (scale from zero).
+    held: dict[str, int] = Field(default_factory=dict)
     updated: float = 0.0
 
 

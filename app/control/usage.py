@@ -49,6 +49,10 @@ class UsageSource(Protocol):
         """The mirror revision the router's tables were last rebuilt at."""
         ...
 
+    def held_by_model(self) -> Mapping[str, int]:
+        """Requests held here per model, waiting for a replica (scale from zero)."""
+        ...
+
 
 def drain_inflight(
     draining: Mapping[str, int],
@@ -125,18 +129,25 @@ class UsagePublisher:
         for rid in inflight:
             if rid in replicas:
                 used[replicas[rid].model] = now
+        # A held request is a use now too: it is what asks the leader for a
+        # replica of a model stopped while idle.
+        held = {m: n for m, n in self._source.held_by_model().items() if m in models}
+        for m in held:
+            used[m] = now
         let_go = frozenset(
             rid for rid, r in replicas.items()
             if r.draining_since is not None
             and (kv := self._mirror.get(s.REPLICAS + rid)) is not None
             and kv.mod_revision <= revision)
         return (s.Usage(gateway=self._gateway_id, revision=revision, inflight=inflight,
-                        last_used=used, updated=now), let_go)
+                        last_used=used, held=held, updated=now), let_go)
 
     def _due(self, usage: s.Usage, let_go: frozenset[str], lease: int) -> bool:
         old = self.written
         if old is None or lease != self._written_lease:
             return True  # never written, or written under a lease now gone
+        if usage.held.keys() - old.held.keys():
+            return True  # a model wanted now: the leader must hear at once
         if usage.inflight != old.inflight or let_go != self._let_go:
             # Drains wait on these: written at the next step.
             return True

@@ -186,7 +186,7 @@ class Proxy:
         except Reply as r:
             outcome.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
-            await send_whole(send, r.status, r.body, extra)
+            await send_whole(send, r.status, r.body, extra + r.headers)
         except _ClientGone:
             outcome.status = CLIENT_GONE
         except Exception:

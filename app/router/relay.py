@@ -30,7 +30,7 @@ import aiohttp
 from yarl import URL
 
 from app.router.limits import Ticket
-from app.router.replies import Send, error, error_event, send_whole
+from app.router.replies import Reply, Send, error, error_event, send_whole
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
 
@@ -69,6 +69,66 @@ class Upstreams:
         that attempt only). `meter` notes the usage the answer reports.
         """
         assert self.session is not None, "Proxy.start() was not awaited"
+        started = [False]  # set by _hold once a held stream's response began
+        try:
+            if not self._table.endpoints(model) and self._table.holdable(model):
+                try:
+                    await self._hold(model, stream, send, started)
+                except asyncio.CancelledError:
+                    why = watch.caught()
+                    if why is None:
+                        raise  # not ours: the server is stopping
+                    if why is Why.CLIENT_GONE:
+                        return CLIENT_GONE
+                    raise error(504, f"The request did not finish within "
+                                f"{self._timeouts.request:g} s.", "server_error",
+                                "upstream_timeout") from None
+            return await self._attempts(watch, model, url_tail, body, accept_encoding, stream,
+                                        send, affinity, meter, started[0])
+        except Reply as r:
+            if not started[0]:
+                raise
+            # The stream's response started while it was held: the error is
+            # its last event (the client's SDK raises on it).
+            err = json.loads(r.body)["error"]
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": error_event(err["message"], err.get("code") or "upstream_error")})
+            return int(r.status)
+
+    async def _hold(self, model: str, stream: bool, send: Send, started: list[bool]) -> None:
+        """Scale from zero: holds a request while `model`'s replica is on its
+        way, up to `cold_start` seconds. A stream's response starts at once
+        (`started[0]` set): its headers, then SSE comments every few seconds,
+        so that neither the client nor a proxy between gives up on it."""
+        t = self._timeouts
+        if not self._table.hold(model, t.cold_start_held):
+            raise error(503, f"Too many requests are waiting for '{model}' to start here; "
+                        "retry shortly.", "service_unavailable", "model_starting",
+                        retry_after=max(1, int(t.cold_start / 10)))
+        keepalive: asyncio.Task[None] | None = None
+        try:
+            if stream:
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                    (b"x-llmgw-held", b"cold-start")]})
+                started[0] = True
+                keepalive = asyncio.create_task(_keep_alive(send, model))
+            if not await self._table.wait_routable(model, t.cold_start):
+                why = self._table.unavailable(model)
+                raise error(503, f"No replica of '{model}' became ready within "
+                            f"{t.cold_start:g} s" + (f": {why}" if why else "."),
+                            "service_unavailable", "no_ready_replica",
+                            retry_after=max(1, int(t.cold_start / 10)))
+        finally:
+            self._table.unhold(model)
+            if keepalive is not None:
+                keepalive.cancel()
+                await asyncio.gather(keepalive, return_exceptions=True)
+
+    async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
+                        accept_encoding: str, stream: bool, send: Send,
+                        affinity: str | None, meter: Ticket | None, started: bool) -> int:
+        assert self.session is not None
         payload = json.dumps(body).encode()
         tried: set[str] = set()
         last_error = ""
@@ -101,7 +161,7 @@ class Upstreams:
                     raise error(502, f"replica {ep.replica_id} refused the gateway",
                                 "server_error", "upstream_auth")
                 if stream:
-                    return await self._relay(upstream, ep, watch, send, meter)
+                    return await self._relay(upstream, ep, watch, send, meter, started)
                 # Read whole: nothing has reached the client yet, so a failure
                 # here is still retried, and the answer keeps its length.
                 answer = await upstream.read()
@@ -150,8 +210,10 @@ class Upstreams:
                     "upstream_timeout")
 
     async def _relay(self, upstream: aiohttp.ClientResponse, ep: Endpoint, watch: Watch,
-                     send: Send, meter: Ticket | None = None) -> int:
-        """Streams the engine's bytes as they come; returns the status for metrics."""
+                     send: Send, meter: Ticket | None = None, started: bool = False) -> int:
+        """Streams the engine's bytes as they come; returns the status for metrics.
+        `started`: the response began while the request was held (its
+        headers are out): only the body follows."""
         content = upstream.content
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
@@ -167,8 +229,9 @@ class Upstreams:
         loop = asyncio.get_running_loop()
         tail = b""  # the start of an event not yet whole (framed only)
         try:
-            await send({"type": "http.response.start", "status": upstream.status,
-                        "headers": headers})
+            if not started:
+                await send({"type": "http.response.start", "status": upstream.status,
+                            "headers": headers})
             while chunk:
                 if framed and (tail or not chunk.endswith(_EVENT_ENDS)):
                     chunk, tail = _whole_events(tail + chunk)
@@ -228,3 +291,11 @@ async def _end_badly(send: Send, framed: bool, message: str, code: str) -> None:
     # Else (a compressed or non-SSE body) the response is left incomplete:
     # the server closes the connection without the final chunk, which every
     # HTTP client reports as an error rather than a short answer.
+
+
+async def _keep_alive(send: Send, model: str, every: float = 5.0) -> None:
+    """SSE comments (ignored by every SSE client) while a stream is held."""
+    while True:
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": f": waiting for a replica of {model} to start\n\n".encode()})
+        await asyncio.sleep(every)

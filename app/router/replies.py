@@ -14,9 +14,11 @@ Send = Callable[[Message], Awaitable[None]]
 class Reply(Exception):
     """Ends a request early with an error answer."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.status = status
         self.body = body
+        self.headers = headers or []
 
 
 def openai_error_body(
@@ -29,8 +31,9 @@ def openai_error_body(
 
 
 def error(status: int, message: str, type_: str, code: str | None = None,
-          param: str | None = None) -> Reply:
-    return Reply(status, openai_error_body(message, type_, code, param))
+          param: str | None = None, retry_after: int | None = None) -> Reply:
+    headers = [(b"retry-after", str(retry_after).encode())] if retry_after else None
+    return Reply(status, openai_error_body(message, type_, code, param), headers)
 
 
 async def send_whole(send: Send, status: int, body: bytes,

@@ -15,9 +15,10 @@ requests that follow do not each pay for finding it dead.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from app.router import choice
@@ -81,6 +82,11 @@ class RouteTable:
         self._unavailable: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
         self._loads: dict[str, EngineLoad] = {}
+        # Scale from zero: models whose replica is on its way (set by the
+        # control side), requests held for each here, and their wake-ups.
+        self._holdable: frozenset[str] = frozenset()
+        self._held: dict[str, int] = {}
+        self._routable: dict[str, asyncio.Event] = {}
         # Engine counts older than this are unknown (a poll every second).
         self.stale_after = 3.0
         self.rand: Callable[[], float] = random.random
@@ -99,6 +105,51 @@ class RouteTable:
 
     def set_endpoints(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
         self._endpoints = {m: tuple(eps) for m, eps in endpoints.items()}
+        for model in [m for m in self._routable if self._endpoints.get(m)]:
+            self._routable.pop(model).set()  # wakes the requests held for it
+
+    def set_holdable(self, models: Collection[str]) -> None:
+        """Models with no routable replica whose replica is on its way (placed
+        and loading, or to be placed on demand, scale from zero): a request
+        for one is held until it can be routed instead of answered 503."""
+        self._holdable = frozenset(models)
+        for model in [m for m in self._routable if m not in self._holdable]:
+            self._routable.pop(model).set()  # no longer coming: answer them now
+
+    def holdable(self, model: str) -> bool:
+        return model in self._holdable
+
+    def held(self) -> dict[str, int]:
+        """Requests held per model on this gateway (for the usage snapshot)."""
+        return {m: n for m, n in self._held.items() if n > 0}
+
+    def hold(self, model: str, cap: int) -> bool:
+        """Counts one more request held for `model`; False past `cap`."""
+        if self._held.get(model, 0) >= cap:
+            return False
+        self._held[model] = self._held.get(model, 0) + 1
+        return True
+
+    def unhold(self, model: str) -> None:
+        left = self._held.get(model, 0) - 1
+        if left > 0:
+            self._held[model] = left
+        else:
+            self._held.pop(model, None)
+
+    async def wait_routable(self, model: str, timeout: float) -> bool:
+        """Waits until `model` has an endpoint (True) or is no longer on its
+        way, or `timeout` passes (False)."""
+        while not self._endpoints.get(model):
+            if model not in self._holdable:
+                return False
+            event = self._routable.setdefault(model, asyncio.Event())
+            try:
+                async with asyncio.timeout(timeout):
+                    await event.wait()
+            except TimeoutError:
+                return bool(self._endpoints.get(model))
+        return True
 
     def set_loads(self, loads: Mapping[str, EngineLoad]) -> None:
         """The engines' own counts, by replica id (engine_load.py)."""

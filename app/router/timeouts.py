@@ -35,6 +35,10 @@ class Timeouts:
     idle: float = 60.0
     request: float = 600.0
     cooldown: float = 5.0
+    # Scale from zero: how long a request for a model that is starting is
+    # held, and how many such requests a model may have waiting here.
+    cold_start: float = 300.0
+    cold_start_held: int = 64
 
 
 class Why(enum.Enum):
