@@ -7,6 +7,7 @@ three differently configured gateways in one process.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -48,6 +49,12 @@ def create_app(settings: Settings) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        if settings.gc_threshold:
+            # Everything built so far lives as long as the gateway: frozen,
+            # the collector never walks it again (settings.gc_threshold).
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(settings.gc_threshold, 10, 10)
         # Client key usage: counted by the router, written in batches here,
         # where control and router meet (DESIGN invariant 8).
         usage = KeyUsageWriter(gw.store, gw.mirror, settings.gateway_id, gw.proxy.limits)
