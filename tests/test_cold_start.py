@@ -100,6 +100,8 @@ def test_a_min_zero_model_starts_on_demand_and_holds_the_request(cluster: Cluste
                            "replicas": {"min": 0, "max": 1}, "idle_timeout": 600})
     wait_for(lambda: gw.admin().get("/admin/nodes").json(), 15, "node-1 registered")
     assert replicas(gw) == []  # never used: nothing runs
+    with gw.admin() as admin:
+        assert admin.get("/admin/models/lazy").json()["status"]["wanted"] == 0
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
     # Held while the leader places a replica and its engine loads, then answered.
     chat = client.chat.completions.create(
@@ -107,6 +109,8 @@ def test_a_min_zero_model_starts_on_demand_and_holds_the_request(cluster: Cluste
     assert "wake up" in (chat.choices[0].message.content or "")
     (rep,) = replicas(gw)
     assert rep["phase"] == "ready"
+    with gw.admin() as admin:  # used now: the model wants its one replica
+        assert admin.get("/admin/models/lazy").json()["status"]["wanted"] == 1
     stream = client.chat.completions.create(
         model="lazy", messages=[{"role": "user", "content": "again"}], stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)

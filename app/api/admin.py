@@ -22,6 +22,7 @@ from app.api.errors import Problem
 from app.control import catalog, fleet
 from app.control import state as s
 from app.control.placement import NoFit, place
+from app.control.plan import wanted as plan_wanted
 from app.store.base import Compare, Delete, Op, Put
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def routes(gw: Gateway) -> APIRouter:
         placed, not only the leader."""
         replicas = gw.mirror.replicas()
         statuses = gw.mirror.statuses()
+        usages = gw.mirror.usages()
         mine = [r for r in replicas.values()
                 if r.model == model.name and r.draining_since is None]
         ready = sum(1 for r in mine if s.replica_phase(r, statuses.get(r.id)) == "ready")
@@ -78,7 +80,11 @@ def routes(gw: Gateway) -> APIRouter:
                   for r in mine if (st := statuses.get(r.id)) is not None
                   and s.replica_phase(r, st) == "failed"]
         nofit: NoFit | None = None
-        wanted = model.replica_range.min
+        # As the leader counts it: a min-0 model wants one replica while used
+        # within its idle timeout (the snapshots' latest use; plan.wanted).
+        last = max((u.last_used.get(model.name, 0.0) for u in usages.values()), default=0.0)
+        wanted = plan_wanted(model, last or None, time.time(),
+                             gw.settings.usage_refresh + gw.settings.usage_interval)
         if len(mine) < wanted:
             fit = place(model.name, model, gw.mirror.nodes(), replicas,
                         nodeconfs=gw.mirror.nodeconfs(), quotas=gw.mirror.quotas(),
