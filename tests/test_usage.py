@@ -29,6 +29,7 @@ class Source:
     def __init__(self) -> None:
         self.inflight: dict[str, int] = {}
         self.used: dict[str, float] = {}
+        self.held: dict[str, int] = {}
         self.revision = 0
 
     def inflight_by_replica(self) -> dict[str, int]:
@@ -39,6 +40,9 @@ class Source:
 
     def routed_revision(self) -> int:
         return self.revision
+
+    def held_by_model(self) -> dict[str, int]:
+        return dict(self.held)
 
 
 @pytest.fixture
