@@ -197,6 +197,8 @@ async def leader(
     try:
         assert await one.mirror.wait_for(await store.put("sync", b""), 5)
         assert (await one.elector.tick()).is_leader
+        # Its first pass plans only once its copy has reached its own lead.
+        assert await one.mirror.wait_for(one.elector.lead_revision, 5)
         yield store, held, one
     finally:
         await one.mirror.stop()
