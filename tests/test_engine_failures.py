@@ -48,9 +48,12 @@ def test_an_engine_dying_by_a_signal_ends_failed_and_every_answer_says_why(
             assert err.value.status_code in (502, 503)
         return rep["phase"] == "failed" and "not restarted" in rep["detail"]
 
-    wait_for(given_up, 90, "the replica left failed", interval=0.2)
-    # It was restarted after the first deaths, and then no more.
-    assert ready_seen == 3
+    wait_for(lambda: given_up() and ready_seen >= 6, 120, "two replicas left failed",
+             interval=0.2)
+    # Each replica was restarted after its first deaths, then given up on; the
+    # leader placed the first one again at once (on the only node there is),
+    # and the second waits out its retry backoff (30 s): failed meanwhile.
+    assert ready_seen == 6
     (rep,) = replicas(gw)
     assert "killed by SIGILL" in rep["detail"] and "3 deaths" in rep["detail"]
     assert "FAKE_VLLM_DIE_ON_CHAT=SIGILL" in rep["detail"]  # the engine's last log lines
@@ -69,3 +72,36 @@ def test_an_engine_dying_by_a_signal_ends_failed_and_every_answer_says_why(
     assert f"replica {rep['id']} is failed" in err["message"]
     assert "killed by SIGILL" in err["message"]
     assert engine_key(SECRET, rep["id"]) not in r.text
+
+
+def test_a_replica_that_keeps_dying_on_one_node_is_placed_on_another(
+    cluster: Cluster,
+) -> None:
+    gw = cluster.gateway("gw-a")
+    # node-1 has more free GPUs, so the replica goes there first; its engines die.
+    cluster.agent("node-1", [gw], "--gpus", "2", env_extra={"FAKE_VLLM_DIE_ON_CHAT": "SIGILL"})
+    cluster.agent("node-2", [gw], "--gpus", "1")
+    wait_for(lambda: len(gw.admin().get("/admin/nodes").json()) == 2, 15, "both nodes")
+    key = make_key(gw)
+    put_model(gw, "m", {"model": "acme/m", "gpus": 1})
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=10)
+    tried: set[str] = set()
+
+    def served_elsewhere() -> bool:
+        for rep in replicas(gw):
+            if rep["phase"] != "ready" or rep["url"] in tried:
+                continue
+            if rep["node"] == "node-2":
+                return True
+            tried.add(rep["url"])  # each restart is a new port
+            with pytest.raises(openai.APIStatusError):
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}])
+        return False
+
+    wait_for(served_elsewhere, 90, "the replica placed on node-2", interval=0.2)
+    chat = client.chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "still there?"}])
+    (rep,) = [r for r in replicas(gw) if r["node"] == "node-2"]
+    assert chat.headers["x-llmgw-replica"] == rep["id"]
+    assert len(tried) == 3  # it died three times on node-1 before moving

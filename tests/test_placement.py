@@ -250,3 +250,17 @@ def test_a_higher_priority_minimum_displaces_a_lower_priority_replica_above_its_
     firm = model("lo", replicas={"min": 1, "max": 1})
     p = run_plan([firm, high], nodes, {"lo-1": lo_rep}, ready=("lo-1",))
     assert p.drain == [] and "hi" in p.unplaced
+
+
+def test_a_replica_its_agent_gave_up_on_is_placed_again_elsewhere() -> None:
+    nodes = [gpu_node("n1", 2), gpu_node("n2", 1)]
+    rep = s.Replica(id="r1", model="m", node="n1", gpus=[0], weights="org/m")
+    p = run_plan([model("m")], nodes, {"r1": rep})
+    assert p.empty  # failed but not given up (or still backing off): the agent's to restart
+    p = plan({"m": model("m")}, {n.name: n for n in nodes}, {"r1": rep}, now=100.0,
+             drain_seconds=2.0, new_suffix=lambda: "0001", failed={"r1"})
+    assert p.drain == ["r1"] and [(r.node, r.gpus) for r in p.create] == [("n2", [0])]
+    # Nowhere else to go: the same node again, beside it (its GPU is still held).
+    p = plan({"m": model("m")}, {"n1": nodes[0]}, {"r1": rep}, now=100.0,
+             drain_seconds=2.0, new_suffix=lambda: "0001", failed={"r1"})
+    assert p.drain == ["r1"] and [(r.node, r.gpus) for r in p.create] == [("n1", [1])]

@@ -296,7 +296,8 @@ class Agent:
         now = time.time()
         return [
             ReplicaStatus(id=rid, node=self.cfg.node, phase=e.phase, url=e.proc.url,
-                          detail=e.detail, updated=now)
+                          detail=e.detail, updated=now,
+                          given_up=e.phase == "failed" and e.given_up)
             for rid, e in sorted(self.running.items())
         ]
 

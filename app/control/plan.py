@@ -8,7 +8,7 @@ Where each new replica goes is `placement.place()`'s decision.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,7 @@ def plan(
     idle_slack: float = 0.0,
     nodeconfs: Mapping[str, s.NodeConf] | None = None,
     quotas: Mapping[str, s.Quota] | None = None,
+    failed: Collection[str] = (),
 ) -> Plan:
     """One level-based pass: compares desired counts with `replicas/`.
 
@@ -112,6 +113,10 @@ def plan(
 
     `last_used` (model -> unix time) drives idle stop for models with
     `replicas.min` 0 (see `wanted()`).
+
+    `failed` names replicas their agent gave up on (they kept dying) and
+    whose retry backoff is over (the reconciler keeps it): each is drained
+    and its replacement placed on another node when one can take it.
 
     `nodeconfs` and `quotas` go to place() (cordons, pools, quota scopes).
     A replica on a node being drained rolls like one of a changed spec: its
@@ -165,7 +170,11 @@ def plan(
         want = wanted(spec, used.get(name), now, idle_slack)
         # Ready ones first, so that a surplus drops those that serve nothing.
         by_use = sorted(mine, key=lambda rid: (not ready(rid), rid))
-        current = [rid for rid in by_use if _matches(spec, live[rid]) and not moving(rid)]
+        current = [rid for rid in by_use if _matches(spec, live[rid]) and not moving(rid)
+                   and rid not in failed]
+        # Where this model kept dying: elsewhere first, if anywhere else fits.
+        avoid = {live[rid].node for rid in mine if rid in failed}
+        elsewhere = {n: info for n, info in nodes.items() if n not in avoid}
         stale = [rid for rid in by_use if rid not in current]
         out.drain += current[want:]
         current = current[:want]
@@ -175,7 +184,9 @@ def plan(
         keep = [rid for rid in stale if ready(rid)][:short]
         out.drain += [rid for rid in stale if rid not in keep]
         for i in range(want - len(current)):
-            fit = place(name, spec, nodes, live, **fitting)
+            fit = place(name, spec, elsewhere, live, **fitting) if avoid else NoFit({})
+            if isinstance(fit, NoFit):
+                fit = place(name, spec, nodes, live, **fitting)
             if isinstance(fit, NoFit):
                 coming = [rid for rid in current if not ready(rid)] + [
                     r.id for r in out.create if r.model == name]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from app.control import state as s
@@ -92,6 +92,8 @@ class Reconciler:
         # The latest use of each model seen in any snapshot, by wall time;
         # and the wall time at which we took the lead.
         self._last_use: dict[str, float] = {}
+        # When the leader replaced a failed replica, per model (retry backoff).
+        self._replaced: dict[str, list[float]] = {}
         self._led_since_wall = 0.0
         self.last_reasons: dict[str, str] = {}
 
@@ -124,11 +126,13 @@ class Reconciler:
             {rid: read_at[rid] for rid, r in replicas.items()
              if r.draining_since is not None and rid in read_at},
             self._mirror.parsed(s.GATEWAYS, s.GatewayInfo), usages)
+        statuses = self._mirror.statuses()
+        failed = self._failed_to_replace(replicas, statuses)
         p = plan(
             models, nodes, replicas,
             now=self._wall(), drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
             absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
-            node_grace=self._node_grace, statuses=self._mirror.statuses(),
+            node_grace=self._node_grace, statuses=statuses, failed=failed,
             inflight=inflight, last_used=self._last_uses(
                 models, usages,
                 {r.model for r in replicas.values() if r.draining_since is None}),
@@ -144,6 +148,10 @@ class Reconciler:
                 logger.info("rolling %s: %s", model, why)
         self.last_reasons = p.reasons
         result = TickResult(plan=p)
+        for rid in failed & set(p.drain):
+            logger.warning("replica %s of %s kept dying on %s: placing it again elsewhere",
+                           rid, replicas[rid].model, replicas[rid].node)
+            self._replaced.setdefault(replicas[rid].model, []).append(self._wall())
         if p.empty:
             return result
         try:
@@ -208,6 +216,26 @@ class Reconciler:
                             now - max(self._absent_since[node], self._led_since))
         self._absent_since = {n: self._absent_since.get(n, now) for n in missing}
         return {n: now - max(t, self._led_since) for n, t in self._absent_since.items()}
+
+    def _failed_to_replace(self, replicas: Mapping[str, s.Replica],
+                           statuses: Mapping[str, s.ReplicaStatus]) -> set[str]:
+        """Replicas their agent gave up on whose model's retry backoff is
+        over: the first is replaced at once, each later one within the hour
+        after a doubling wait (30 s, 60 s, ... up to 10 min), so a model that
+        dies everywhere does not churn the fleet."""
+        now = self._wall()
+        out = set()
+        for rid, st in statuses.items():
+            rep = replicas.get(rid)
+            if rep is None or rep.draining_since is not None or not (
+                    st.given_up and st.phase == "failed"):
+                continue
+            recent = [t for t in self._replaced.get(rep.model, []) if now - t < 3600]
+            self._replaced[rep.model] = recent
+            wait = 0.0 if not recent else min(600.0, 30.0 * 2 ** (len(recent) - 1))
+            if now - max([st.updated, *recent]) >= wait:
+                out.add(rid)
+        return out
 
     async def _write(self, conditions: list[Compare], ops: list[Put | Delete]) -> None:
         res = await self._store.txn(self._elector.fence() + conditions, ops)

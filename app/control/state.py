@@ -202,6 +202,9 @@ class ReplicaStatus(_Stored):
     url: str = ""
     detail: str = ""
     updated: float = 0.0
+    # Failed, and its agent no longer restarts it (it kept dying): the
+    # leader places it elsewhere (app/control/plan.py).
+    given_up: bool = False
 
 
 class KeyLimits(BaseModel):
