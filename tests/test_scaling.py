@@ -132,6 +132,21 @@ def test_the_scaler_holds_what_runs_on_a_new_lead_and_leaves_unscalable_models_o
     assert scaler.step({"m": spec(hi=2)}, running, {}, floors, 12.0) == {"m": 2}
 
 
+def test_a_step_down_removes_one_of_what_runs_even_when_more_was_wanted() -> None:
+    scaler = Scaler(window=10, default_target=4)
+    models, floors = {"m": spec()}, {"m": 1}
+    # 13 requests at 4 a replica: 4 wanted, but only 2 could be placed.
+    assert scaler.step(models, reps("a", "b"), {"a": 7, "b": 6}, floors, 0.0) == {"m": 4}
+    idle = {"a": 0.0, "b": 0.0}
+    assert scaler.step(models, reps("a", "b"), idle, floors, 1.0) == {"m": 4}
+    # A window later, one of the two that run goes, not a phantom one.
+    assert scaler.step(models, reps("a", "b"), idle, floors, 11.0) == {"m": 1}
+    # Never below what the load wants.
+    assert scaler.step(models, reps("a", "b"), {"a": 7, "b": 6}, floors, 12.0) == {"m": 4}
+    assert scaler.step(models, reps("a", "b"), {"a": 5, "b": 1}, floors, 13.0) == {"m": 4}
+    assert scaler.step(models, reps("a", "b"), {"a": 5, "b": 1}, floors, 23.0) == {"m": 2}
+
+
 # --- across processes -------------------------------------------------------------------
 
 

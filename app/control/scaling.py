@@ -58,12 +58,15 @@ class Scaler:
         scale. `now` is the leader's monotonic clock.
         """
         out: dict[str, int] = {}
+        serving: dict[str, list[str]] = {}
+        for rid, r in replicas.items():
+            if r.draining_since is None:
+                serving.setdefault(r.model, []).append(rid)
         for name, spec in sorted(models.items()):
             floor, ceiling = floors.get(name, 0), spec.replica_range.max
             if spec.model is None or not spec.profile_list or floor == 0 or ceiling <= floor:
                 continue  # forgotten below
-            mine = [rid for rid, r in replicas.items()
-                    if r.model == name and r.draining_since is None]
+            mine = serving.get(name, [])
             # A model first seen (or a new lead) keeps what runs: a
             # handover scales nothing down (DESIGN invariant 10).
             before = held = max(floor, min(ceiling, self._held.get(name, len(mine))))
@@ -77,7 +80,10 @@ class Scaler:
             elif mine and len(known) == len(mine):
                 since = self._low_since.setdefault(name, now)
                 if now - since >= self.window:
-                    held -= 1
+                    # One fewer than what runs: a count held above it (no
+                    # room for the rest) would spend a window removing
+                    # nothing.
+                    held = max(want, min(held, len(mine)) - 1)
                     # The next replica waits a window of its own: the load
                     # of the one going moves to the others.
                     self._low_since[name] = now
