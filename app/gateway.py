@@ -122,7 +122,9 @@ class Gateway:
         reconciler = Reconciler(self._store, self._mirror, self._elector,
                                 drain_seconds=st.drain_seconds, interval=st.reconcile_interval,
                                 node_grace=st.node_grace,
-                                idle_slack=st.usage_refresh + st.usage_interval)
+                                idle_slack=st.usage_refresh + st.usage_interval,
+                                scale_down_window=st.scale_down_window,
+                                default_load_target=st.default_load_target)
         elector = self._elector
         usage = UsagePublisher(self._store, self._mirror,
                                RouterUsage(self.table, self.last_use, publisher),

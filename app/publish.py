@@ -236,3 +236,8 @@ class RouterUsage:
 
     def routed_revision(self) -> int:
         return self._publisher.published_revision
+
+    def engine_loads(self) -> dict[str, float]:
+        # Waiting requests count as load: they are what another replica would take.
+        return {rid: load.running + load.waiting
+                for rid, load in self._table.fresh_loads().items()}

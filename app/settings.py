@@ -92,6 +92,21 @@ class Settings(BaseSettings):
     # so a longer value stops idle models later, a shorter one writes more.
     usage_refresh: float = Field(30.0, gt=0)
 
+    # --- load-based scaling (docs/architecture.md, Reconciler) ---------------------
+    # Seconds a model's engines' load must stay below what one replica fewer
+    # would serve before the leader drains one replica (and as long again
+    # before the next). Up is at once. Longer: fewer engine reloads when load
+    # comes and goes (a vLLM load takes minutes), and GPUs held that long
+    # after a burst; shorter frees them sooner and may drain a replica that
+    # the next burst needs again.
+    scale_down_window: float = Field(300.0, gt=0)
+    # Requests per replica (the engine's running + waiting) to scale at, for
+    # a model whose spec sets no `load_target`. Lower: more replicas and less
+    # queueing for the same load; higher: fuller batches on fewer GPUs. Not
+    # measured on a real engine; set `load_target` per model from its own
+    # latency under load.
+    default_load_target: int = Field(16, ge=1, le=10000)
+
     # --- agents -----------------------------------------------------------------
     # A node whose agent has not heartbeated for this long is gone: its
     # inventory key expires with its lease and its replicas are re-placed.

@@ -32,7 +32,9 @@ def run_plan(models: list[s.StoredModel], nodes: list[s.NodeInfo],
              ready: tuple[str, ...] = (), inflight: dict[str, int] | None = None,
              last_used: dict[str, float] | None = None, idle_slack: float = 0.0,
              nodeconfs: dict[str, s.NodeConf] | None = None,
-             quotas: dict[str, s.Quota] | None = None) -> Plan:
+             quotas: dict[str, s.Quota] | None = None,
+             targets: dict[str, int] | None = None,
+             loads: dict[str, float] | None = None) -> Plan:
     counter = suffixes()
     statuses = {rid: s.ReplicaStatus(id=rid, node=replicas[rid].node, phase="ready")
                 for rid in ready}
@@ -40,7 +42,7 @@ def run_plan(models: list[s.StoredModel], nodes: list[s.NodeInfo],
                 now=now, drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}",
                 absent_for=absent_for, node_grace=node_grace, statuses=statuses,
                 inflight=inflight, last_used=last_used, idle_slack=idle_slack,
-                nodeconfs=nodeconfs, quotas=quotas)
+                nodeconfs=nodeconfs, quotas=quotas, targets=targets, loads=loads)
 
 
 def old_replica(rid: str, gpu: int = 0, node: str = "n1") -> s.Replica:
@@ -215,6 +217,40 @@ def test_a_min_zero_model_runs_one_replica_while_used_and_none_after_its_idle_ti
     assert wanted(model("m", replicas={"min": 0, "max": 0}, idle_timeout=60), 99.0,
                   now=100.0) == 0
     assert wanted(model("m", replicas={"min": 0, "max": 1}), 99.0, now=100.0) == 0
+
+
+# --- load-based scaling: the count is decided by the reconciler (scaling.py) ------------
+
+
+def test_a_scaling_target_stays_within_the_range_and_never_wakes_an_idle_model() -> None:
+    spec = model("m", replicas={"min": 1, "max": 3})
+    assert wanted(spec, None, now=100.0, target=2) == 2
+    assert wanted(spec, None, now=100.0, target=9) == 3  # never past max
+    assert wanted(spec, None, now=100.0, target=0) == 1  # never below min
+    idle = model("m", replicas={"min": 0, "max": 3}, idle_timeout=60)
+    assert wanted(idle, 50.0, now=100.0, target=3) == 3  # in use: scales
+    assert wanted(idle, 30.0, now=100.0, target=3) == 0  # idle: stops, whatever the load
+    assert wanted(idle, None, now=100.0, target=3) == 0  # never used: nothing placed
+
+
+def test_a_scaled_model_places_up_to_its_target_and_drains_the_least_loaded_surplus() -> None:
+    spec = model("m", replicas={"min": 1, "max": 4})
+    nodes = [gpu_node("n1", 4)]
+    p = run_plan([spec], nodes, {}, targets={"m": 3})
+    assert len(p.create) == 3 and p.drain == []
+    reps = {f"r{i}": s.Replica(id=f"r{i}", model="m", node="n1", gpus=[i], weights="org/m")
+            for i in range(4)}
+    ready = ("r0", "r1", "r2")
+    # r3 serves nothing (not ready): it goes first; then the least loaded.
+    assert run_plan([spec], nodes, reps, ready=ready, targets={"m": 3},
+                    loads={"r0": 5, "r1": 1, "r2": 3}).drain == ["r3"]
+    assert run_plan([spec], nodes, reps, ready=(*ready, "r3"), targets={"m": 2},
+                    loads={"r0": 5, "r1": 1, "r2": 3, "r3": 2}).drain == ["r3", "r1"]
+    # A replica whose load no gateway reported counts as the busiest.
+    assert run_plan([spec], nodes, reps, ready=(*ready, "r3"), targets={"m": 3},
+                    loads={"r1": 4, "r2": 3, "r3": 6}).drain == ["r2"]
+    assert run_plan([spec], nodes, reps, ready=(*ready, "r3"), targets={"m": 4},
+                    loads={}).empty
 
 
 def test_the_plan_honours_cordons_and_moves_replicas_off_a_draining_node() -> None:

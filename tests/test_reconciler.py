@@ -275,6 +275,76 @@ async def test_a_min_zero_model_stops_after_its_idle_timeout_and_a_handover_stop
     assert (await applied(rec, mirror)).plan.drain == ["m-b"]
 
 
+# --- load-based scaling, from the engines' load in the snapshots -----------------------
+
+
+async def test_load_scales_up_at_once_and_down_one_least_loaded_replica_per_window(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, elector = parts
+    clock = Clock(0.0)
+    suffixes = iter(["a", "b", "c", "d"])
+    rec = Reconciler(store, mirror, elector, drain_seconds=600, interval=1, node_grace=0,
+                     scale_down_window=30, wall=Clock(1000.0), clock=clock,
+                     new_suffix=lambda: next(suffixes))
+    assert (await elector.tick()).is_leader
+    assert await mirror.wait_for(elector.lead_revision, 2)
+    await put(store, mirror, s.NODES + "n1", s.NodeInfo(
+        name="n1", gpus=[s.GpuInfo(index=i) for i in range(4)], engines=["vllm"]))
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(
+        name="m", model="org/m", replicas=s.ReplicaRange(min=1, max=3), load_target=4))
+    assert [r.id for r in (await applied(rec, mirror)).plan.create] == ["m-a"]
+    await status(store, mirror, "m-a", "ready")
+    assert (await applied(rec, mirror)).plan.empty  # no load known: min
+
+    # 9 requests on m-a at 4 a replica: two more, at once.
+    await usage(store, mirror, elector, loads={"m-a": 9})
+    assert [r.id for r in (await applied(rec, mirror)).plan.create] == ["m-b", "m-c"]
+    # The load goes while they load (their load unknown): held, however long.
+    await usage(store, mirror, elector, loads={"m-a": 0})
+    clock.now += 100
+    assert (await applied(rec, mirror)).plan.empty
+    await status(store, mirror, "m-b", "ready")
+    await status(store, mirror, "m-c", "ready")
+    # One ready replica's load unreported (a poll that failed): held.
+    await usage(store, mirror, elector, loads={"m-a": 0, "m-b": 0})
+    clock.now += 100
+    assert (await applied(rec, mirror)).plan.empty
+
+    # Every load known and low (3 at 4 a replica: one is enough): one
+    # replica goes after the window, the least loaded.
+    await usage(store, mirror, elector, loads={"m-a": 2, "m-b": 0, "m-c": 1})
+    assert (await applied(rec, mirror)).plan.empty
+    clock.now += 29.9
+    assert (await applied(rec, mirror)).plan.empty
+    clock.now += 0.1
+    assert (await applied(rec, mirror)).plan.drain == ["m-b"]
+    # The next waits a window of its own.
+    await usage(store, mirror, elector, loads={"m-a": 2, "m-c": 1})
+    clock.now += 29.9
+    assert (await applied(rec, mirror)).plan.empty
+    clock.now += 0.1
+    assert (await applied(rec, mirror)).plan.drain == ["m-c"]
+    clock.now += 100
+    assert (await applied(rec, mirror)).plan.empty  # at min: stays
+
+    # A burst in the window's middle starts it again; load rising places at once.
+    await usage(store, mirror, elector, loads={"m-a": 5})
+    assert [r.id for r in (await applied(rec, mirror)).plan.create] == ["m-d"]
+    await status(store, mirror, "m-d", "ready")
+    await usage(store, mirror, elector, loads={"m-a": 1, "m-d": 1})
+    clock.now += 20
+    assert (await applied(rec, mirror)).plan.empty
+    await usage(store, mirror, elector, loads={"m-a": 5, "m-d": 1})
+    assert (await applied(rec, mirror)).plan.empty
+    await usage(store, mirror, elector, loads={"m-a": 1, "m-d": 1})
+    assert (await applied(rec, mirror)).plan.empty
+    clock.now += 20
+    assert (await applied(rec, mirror)).plan.empty  # 20 s since the burst, not 40
+    clock.now += 10
+    assert (await applied(rec, mirror)).plan.drain == ["m-d"]  # a tie: by name
+
+
 # --- the election that gates it ----------------------------------------------------------
 
 

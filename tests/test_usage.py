@@ -44,6 +44,9 @@ class Source:
     def held_by_model(self) -> dict[str, int]:
         return dict(self.held)
 
+    def engine_loads(self) -> dict[str, float]:
+        return {}
+
 
 @pytest.fixture
 async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror]]:

@@ -7,6 +7,7 @@ Where each new replica goes is `placement.place()`'s decision.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -51,21 +52,31 @@ def _matches(spec: s.StoredModel, r: s.Replica) -> bool:
         spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_args)
 
 
-def wanted(spec: s.ModelSpec, last_use: float | None, now: float, idle_slack: float = 0.0) -> int:
-    """Replicas a model should have, before load-based scaling (not built yet).
+def wanted(spec: s.ModelSpec, last_use: float | None, now: float, idle_slack: float = 0.0,
+           target: int | None = None) -> int:
+    """Replicas a model should have.
 
-    `replicas.min` when above 0. A model with min 0 (and max above 0 and an
-    idle timeout) gets one replica while it has been used within its idle
-    timeout, plus `idle_slack` (how late the leader may hear of a use), and
-    none after: idle stop. A min-0 spec without an idle timeout (stored
-    before that rule) keeps meaning what it did: nothing placed.
+    The floor: `replicas.min` when above 0. A model with min 0 (and max
+    above 0 and an idle timeout) gets one replica while it has been used
+    within its idle timeout, plus `idle_slack` (how late the leader may hear
+    of a use), and none after: idle stop. A min-0 spec without an idle
+    timeout (stored before that rule) keeps meaning what it did: nothing
+    placed.
+
+    `target` is the count load-based scaling decided (app/control/
+    scaling.py): it moves a model above its floor, never past `replicas.max`,
+    and never wakes an idle model.
     """
     rng = spec.replica_range
     if rng.min > 0:
-        return rng.min
-    if rng.max == 0 or spec.idle_timeout is None or last_use is None:
-        return 0
-    return 1 if now - last_use < spec.idle_timeout + idle_slack else 0
+        floor = rng.min
+    elif rng.max == 0 or spec.idle_timeout is None or last_use is None:
+        floor = 0
+    else:
+        floor = 1 if now - last_use < spec.idle_timeout + idle_slack else 0
+    if floor == 0 or target is None:
+        return floor
+    return max(floor, min(target, rng.max))
 
 
 def plan(
@@ -85,6 +96,8 @@ def plan(
     nodeconfs: Mapping[str, s.NodeConf] | None = None,
     quotas: Mapping[str, s.Quota] | None = None,
     failed: Collection[str] = (),
+    targets: Mapping[str, int] | None = None,
+    loads: Mapping[str, float] | None = None,
 ) -> Plan:
     """One level-based pass: compares desired counts with `replicas/`.
 
@@ -112,7 +125,11 @@ def plan(
     name waits for the cap.
 
     `last_used` (model -> unix time) drives idle stop for models with
-    `replicas.min` 0 (see `wanted()`).
+    `replicas.min` 0 (see `wanted()`). `targets` (model -> replicas) is
+    what load-based scaling decided (`wanted()` keeps it within the spec's
+    range); a surplus drains the replicas serving nothing first, then the
+    least loaded by `loads` (replica -> engine load; one left out counts as
+    the busiest, unknown never being idle).
 
     `failed` names replicas their agent gave up on (they kept dying) and
     whose retry backoff is over (the reconciler keeps it): each is drained
@@ -131,6 +148,8 @@ def plan(
     phases = statuses or {}
     counts = inflight or {}
     used = last_used or {}
+    scaled = targets or {}
+    load = loads or {}
     out = Plan()
     live: dict[str, s.Replica] = {}
     for rid, r in replicas.items():
@@ -167,9 +186,11 @@ def plan(
             continue  # external: served by its provider, nothing to place
         mine = sorted(rid for rid, r in live.items()
                       if r.model == name and r.draining_since is None)
-        want = wanted(spec, used.get(name), now, idle_slack)
-        # Ready ones first, so that a surplus drops those that serve nothing.
-        by_use = sorted(mine, key=lambda rid: (not ready(rid), rid))
+        want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
+        # Ready ones first, then the busiest, so that a surplus drops those
+        # that serve nothing, then the least loaded (their drains end first).
+        by_use = sorted(mine, key=lambda rid: (
+            not ready(rid), -load.get(rid, math.inf), rid))
         current = [rid for rid in by_use if _matches(spec, live[rid]) and not moving(rid)
                    and rid not in failed]
         # Where this model kept dying: elsewhere first, if anywhere else fits.

@@ -16,7 +16,8 @@ ends when every gateway has let go of the replica and none has a request on
 it (or at the cap, `drain_seconds`), and a model with `replicas.min` 0
 stops after its idle timeout. Last use never counts from before this leader
 took the lead, nor goes back: a handover, or a gateway restart that lost
-its counts, must not make a model look idle.
+its counts, must not make a model look idle. The snapshots' engine loads
+drive load-based scaling (app/control/scaling.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from app.control import state as s
 from app.control import usage
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
-from app.control.plan import Plan, plan
+from app.control.plan import Plan, plan, wanted
+from app.control.scaling import Scaler
 from app.store.base import Compare, Delete, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class Reconciler:
         interval: float,
         node_grace: float,
         idle_slack: float = 0.0,
+        scale_down_window: float = 300.0,
+        default_load_target: int = 16,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
@@ -76,7 +80,8 @@ class Reconciler:
         # interval): a model is idle only that much after its idle timeout.
         self._idle_slack = idle_slack
         self._wall = wall  # for draining_since, which every gateway reads
-        self._clock = clock  # for the node grace, which only this leader counts
+        self._clock = clock  # for the node grace and scaling, which only this leader counts
+        self._scaler = Scaler(window=scale_down_window, default_target=default_load_target)
         self._new_suffix = new_suffix
         # The revision of our last write. It must be in the mirror before the
         # next pass plans on it, or a replica just created would be created
@@ -108,6 +113,7 @@ class Reconciler:
             self._led_since_wall = self._wall()
             self._absent_since.clear()
             self._last_use.clear()
+            self._scaler.reset()
         if not self._mirror.ready or self._mirror.revision < lead:
             return TickResult(skipped=(
                 "mirror behind the revision at which we took the lead "
@@ -126,18 +132,26 @@ class Reconciler:
             {rid: read_at[rid] for rid, r in replicas.items()
              if r.draining_since is not None and rid in read_at},
             self._mirror.parsed(s.GATEWAYS, s.GatewayInfo), usages)
+        now = self._wall()
+        last = self._last_uses(
+            models, usages, {r.model for r in replicas.values() if r.draining_since is None})
+        # Load-based scaling (docs/architecture.md, Reconciler): the count is
+        # decided here, where the scale-down window's state lives; the plan
+        # takes it as an input and stays pure.
+        loads = usage.replica_loads(usages)
+        floors = {name: wanted(spec, last.get(name), now, self._idle_slack)
+                  for name, spec in models.items()}
+        targets = self._scaler.step(models, replicas, loads, floors, self._clock())
         statuses = self._mirror.statuses()
         failed = self._failed_to_replace(replicas, statuses)
         p = plan(
             models, nodes, replicas,
-            now=self._wall(), drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
+            now=now, drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
             absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
             node_grace=self._node_grace, statuses=statuses, failed=failed,
-            inflight=inflight, last_used=self._last_uses(
-                models, usages,
-                {r.model for r in replicas.values() if r.draining_since is None}),
-            idle_slack=self._idle_slack,
+            inflight=inflight, last_used=last, idle_slack=self._idle_slack,
             nodeconfs=self._mirror.nodeconfs(), quotas=self._mirror.quotas(),
+            targets=targets, loads=loads,
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():

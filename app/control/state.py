@@ -269,6 +269,12 @@ class Usage(_Stored):
     # Requests held here per model, waiting for a replica (scale from zero).
     held: dict[str, int] = Field(default_factory=dict)
     updated: float = 0.0
+    # Each replica's engine load as this gateway last polled it (vLLM's
+    # running + waiting requests, which count every gateway's requests):
+    # fresh polls only, zeros included. A replica left out is unknown, never
+    # idle (docs/architecture.md, Reconciler: scaling). Snapshots written
+    # before load-based scaling have none: their replicas read as unknown.
+    loads: dict[str, float] = Field(default_factory=dict)
 
 
 class GatewayInfo(_Stored):

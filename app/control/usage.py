@@ -1,19 +1,20 @@
 """Usage snapshots: what each gateway's router is doing, for the leader.
 
 Every few seconds each gateway writes `usage/{gateway}` (`state.Usage`):
-requests in flight per replica, when each model was last asked for, and the
-store revision its router tables reflected. The key is bound to the
+requests in flight per replica, each replica's engine load (running +
+waiting, as its router last polled it), when each model was last asked for,
+and the store revision its router tables reflected. The key is bound to the
 gateway's election lease (`Elector.lease`), so a dead gateway's snapshot
 goes with its lease. The leader reads the snapshots from its mirror to end
-drains when the work is done and to stop idle models (docs/architecture.md,
-Reconciler).
+drains when the work is done, to stop idle models and to scale on load
+(docs/architecture.md, Reconciler).
 
 The request path never waits on this: the router only counts (its in-flight
 leases, the proxy's request observer) and `UsagePublisher.step()` reads the
-counts on its own schedule. A snapshot is written when the counts changed or
-the router let go of a drained replica; last-use times alone are written at
-most every `refresh` seconds, so a busy gateway writes every few seconds,
-never per request.
+counts on its own schedule. A snapshot is written when the counts or the
+engine loads changed or the router let go of a drained replica; last-use
+times alone are written at most every `refresh` seconds, so a busy gateway
+writes every few seconds, never per request.
 
 The router is not imported here (DESIGN invariant 8): `UsageSource` is what
 this side needs, and app/publish.py implements it.
@@ -53,6 +54,11 @@ class UsageSource(Protocol):
         """Requests held here per model, waiting for a replica (scale from zero)."""
         ...
 
+    def engine_loads(self) -> Mapping[str, float]:
+        """Each replica's engine load (running + waiting requests), from
+        polls fresh enough to route on; a replica left out is unknown."""
+        ...
+
 
 def drain_inflight(
     draining: Mapping[str, int],
@@ -79,6 +85,18 @@ def drain_inflight(
             total += u.inflight.get(rid, 0)
         else:
             out[rid] = total
+    return out
+
+
+def replica_loads(usages: Mapping[str, s.Usage]) -> dict[str, float]:
+    """Each replica's engine load over every gateway's snapshot: the largest
+    report, never their sum (every gateway polls the same engine, whose
+    counts cover all of them). A replica no snapshot names is left out:
+    unknown."""
+    out: dict[str, float] = {}
+    for u in usages.values():
+        for rid, load in u.loads.items():
+            out[rid] = max(out.get(rid, load), load)
     return out
 
 
@@ -139,8 +157,10 @@ class UsagePublisher:
             if r.draining_since is not None
             and (kv := self._mirror.get(s.REPLICAS + rid)) is not None
             and kv.mod_revision <= revision)
+        loads = {rid: load for rid, load in self._source.engine_loads().items()
+                 if rid in replicas}
         return (s.Usage(gateway=self._gateway_id, revision=revision, inflight=inflight,
-                        last_used=used, held=held, updated=now), let_go)
+                        last_used=used, held=held, updated=now, loads=loads), let_go)
 
     def _due(self, usage: s.Usage, let_go: frozenset[str], lease: int) -> bool:
         old = self.written
@@ -151,6 +171,8 @@ class UsagePublisher:
         if usage.inflight != old.inflight or let_go != self._let_go:
             # Drains wait on these: written at the next step.
             return True
+        if usage.loads != old.loads:
+            return True  # scaling reads these; unchanged, the last ones still hold
         if usage.last_used.keys() - old.last_used.keys():
             return True  # a model used for the first time (or since a restart)
         # Last-use times alone: at most every `refresh` seconds (the leader

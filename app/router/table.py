@@ -232,6 +232,13 @@ class RouteTable:
         assert picked is not None
         return next(e for e in eps if e.replica_id == picked.replica_id)
 
+    def fresh_loads(self) -> dict[str, EngineLoad]:
+        """Every engine load polled within `stale_after` (for the usage
+        snapshot, off the request path)."""
+        now = self._clock()
+        return {rid: load for rid, load in self._loads.items()
+                if choice.fresh(load, now, self.stale_after) is not None}
+
     def _fresh_loads(self, eps: Sequence[Endpoint]) -> dict[str, EngineLoad | None]:
         if not self._loads:
             return {}
