@@ -7,17 +7,16 @@ reads what was written.
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
+from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.control import catalog, fleet
 from app.control import state as s
@@ -29,8 +28,6 @@ if TYPE_CHECKING:
     from app.gateway import Gateway
 
 _SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
-# Declares the scheme (Swagger UI's "Authorize" button); we answer its errors.
-_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
 
 
 class LeaderView(BaseModel):
@@ -40,13 +37,7 @@ class LeaderView(BaseModel):
 
 
 def routes(gw: Gateway) -> APIRouter:
-    def require_admin(
-        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
-        if creds is None or not creds.credentials:
-            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
-        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
-            raise Problem(401, "Unauthorized", "wrong admin token")
+    require_admin = admin_guard(gw)
 
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 

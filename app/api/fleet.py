@@ -11,14 +11,14 @@ one with defaults (uncordoning the node, moving it to the default pool).
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from app.api.auth import admin_guard, bearer
 from app.api.errors import Problem
 from app.control import fleet
 from app.control import state as s
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 _SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
 _TRIES = 5
-_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
 
 
 class NodeConfBody(BaseModel):
@@ -57,13 +56,11 @@ class QuotaBody(BaseModel):
 
 
 def routes(gw: Gateway) -> APIRouter:
-    def require_admin(
-        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
-        if creds is None or not creds.credentials:
-            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
-        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
-            raise Problem(401, "Unauthorized", "wrong admin token")
+    admin = admin_guard(gw)
+
+    def require_admin(creds: Annotated[HTTPAuthorizationCredentials | None,
+                                       Depends(bearer)]) -> None:
+        admin(creds)
         if not gw.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")

@@ -10,15 +10,14 @@ invariant 9): an empty list would read as "no keys".
 
 from __future__ import annotations
 
-import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.control import state as s
 from app.control.key_usage import totals
@@ -32,7 +31,6 @@ _SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
 # Characters of a new key kept and listed: "sk-llmgw-" and 7 random ones
 # (42 of its 256 random bits), enough to tell keys apart, far too few to guess it.
 PREFIX_CHARS = 16
-_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
 
 
 class LimitsBody(s.KeyLimits):
@@ -63,13 +61,7 @@ class KeyCreated(BaseModel):
 
 
 def routes(gw: Gateway) -> APIRouter:
-    def require_admin(
-        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
-        if creds is None or not creds.credentials:
-            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
-        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
-            raise Problem(401, "Unauthorized", "wrong admin token")
+    require_admin = admin_guard(gw)
 
     r = APIRouter(prefix="/admin", tags=["client keys"], dependencies=[Depends(require_admin)])
 

@@ -16,17 +16,16 @@ back as they are; a gateway never answers 500 for an agent's trouble:
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import TYPE_CHECKING, Annotated, Any
 
 import aiohttp
 from fastapi import APIRouter, Body, Depends, Query
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from app.agent.logfiles import mask
 from app.api.agent import check_engine_url
+from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.control.keys import engine_key, node_token
 
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_bearer = HTTPBearer(auto_error=False, description="LLMGW_ADMIN_TOKEN")
 
 
 class WeightsDelete(BaseModel):
@@ -45,15 +43,7 @@ class WeightsDelete(BaseModel):
 
 
 def routes(gw: Gateway) -> APIRouter:
-    # The same check as app/api/admin.py's, which keeps its own inside its
-    # routes(); one more route module should not reach into that one.
-    def require_admin(
-        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
-        if creds is None or not creds.credentials:
-            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <admin token>'")
-        if not hmac.compare_digest(creds.credentials.encode(), gw.admin_token.encode()):
-            raise Problem(401, "Unauthorized", "wrong admin token")
+    require_admin = admin_guard(gw)
 
     r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)])
 
