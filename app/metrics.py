@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.control.state import replica_phase
+from app.control.state import Replica, replica_phase
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -108,3 +108,23 @@ class _FleetCollector(Collector):
         for name, node in sorted(nodes.items()):
             gpus.add_metric([name], len(node.gpus))
         yield from (leader, ready, revision, by_phase, wanted, inflight, gpus)
+        yield from _engine_loads(gw, replicas)
+
+
+def _engine_loads(gw: Gateway, replicas: dict[str, Replica]) -> Iterator[Metric]:
+    """Each engine's own counts as this gateway last polled them (fresh ones
+    only: a stale count is unknown, not zero). The same on every gateway."""
+    running = GaugeMetricFamily("llmgw_engine_running", "Requests an engine runs (its "
+                                "/metrics), by model and replica", labels=["model", "replica"])
+    waiting = GaugeMetricFamily("llmgw_engine_waiting", "Requests waiting in an engine",
+                                labels=["model", "replica"])
+    kv = GaugeMetricFamily("llmgw_engine_kv_cache_usage", "An engine's KV-cache use, 0 to 1",
+                           labels=["model", "replica"])
+    for rid, load in sorted(gw.table.fresh_loads().items()):
+        rep = replicas.get(rid)
+        if rep is None:
+            continue
+        running.add_metric([rep.model, rid], load.running)
+        waiting.add_metric([rep.model, rid], load.waiting)
+        kv.add_metric([rep.model, rid], load.kv_cache)
+    yield from (running, waiting, kv)

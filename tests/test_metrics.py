@@ -44,3 +44,13 @@ def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:
     assert m[("llmgw_node_gpus", (("node", "gpu-1"),))] == 2
     (inflight,) = [v for (name, _), v in m.items() if name == "llmgw_replica_inflight"]
     assert inflight == 0
+
+    # The engine's own counts, as polled from its /metrics (within a second or two).
+    def engine_gauges() -> dict[str, float] | None:
+        got = {name: v for (name, labels), v in scrape(gw.url).items()
+               if name.startswith("llmgw_engine_") and ("model", "m") in labels}
+        return got if len(got) == 3 else None
+
+    gauges = wait_for(engine_gauges, 10, "the engine's load in /metrics")
+    assert gauges["llmgw_engine_running"] == 0 and gauges["llmgw_engine_waiting"] == 0
+    assert 0 <= gauges["llmgw_engine_kv_cache_usage"] <= 1
