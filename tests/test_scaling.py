@@ -89,6 +89,14 @@ def test_a_replicas_load_is_the_largest_gateway_report_never_their_sum() -> None
     assert replica_loads(usages) == {"a": 6, "b": 1}
 
 
+def test_a_llamacpp_replicas_load_is_the_gateways_in_flight_summed() -> None:
+    # llama-cpp-python's server has no /metrics: each gateway counts its own.
+    usages = {"gw-1": s.Usage(gateway="gw-1", inflight={"cpu": 2}),
+              "gw-2": s.Usage(gateway="gw-2", inflight={"cpu": 1, "gpu": 4})}
+    assert replica_loads(usages, ["cpu", "idle"]) == {"cpu": 3.0, "idle": 0.0}
+    assert replica_loads({}, ["cpu"]) == {}  # no snapshot at all: unknown
+
+
 # --- the scaler, one step at a time -----------------------------------------------------
 
 

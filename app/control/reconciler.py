@@ -138,7 +138,8 @@ class Reconciler:
         # Load-based scaling (docs/architecture.md, Reconciler): the count is
         # decided here, where the scale-down window's state lives; the plan
         # takes it as an input and stays pure.
-        loads = usage.replica_loads(usages)
+        loads = usage.replica_loads(usages, [rid for rid, r in replicas.items()
+                                             if r.engine == "llamacpp"])
         floors = {name: wanted(spec, last.get(name), now, self._idle_slack)
                   for name, spec in models.items()}
         targets = self._scaler.step(models, replicas, loads, floors, self._clock())

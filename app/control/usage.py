@@ -88,15 +88,24 @@ def drain_inflight(
     return out
 
 
-def replica_loads(usages: Mapping[str, s.Usage]) -> dict[str, float]:
+def replica_loads(usages: Mapping[str, s.Usage],
+                  without_metrics: Collection[str] = ()) -> dict[str, float]:
     """Each replica's engine load over every gateway's snapshot: the largest
     report, never their sum (every gateway polls the same engine, whose
     counts cover all of them). A replica no snapshot names is left out:
-    unknown."""
+    unknown.
+
+    `without_metrics` names replicas whose engine has no load gauges
+    (llama-cpp-python's server): their load is the requests every gateway
+    has in flight on them, summed (each gateway counts its own), 0 when
+    none does; with at least one snapshot to go by."""
     out: dict[str, float] = {}
     for u in usages.values():
         for rid, load in u.loads.items():
             out[rid] = max(out.get(rid, load), load)
+    if usages:
+        for rid in without_metrics:
+            out[rid] = float(sum(u.inflight.get(rid, 0) for u in usages.values()))
     return out
 
 
