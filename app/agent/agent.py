@@ -212,6 +212,8 @@ class Agent:
             await asyncio.gather(*(proc.stop() for proc in leaving))
             for rid in stopped:
                 self._reported.pop(rid, None)
+            if stopped:
+                self._save()
             started = []
             now = self._clock()
             for rid, spec in self.desired.items():
@@ -234,7 +236,8 @@ class Agent:
                 entry.proc, entry.phase, entry.was_ready, entry.probe_failures = (
                     proc, "starting", False, 0)
                 started.append(rid)
-            if started or stopped:
+                # Recorded before the next engine starts: an agent killed
+                # between two starts leaves no engine it would not adopt.
                 self._save()
             return started, stopped
 
