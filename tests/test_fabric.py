@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def nodes_with_api(gw: GatewayProc, names: set[str]) -> bool:
 def test_fabric_test_between_two_agents_on_loopback(cluster: Cluster) -> None:
     gw = cluster.gateway("gw-a")
     cluster.agent("node-1", [gw])
-    cluster.agent("node-2", [gw])
+    agent_2 = cluster.agent("node-2", [gw])
     wait_for(lambda: nodes_with_api(gw, {"node-1", "node-2"}), 20, "both agents' APIs")
 
     with gw.admin() as c:
@@ -138,3 +139,9 @@ def test_fabric_test_between_two_agents_on_loopback(cluster: Cluster) -> None:
     assert all(x["gbps"] > 0.1 for x in data["results"])
     one = ctl("fabric-test", "node-1", gateway=gw.url)
     assert one.returncode == 2 and "two or more" in one.stderr, one.stderr
+
+    agent_2.signal(signal.SIGKILL)  # its node key lives on until the node TTL
+    with gw.admin() as c:
+        r = c.post("/admin/fabric-test", json={"nodes": ["node-1", "node-2"], "seconds": 0.2})
+    assert r.status_code == 502, r.text
+    assert "node-2" in r.json()["detail"] and "unreachable" in r.json()["detail"]
