@@ -60,14 +60,14 @@ def _admin_token() -> str:
 
 
 def request(gateway: str, method: str, path: str, body: Any = None,
-            params: dict[str, str] | None = None) -> Any:
+            params: dict[str, str] | None = None, timeout: float = _TIMEOUT) -> Any:
     """One admin API call; fails with the gateway's problem detail."""
     url = gateway.rstrip("/") + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method, headers={
         "Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=_TIMEOUT) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as exc:
         raw = exc.read()
@@ -212,6 +212,30 @@ def weights(
         table.add_row(e["path"], e.get("model", ""), f"{e['size'] / 2**30:.2f} GiB", used,
                       ", ".join(e.get("in_use_by", [])))
     _out(data, as_json, table)
+
+
+@app.command("fabric-test")
+def fabric_test(
+    nodes: Annotated[list[str], typer.Argument(help="two or more node names")],
+    seconds: Annotated[float, typer.Option("--seconds", min=0.1, max=2.0,
+                                           help="per direction")] = 1.0,
+    gateway: Gateway = _DEFAULT_GATEWAY, as_json: AsJson = False,
+) -> None:
+    """TCP bandwidth between nodes' agents, every pair both ways (kept for placement)."""
+    if len(nodes) < 2:
+        raise typer.BadParameter("name two or more nodes", param_hint="NODES")
+    # Directions run one at a time, each up to `seconds` plus the agents' calls.
+    pairs = len(nodes) * (len(nodes) - 1)
+    data = request(gateway, "POST", "/admin/fabric-test",
+                   body={"nodes": nodes, "seconds": seconds},
+                   timeout=_TIMEOUT + pairs * (seconds + 10))
+    table = Table("FROM", "TO", "GB/S", "BYTES", "SECONDS")
+    for res in data.get("results", []):
+        table.add_row(res["from"], res["to"], f"{res['gbps']:.2f}", str(res["bytes"]),
+                      f"{res['seconds']:.3f}")
+    _out(data, as_json, table)
+    if not data.get("saved", True):
+        sys.stderr.write("(results not saved: the store is unreachable)\n")
 
 
 @app.command("node-token")

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
-from app.api import admin, agent, docs, errors, fleet, keys, nodes
+from app.api import admin, agent, docs, errors, fabric, fleet, keys, nodes
 from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
 from app.router.proxy import Proxy, openapi_paths
@@ -113,6 +113,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.include_router(fleet.routes(gw))
     app.include_router(agent.routes(gw))
     app.include_router(nodes.routes(gw))
+    app.include_router(fabric.routes(gw))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -11,6 +11,7 @@ and a token taken from one node opens that node's API only.
     GET    /node/v1/logs?source=agent|REPLICA&lines=N   recent lines, and the sources
     GET    /node/v1/weights                             the model cache's entries
     DELETE /node/v1/weights  {"paths": [...]}           removes entries (all or none)
+    POST   /node/v1/fabric/ticket|send|sink             fabric test (app/agent/fabric.py)
 
 Errors are RFC 9457 problem JSON, like the gateways' /admin. Log lines are
 returned with every engine key and key-shaped string masked
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from app.agent import logfiles, weights
+from app.agent import fabric, logfiles, weights
 from app.agent.engines import EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,14 @@ class NodeApi:
         self.view = view
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self.fabric = fabric.Fabric()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=1 << 20)
         app.router.add_get("/node/v1/logs", self.logs)
         app.router.add_get("/node/v1/weights", self.list_weights)
         app.router.add_delete("/node/v1/weights", self.delete_weights)
+        fabric.routes(self.fabric, app, _problem)
         return app
 
     async def start(self, host: str, port: int) -> str:
@@ -109,7 +112,13 @@ class NodeApi:
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         auth = request.headers.get("Authorization", "")
         presented = auth[7:] if auth.startswith("Bearer ") else ""
-        if not presented or not hmac.compare_digest(presented.encode(), self.cfg.token.encode()):
+        if request.path == fabric.SINK_PATH:
+            # A sink ticket, not the node token: the sending agent must not
+            # learn this node's token (app/agent/fabric.py). Spent here, once.
+            if not self.fabric.take(presented):
+                return _problem(401, "Unauthorized", "send 'Authorization: Bearer <a sink "
+                                "ticket of this node>', unused and under a minute old")
+        elif not presented or not hmac.compare_digest(presented.encode(), self.cfg.token.encode()):
             return _problem(401, "Unauthorized",
                             f"send 'Authorization: Bearer <node token of {self.cfg.node}>'")
         try:

@@ -42,70 +42,85 @@ class WeightsDelete(BaseModel):
                                          "directory, or absolute paths inside it")
 
 
+def agent_url(gw: Gateway, node: str) -> str:
+    """The node's agent API URL, once checked it may be sent the node token;
+    else the problem to answer (404, 502, 503)."""
+    if not gw.ready:
+        raise Problem(503, "State not loaded",
+                      "this gateway has not loaded the fleet's state yet; retry")
+    info = gw.mirror.nodes().get(node)
+    if info is None:
+        raise Problem(404, "No such node", f"node {node!r} is not in the fleet "
+                      "(its agent has not heartbeated within the node TTL)")
+    if not info.api_url:
+        raise Problem(502, "Agent API unknown",
+                      f"node {node!r} reports no agent API: its agent predates node "
+                      "operations, or could not listen on its API port (see its log)")
+    # Gateways send the node token there: only to the node's own address.
+    why = check_engine_url(info.api_url, info)
+    if why is not None:
+        raise Problem(502, "Agent API refused", f"node {node!r}'s agent API: {why}")
+    return info.api_url.rstrip("/")
+
+
+async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
+                     params: dict[str, str] | None = None,
+                     body: Any = None) -> dict[str, Any]:
+    """One call to a node's agent API with the node's token; its answer, or
+    the problem to answer (module docstring)."""
+    api_url = agent_url(gw, node)
+    url = api_url + path
+    timeout = aiohttp.ClientTimeout(total=gw.settings.node_api_timeout,
+                                    sock_connect=gw.settings.node_api_connect_timeout)
+    headers = {"Authorization": f"Bearer {node_token(gw.secret, node)}"}
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
+            method, url, params=params, json=body, headers=headers,
+        ) as resp:
+            try:
+                answer = await resp.json(content_type=None)
+            except ValueError:
+                answer = None
+            status = resp.status
+    except aiohttp.ConnectionTimeoutError:
+        raise Problem(504, "Agent unreachable",
+                      f"node {node!r}'s agent at {api_url}: no connection within "
+                      f"{gw.settings.node_api_connect_timeout:g} s") from None
+    except (aiohttp.ServerTimeoutError, TimeoutError):
+        raise Problem(504, "Agent timed out",
+                      f"node {node!r}'s agent at {api_url} did not answer within "
+                      f"{gw.settings.node_api_timeout:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise Problem(502, "Agent unreachable",
+                      f"node {node!r}'s agent at {api_url} is unreachable: "
+                      f"{exc or type(exc).__name__}") from None
+    if not isinstance(answer, dict):
+        raise Problem(502, "Bad agent answer",
+                      f"node {node!r}'s agent answered {status} without a JSON object")
+    if status == 401:
+        logger.warning("agent of node %s refused this gateway's node token", node)
+        raise Problem(502, "Agent refused the gateway",
+                      f"node {node!r}'s agent refused the node token this gateway derives "
+                      "(is its LLMGW_AGENT_TOKEN from another LLMGW_SECRET?)")
+    if 400 <= status < 500:
+        extra = {k: v for k, v in answer.items()
+                 if k not in ("type", "title", "status", "detail")}
+        raise Problem(status, str(answer.get("title", "Refused by the agent")),
+                      str(answer.get("detail", "")), **extra)
+    if status >= 300:
+        raise Problem(502, "Agent failed",
+                      f"node {node!r}'s agent answered {status}: {answer.get('detail', '')}")
+    return answer
+
+
 def routes(gw: Gateway) -> APIRouter:
     require_admin = admin_guard(gw)
 
     r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)])
 
-    async def call(node: str, method: str, path: str, *, params: dict[str, str] | None = None,
-                   body: Any = None) -> dict[str, Any]:
-        if not gw.ready:
-            raise Problem(503, "State not loaded",
-                          "this gateway has not loaded the fleet's state yet; retry")
-        info = gw.mirror.nodes().get(node)
-        if info is None:
-            raise Problem(404, "No such node", f"node {node!r} is not in the fleet "
-                          "(its agent has not heartbeated within the node TTL)")
-        if not info.api_url:
-            raise Problem(502, "Agent API unknown",
-                          f"node {node!r} reports no agent API: its agent predates node "
-                          "operations, or could not listen on its API port (see its log)")
-        # Gateways send the node token there: only to the node's own address.
-        why = check_engine_url(info.api_url, info)
-        if why is not None:
-            raise Problem(502, "Agent API refused", f"node {node!r}'s agent API: {why}")
-        url = info.api_url.rstrip("/") + path
-        timeout = aiohttp.ClientTimeout(total=gw.settings.node_api_timeout,
-                                        sock_connect=gw.settings.node_api_connect_timeout)
-        headers = {"Authorization": f"Bearer {node_token(gw.secret, node)}"}
-        try:
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
-                method, url, params=params, json=body, headers=headers,
-            ) as resp:
-                try:
-                    answer = await resp.json(content_type=None)
-                except ValueError:
-                    answer = None
-                status = resp.status
-        except aiohttp.ConnectionTimeoutError:
-            raise Problem(504, "Agent unreachable",
-                          f"node {node!r}'s agent at {info.api_url}: no connection within "
-                          f"{gw.settings.node_api_connect_timeout:g} s") from None
-        except (aiohttp.ServerTimeoutError, TimeoutError):
-            raise Problem(504, "Agent timed out",
-                          f"node {node!r}'s agent at {info.api_url} did not answer within "
-                          f"{gw.settings.node_api_timeout:g} s") from None
-        except aiohttp.ClientError as exc:
-            raise Problem(502, "Agent unreachable",
-                          f"node {node!r}'s agent at {info.api_url} is unreachable: "
-                          f"{exc or type(exc).__name__}") from None
-        if not isinstance(answer, dict):
-            raise Problem(502, "Bad agent answer",
-                          f"node {node!r}'s agent answered {status} without a JSON object")
-        if status == 401:
-            logger.warning("agent of node %s refused this gateway's node token", node)
-            raise Problem(502, "Agent refused the gateway",
-                          f"node {node!r}'s agent refused the node token this gateway derives "
-                          "(is its LLMGW_AGENT_TOKEN from another LLMGW_SECRET?)")
-        if 400 <= status < 500:
-            extra = {k: v for k, v in answer.items()
-                     if k not in ("type", "title", "status", "detail")}
-            raise Problem(status, str(answer.get("title", "Refused by the agent")),
-                          str(answer.get("detail", "")), **extra)
-        if status >= 300:
-            raise Problem(502, "Agent failed",
-                          f"node {node!r}'s agent answered {status}: {answer.get('detail', '')}")
-        return answer
+    async def call(node: str, method: str, path: str, *,
+                   params: dict[str, str] | None = None, body: Any = None) -> dict[str, Any]:
+        return await call_agent(gw, node, method, path, params=params, body=body)
 
     @r.get("/{node:path}/logs", summary="Recent lines of a node's log (the agent's or a "
            "replica engine's), engine keys masked")

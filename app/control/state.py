@@ -54,13 +54,17 @@ NODECONF = "nodeconf/"
 QUOTAS = "quotas/"
 # One usage snapshot per gateway, bound to its election lease (app/control/usage.py).
 USAGE = "usage/"
+# Fabric test results, `fabric/{from}/{to}`: the last TCP bandwidth measured
+# from one node's agent to another's, written by the gateway that ran the test
+# (app/api/fabric.py), kept for placing multi-node replicas.
+FABRIC = "fabric/"
 
 __all__ = [
-    "CATALOG_SERIAL", "GATEWAYS", "KEYS", "KEY_USAGE", "LEADER", "MODELS", "NODECONF", "NODES",
-    "QUOTAS", "REPLICAS", "STATUS", "USAGE", "ClientKey", "Engine", "EngineArg", "External",
-    "GatewayInfo", "GpuInfo", "KeyLimits", "KeyUsage", "LeaderInfo", "ModelSpec", "ModelUsage",
-    "NodeConf", "NodeInfo", "Phase", "Profile", "Quota", "Replica", "ReplicaRange",
-    "ReplicaStatus", "StoredModel", "Usage", "check_address", "check_engine_arg",
+    "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_USAGE", "LEADER", "MODELS", "NODECONF",
+    "NODES", "QUOTAS", "REPLICAS", "STATUS", "USAGE", "ClientKey", "Engine", "EngineArg",
+    "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyUsage", "LeaderInfo",
+    "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo", "Phase", "Profile", "Quota", "Replica",
+    "ReplicaRange", "ReplicaStatus", "StoredModel", "Usage", "check_address", "check_engine_arg",
     "check_labels", "check_name", "check_weights", "engine_arg_name", "replica_phase",
 ]
 
@@ -275,6 +279,20 @@ class Usage(_Stored):
     # idle (docs/architecture.md, Reconciler: scaling). Snapshots written
     # before load-based scaling have none: their replicas read as unknown.
     loads: dict[str, float] = Field(default_factory=dict)
+
+
+class FabricResult(_Stored):
+    """One direction of a fabric test (`fabric/{from}/{to}`), as the receiving
+    agent counted it: `bytes` in `seconds`, first byte to last."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    from_: str = Field(..., alias="from")
+    to: str
+    gbps: float
+    bytes: int
+    seconds: float
+    at: float  # Unix time of the measurement
 
 
 class GatewayInfo(_Stored):
