@@ -10,6 +10,7 @@ reconcile plan that calls both lives in plan.py.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -91,6 +92,13 @@ class Placer:
     pass placing hundreds of replicas on a large fleet does not redo every
     node's GPUs for each (docs/architecture.md, Scale). Call `add()` for
     each replica placed, after putting it into `replicas`.
+
+    The pick is the best score; scores only grow as replicas are added (a
+    node's count goes up, its free GPUs down, and nothing frees), so the
+    nodes that fit are kept in a heap per shape by (replicas, -free GPUs,
+    name), refreshed lazily when a node's entry is stale: a node with no
+    replica of the model always beats one with, so the pick is the heap's
+    first such node, else the best of the few nodes holding the model.
     """
 
     def __init__(
@@ -114,6 +122,9 @@ class Placer:
             self._count(r)
         # Per shape, per node: (GPUs that fit, free GPUs) or why it cannot.
         self._fits: dict[_Shape, dict[str, tuple[list[int], int] | str]] = {}
+        # Per shape: (replicas, -free GPUs, node, node version) of nodes that fit.
+        self._heaps: dict[_Shape, list[tuple[int, int, str, int]]] = {}
+        self._versions: dict[str, int] = {}
 
     def _count(self, r: s.Replica) -> None:
         self._total[r.node] = self._total.get(r.node, 0) + 1
@@ -123,8 +134,69 @@ class Placer:
     def add(self, r: s.Replica) -> None:
         self._count(r)
         self._used.setdefault(r.node, set()).update(r.gpus)
+        self._versions[r.node] = self._versions.get(r.node, 0) + 1
         for fits in self._fits.values():
             fits.pop(r.node, None)
+
+    def _found(self, shape: _Shape, node: s.NodeInfo, prof: s.Profile,
+               need_mib: int | None) -> tuple[list[int], int] | str:
+        fits = self._fits.setdefault(shape, {})
+        found = fits.get(node.name)
+        if found is None:
+            found = fits[node.name] = self._fit(node, prof, need_mib)
+        return found
+
+    def _entry(self, name: str, found: tuple[list[int], int]) -> tuple[int, int, str, int]:
+        return (self._total.get(name, 0), -found[1], name, self._versions.get(name, 0))
+
+    def _quick(self, name: str, shape: _Shape, prof: s.Profile,
+               need_mib: int | None) -> Fit | None:
+        """The pick the full scan would make, from the heap; None when no
+        node fits (the scan then says why, node by node)."""
+        heap = self._heaps.get(shape)
+        if heap is None:
+            heap = []
+            for info in self._nodes.values():
+                found = self._found(shape, info, prof, need_mib)
+                if not isinstance(found, str):
+                    heap.append(self._entry(info.name, found))
+            heapq.heapify(heap)
+            self._heaps[shape] = heap
+        same_model = self._per_model.get(name, {})
+        aside: list[tuple[int, int, str, int]] = []
+        pick: str | None = None
+        while heap:
+            node = heap[0][2]
+            if heap[0][3] != self._versions.get(node, 0):
+                heapq.heappop(heap)  # stale: placed on since; its score only grew
+                found = self._found(shape, self._nodes[node], prof, need_mib)
+                if not isinstance(found, str):
+                    heapq.heappush(heap, self._entry(node, found))
+                continue
+            if same_model.get(node, 0) == 0:
+                pick = node
+                break
+            aside.append(heapq.heappop(heap))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        if pick is None:
+            # Every node that fits holds the model: the best of those.
+            held = []
+            for name_ in same_model:
+                holder = self._nodes.get(name_)
+                if holder is None:
+                    continue
+                found = self._found(shape, holder, prof, need_mib)
+                if not isinstance(found, str):
+                    held.append(((same_model[name_], self._total.get(name_, 0), -found[1],
+                                  name_), found[0]))
+            if not held:
+                return None
+            best = min(held, key=lambda c: c[0])
+            return Fit(best[0][3], list(best[1]))
+        found = self._found(shape, self._nodes[pick], prof, need_mib)
+        assert not isinstance(found, str)
+        return Fit(pick, list(found[0]))
 
     def place(self, name: str, spec: s.ModelSpec, *,
               profile: s.Profile | None = None) -> Fit | NoFit:
@@ -135,7 +207,12 @@ class Placer:
         need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
         quota_refusal = _quota_refusal(name, spec, prof, self._replicas, self._quotas,
                                        self._models)
-        fits = self._fits.setdefault((prof.pool, prof.engine, prof.gpu_count, need_mib), {})
+        shape = (prof.pool, prof.engine, prof.gpu_count, need_mib)
+        if not quota_refusal:
+            quick = self._quick(name, shape, prof, need_mib)
+            if quick is not None:
+                return quick
+        fits = self._fits.setdefault(shape, {})
         same_model = self._per_model.get(name, {})
         reasons: dict[str, str] = {}
         best: tuple[tuple[int, int, int, str], list[int]] | None = None
