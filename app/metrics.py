@@ -12,7 +12,7 @@ over gateways, but take the state gauges from any one of them.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -111,7 +111,7 @@ class _FleetCollector(Collector):
         yield from _engine_loads(gw, replicas)
 
 
-def _engine_loads(gw: Gateway, replicas: dict[str, Replica]) -> Iterator[Metric]:
+def _engine_loads(gw: Gateway, replicas: Mapping[str, Replica]) -> Iterator[Metric]:
     """Each engine's own counts as this gateway last polled them (fresh ones
     only: a stale count is unknown, not zero). The same on every gateway."""
     running = GaugeMetricFamily("llmgw_engine_running", "Requests an engine runs (its "

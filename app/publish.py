@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from app.control import state as s
@@ -88,7 +88,7 @@ class Publisher:
         self._scheduled = True
         asyncio.get_running_loop().call_soon(self.publish)
 
-    def _unplaced(self, name: str, spec: s.StoredModel, nodes: dict[str, s.NodeInfo]) -> str:
+    def _unplaced(self, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo]) -> str:
         """Why a model has no replica at all: placement is a pure function of
         the mirrored state, so this gateway can say what the leader sees."""
         fit = place(name, spec, nodes, self._mirror.replicas())

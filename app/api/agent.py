@@ -152,7 +152,9 @@ def routes(gw: Gateway) -> APIRouter:
             left = deadline - loop.time()
             if fp != since or left <= 0 or gw.closing.is_set():
                 return {"fingerprint": fp, "revision": seen, "replicas": replicas}
-            await _first(gw.mirror.wait_past(seen, left), gw.closing.wait())
+            # Woken only by a change to this node's replicas, not by every
+            # change in the fleet (docs/architecture.md, Scale).
+            await _first(gw.mirror.wait_node_past(node, seen, left), gw.closing.wait())
 
     @r.put("/status")
     async def put_status(node: str, report: StatusReport, request: Request) -> dict[str, int]:

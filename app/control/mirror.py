@@ -6,14 +6,23 @@ state seen. The copy is level-based: `resync()` reads the prefix in full and
 replaces it; `apply()` folds in one watch batch. A batch that reports a
 compaction (the store could not replay what we missed) triggers a resync,
 since applying events after a gap would silently lose the ones in between.
+
+Scale (docs/architecture.md, Scale): the typed views (`models()`,
+`replicas()`, ...) are built once per change of their prefix, not on every
+call, and each value is parsed once per revision of its key; they are
+shared, so they come read-only (and their values must not be mutated: use
+`model_copy`). A long poll that cares about one node's replicas waits with
+`wait_node_past`, which a change elsewhere in the fleet does not wake.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,6 +44,16 @@ class Mirror:
         self._listeners: list[Listener] = []
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Typed views, by (prefix, class): dropped when a key under the
+        # prefix changes. Parsed values, by key: reused while the key's
+        # revision is the same (a resync re-reads every key, changing few).
+        self._views: dict[tuple[str, type[BaseModel]], Mapping[str, Any]] = {}
+        self._values: dict[str, tuple[int, type[BaseModel], BaseModel | None]] = {}
+        # Per node: the revision of the last change to a replica on it
+        # (either before or after the change), and the long polls waiting.
+        self._node_changed: dict[str, int] = {}
+        self._resynced_at = 0
+        self._node_events: dict[str, asyncio.Event] = {}
 
     # --- feeding -------------------------------------------------------------
 
@@ -45,17 +64,29 @@ class Mirror:
         self.revision = result.revision
         self.ready = True
         changed = {k for k in old.keys() | self._kvs.keys() if old.get(k) != self._kvs.get(k)}
+        self._views.clear()
+        self._values = {k: v for k, v in self._values.items() if k in self._kvs}
+        # Whatever we missed may have touched any node: every long poll looks.
+        self._resynced_at = self.revision
+        self._node_changed.clear()
         self._notify(changed)
         self._wake()
+        self._wake_nodes(None)
 
     def apply(self, batch: WatchBatch) -> bool:
         """Folds one batch in. False means the batch reported a gap: resync."""
         if batch.compacted:
             return False
         changed: set[str] = set()
+        nodes: set[str] = set()
         for ev in batch.events:
             if ev.mod_revision <= self.revision:
                 continue  # already seen (a resync raced the watch)
+            if ev.key.startswith(s.REPLICAS):
+                nodes.update(_node_of(kv.value) for kv in (self._kvs.get(ev.key),)
+                             if kv is not None)
+                if ev.kind == "put":
+                    nodes.add(_node_of(ev.value))
             if ev.kind == "put":
                 self._kvs[ev.key] = KeyValue(
                     ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease
@@ -64,8 +95,13 @@ class Mirror:
                 self._kvs.pop(ev.key, None)
             changed.add(ev.key)
         self.revision = max(self.revision, batch.revision)
+        self._drop_views(changed)
+        nodes.discard("")
+        for node in nodes:
+            self._node_changed[node] = self.revision
         self._notify(changed)
         self._wake()
+        self._wake_nodes(nodes)
         return True
 
     async def run(self) -> None:
@@ -148,6 +184,45 @@ class Mirror:
                 break
         return self.revision > revision
 
+    def node_revision(self, node: str) -> int:
+        """The revision of the last change to the replicas on `node` (one
+        placed there, changed, or moved or deleted from there), as far as
+        this mirror can tell: a resync counts as a change to every node."""
+        return max(self._node_changed.get(node, 0), self._resynced_at)
+
+    def _wake_nodes(self, nodes: set[str] | None) -> None:
+        """Wakes the long polls on `nodes` (None: all of them)."""
+        if nodes is None:
+            woken, self._node_events = self._node_events, {}
+            events = list(woken.values())
+        else:
+            events = [e for n in nodes if (e := self._node_events.pop(n, None)) is not None]
+        for event in events:
+            event.set()
+
+    async def wait_node_past(self, node: str, revision: int, timeout: float) -> bool:
+        """Waits until the replicas on `node` change after `revision` (the
+        mirror revision the caller read them at); False on timeout.
+
+        An agent's long poll waits here rather than in `wait_past`: with
+        thousands of nodes, every status report would otherwise wake every
+        poll to recompute an unchanged answer (docs/architecture.md, Scale).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.node_revision(node) <= revision:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            # Taken with the check above, no await between: nothing is missed.
+            event = self._node_events.setdefault(node, asyncio.Event())
+            try:
+                async with asyncio.timeout(left):  # not wait_for: see wait_past
+                    await event.wait()
+            except TimeoutError:
+                break
+        return self.node_revision(node) > revision
+
     async def wait_for(self, revision: int, timeout: float) -> bool:
         """Read-your-writes: waits until the mirror has seen `revision`."""
         return await self.wait_past(revision - 1, timeout)
@@ -166,51 +241,87 @@ class Mirror:
         """Values under `prefix` parsed as `cls`, by the key's last part.
 
         An unreadable value is logged and left out rather than failing every
-        reader: one bad write must not stop the fleet.
+        reader: one bad write must not stop the fleet. Each value is parsed
+        once per revision of its key; the dict is the caller's own.
         """
         out: dict[str, T] = {}
         for kv in self.items(prefix):
-            try:
-                out[kv.key[len(prefix):]] = cls.model_validate_json(kv.value)
-            except ValidationError:
-                logger.warning("ignoring unreadable %s", kv.key)
+            value = self._value(kv, cls)
+            if value is not None:
+                out[kv.key[len(prefix):]] = value
         return out
+
+    def _value(self, kv: KeyValue, cls: type[T]) -> T | None:
+        cached = self._values.get(kv.key)
+        if cached is not None and cached[:2] == (kv.mod_revision, cls):
+            return cast("T | None", cached[2])
+        value: T | None = None
+        try:
+            value = cls.model_validate_json(kv.value)
+        except ValidationError:
+            logger.warning("ignoring unreadable %s", kv.key)
+        self._values[kv.key] = (kv.mod_revision, cls, value)
+        return value
+
+    def _view(self, prefix: str, cls: type[T]) -> Mapping[str, T]:
+        """`parsed(prefix, cls)`, built once until a key under `prefix`
+        changes, and read-only since every caller shares it."""
+        view = self._views.get((prefix, cls))
+        if view is None:
+            view = MappingProxyType(self.parsed(prefix, cls))
+            self._views[(prefix, cls)] = view
+        return cast("Mapping[str, T]", view)
+
+    def _drop_views(self, changed: set[str]) -> None:
+        for key in changed:
+            for (prefix, cls) in [v for v in self._views if key.startswith(v[0])]:
+                del self._views[(prefix, cls)]
+            self._values.pop(key, None)
 
     def one(self, key: str, cls: type[T]) -> T | None:
         kv = self._kvs.get(key)
         if kv is None:
             return None
-        try:
-            return cls.model_validate_json(kv.value)
-        except ValidationError:
-            logger.warning("ignoring unreadable %s", key)
-            return None
+        return self._value(kv, cls)
 
     # Typed views of the state table in docs/architecture.md.
-    def models(self) -> dict[str, s.StoredModel]:
-        return self.parsed(s.MODELS, s.StoredModel)
+    def models(self) -> Mapping[str, s.StoredModel]:
+        return self._view(s.MODELS, s.StoredModel)
 
-    def nodes(self) -> dict[str, s.NodeInfo]:
-        return self.parsed(s.NODES, s.NodeInfo)
+    def nodes(self) -> Mapping[str, s.NodeInfo]:
+        return self._view(s.NODES, s.NodeInfo)
 
-    def replicas(self) -> dict[str, s.Replica]:
-        return self.parsed(s.REPLICAS, s.Replica)
+    def replicas(self) -> Mapping[str, s.Replica]:
+        return self._view(s.REPLICAS, s.Replica)
 
-    def statuses(self) -> dict[str, s.ReplicaStatus]:
-        return self.parsed(s.STATUS, s.ReplicaStatus)
+    def statuses(self) -> Mapping[str, s.ReplicaStatus]:
+        return self._view(s.STATUS, s.ReplicaStatus)
 
-    def nodeconfs(self) -> dict[str, s.NodeConf]:
-        return self.parsed(s.NODECONF, s.NodeConf)
+    def nodeconfs(self) -> Mapping[str, s.NodeConf]:
+        return self._view(s.NODECONF, s.NodeConf)
 
-    def quotas(self) -> dict[str, s.Quota]:
-        return self.parsed(s.QUOTAS, s.Quota)
+    def quotas(self) -> Mapping[str, s.Quota]:
+        return self._view(s.QUOTAS, s.Quota)
 
-    def client_keys(self) -> dict[str, s.ClientKey]:
-        return self.parsed(s.KEYS, s.ClientKey)
+    def client_keys(self) -> Mapping[str, s.ClientKey]:
+        return self._view(s.KEYS, s.ClientKey)
 
-    def usages(self) -> dict[str, s.Usage]:
-        return self.parsed(s.USAGE, s.Usage)
+    def usages(self) -> Mapping[str, s.Usage]:
+        return self._view(s.USAGE, s.Usage)
+
+    def gateways(self) -> Mapping[str, s.GatewayInfo]:
+        return self._view(s.GATEWAYS, s.GatewayInfo)
 
     def leader(self) -> s.LeaderInfo | None:
         return self.one(s.LEADER, s.LeaderInfo)
 
+
+def _node_of(value: bytes) -> str:
+    """The `node` of a stored replica, "" when unreadable: only the
+    long-poll wake-ups use it, and the typed view logs a bad value."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return ""
+    node = data.get("node") if isinstance(data, dict) else None
+    return node if isinstance(node, str) else ""

@@ -10,6 +10,7 @@ reconcile plan that calls both lives in plan.py.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,76 +76,200 @@ def place(
     whose use is counted over the replicas of `models` (by default this
     model alone). Left out, each is as if nothing were configured.
     """
-    profiles = spec.profile_list
-    if not profiles:
-        return NoFit({})
-    prof = profile if profile is not None else profiles[0]
-    confs = nodeconfs or {}
-    need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
-    quota_refusal = _quota_refusal(name, spec, prof, replicas, quotas or {}, models)
-    used = used_gpus(replicas)
-    same_model: dict[str, int] = {}
-    total: dict[str, int] = {}
-    for r in replicas.values():
-        total[r.node] = total.get(r.node, 0) + 1
-        if r.model == name:
-            same_model[r.node] = same_model.get(r.node, 0) + 1
+    placer = Placer(nodes, replicas, nodeconfs=nodeconfs, quotas=quotas, models=models)
+    return placer.place(name, spec, profile=profile)
 
-    reasons: dict[str, str] = {}
-    candidates: list[tuple[tuple[int, int, int, str], Fit]] = []
-    for node in nodes.values():
-        conf = confs.get(node.name)
+
+# What a node's fit depends on besides the node: pool, engine, GPUs, MiB each.
+_Shape = tuple[str, str, int, int | None]
+
+
+class Placer:
+    """`place()` for many replicas in one pass over the same fleet.
+
+    Each node's feasibility and fit (free GPUs, memory) are worked out once
+    per profile shape and again only when a replica is added there, so a
+    pass placing hundreds of replicas on a large fleet does not redo every
+    node's GPUs for each (docs/architecture.md, Scale). Call `add()` for
+    each replica placed, after putting it into `replicas`.
+
+    The pick is the best score; scores only grow as replicas are added (a
+    node's count goes up, its free GPUs down, and nothing frees), so the
+    nodes that fit are kept in a heap per shape by (replicas, -free GPUs,
+    name), refreshed lazily when a node's entry is stale: a node with no
+    replica of the model always beats one with, so the pick is the heap's
+    first such node, else the best of the few nodes holding the model.
+    """
+
+    def __init__(
+        self,
+        nodes: Mapping[str, s.NodeInfo],
+        replicas: Mapping[str, s.Replica],
+        *,
+        nodeconfs: Mapping[str, s.NodeConf] | None = None,
+        quotas: Mapping[str, s.Quota] | None = None,
+        models: Mapping[str, s.ModelSpec] | None = None,
+    ) -> None:
+        self._nodes = nodes
+        self._replicas = replicas
+        self._confs = nodeconfs or {}
+        self._quotas = quotas or {}
+        self._models = models
+        self._used = used_gpus(replicas)
+        self._total: dict[str, int] = {}
+        self._per_model: dict[str, dict[str, int]] = {}
+        for r in replicas.values():
+            self._count(r)
+        # Per shape, per node: (GPUs that fit, free GPUs) or why it cannot.
+        self._fits: dict[_Shape, dict[str, tuple[list[int], int] | str]] = {}
+        # Per shape: (replicas, -free GPUs, node, node version) of nodes that fit.
+        self._heaps: dict[_Shape, list[tuple[int, int, str, int]]] = {}
+        self._versions: dict[str, int] = {}
+
+    def _count(self, r: s.Replica) -> None:
+        self._total[r.node] = self._total.get(r.node, 0) + 1
+        on = self._per_model.setdefault(r.model, {})
+        on[r.node] = on.get(r.node, 0) + 1
+
+    def add(self, r: s.Replica) -> None:
+        self._count(r)
+        self._used.setdefault(r.node, set()).update(r.gpus)
+        self._versions[r.node] = self._versions.get(r.node, 0) + 1
+        for fits in self._fits.values():
+            fits.pop(r.node, None)
+
+    def _found(self, shape: _Shape, node: s.NodeInfo, prof: s.Profile,
+               need_mib: int | None) -> tuple[list[int], int] | str:
+        fits = self._fits.setdefault(shape, {})
+        found = fits.get(node.name)
+        if found is None:
+            found = fits[node.name] = self._fit(node, prof, need_mib)
+        return found
+
+    def _entry(self, name: str, found: tuple[list[int], int]) -> tuple[int, int, str, int]:
+        return (self._total.get(name, 0), -found[1], name, self._versions.get(name, 0))
+
+    def _quick(self, name: str, shape: _Shape, prof: s.Profile,
+               need_mib: int | None) -> Fit | None:
+        """The pick the full scan would make, from the heap; None when no
+        node fits (the scan then says why, node by node)."""
+        heap = self._heaps.get(shape)
+        if heap is None:
+            heap = []
+            for info in self._nodes.values():
+                found = self._found(shape, info, prof, need_mib)
+                if not isinstance(found, str):
+                    heap.append(self._entry(info.name, found))
+            heapq.heapify(heap)
+            self._heaps[shape] = heap
+        same_model = self._per_model.get(name, {})
+        aside: list[tuple[int, int, str, int]] = []
+        pick: str | None = None
+        while heap:
+            node = heap[0][2]
+            if heap[0][3] != self._versions.get(node, 0):
+                heapq.heappop(heap)  # stale: placed on since; its score only grew
+                found = self._found(shape, self._nodes[node], prof, need_mib)
+                if not isinstance(found, str):
+                    heapq.heappush(heap, self._entry(node, found))
+                continue
+            if same_model.get(node, 0) == 0:
+                pick = node
+                break
+            aside.append(heapq.heappop(heap))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        if pick is None:
+            # Every node that fits holds the model: the best of those.
+            held = []
+            for name_ in same_model:
+                holder = self._nodes.get(name_)
+                if holder is None:
+                    continue
+                found = self._found(shape, holder, prof, need_mib)
+                if not isinstance(found, str):
+                    held.append(((same_model[name_], self._total.get(name_, 0), -found[1],
+                                  name_), found[0]))
+            if not held:
+                return None
+            best = min(held, key=lambda c: c[0])
+            return Fit(best[0][3], list(best[1]))
+        found = self._found(shape, self._nodes[pick], prof, need_mib)
+        assert not isinstance(found, str)
+        return Fit(pick, list(found[0]))
+
+    def place(self, name: str, spec: s.ModelSpec, *,
+              profile: s.Profile | None = None) -> Fit | NoFit:
+        profiles = spec.profile_list
+        if not profiles:
+            return NoFit({})
+        prof = profile if profile is not None else profiles[0]
+        need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
+        quota_refusal = _quota_refusal(name, spec, prof, self._replicas, self._quotas,
+                                       self._models)
+        shape = (prof.pool, prof.engine, prof.gpu_count, need_mib)
+        if not quota_refusal:
+            quick = self._quick(name, shape, prof, need_mib)
+            if quick is not None:
+                return quick
+        fits = self._fits.setdefault(shape, {})
+        same_model = self._per_model.get(name, {})
+        reasons: dict[str, str] = {}
+        best: tuple[tuple[int, int, int, str], list[int]] | None = None
+        for node in self._nodes.values():
+            found = fits.get(node.name)
+            if found is None:
+                found = fits[node.name] = self._fit(node, prof, need_mib)
+            if isinstance(found, str):
+                reasons[node.name] = found
+                continue
+            if quota_refusal:
+                reasons[node.name] = quota_refusal
+                continue
+            # Spread replicas of one model first, then fill the emptiest node, so
+            # that losing a node loses as few replicas of any model as possible.
+            score = (same_model.get(node.name, 0), self._total.get(node.name, 0),
+                     -found[1], node.name)
+            if best is None or score < best[0]:
+                best = (score, found[0])
+        if best is None:
+            return NoFit(reasons)
+        return Fit(best[0][3], list(best[1]))
+
+    def _fit(self, node: s.NodeInfo, prof: s.Profile,
+             need_mib: int | None) -> tuple[list[int], int] | str:
+        """The GPUs a replica of `prof` would take on `node` and its free
+        GPUs, or why it cannot go there (quota aside)."""
+        conf = self._confs.get(node.name)
         if conf is not None and conf.draining:
-            reasons[node.name] = "draining"
-            continue
+            return "draining"
         if conf is not None and conf.cordoned:
-            reasons[node.name] = "cordoned"
-            continue
+            return "cordoned"
         pool = fleet.node_pool(conf)
         if pool != prof.pool:
-            reasons[node.name] = f"in pool {pool}, the profile wants pool {prof.pool}"
-            continue
+            return f"in pool {pool}, the profile wants pool {prof.pool}"
         if prof.engine not in node.engines:
-            reasons[node.name] = f"engine {prof.engine} not available"
-            continue
+            return f"engine {prof.engine} not available"
         if prof.engine == "llamacpp":
             if not node.cpu_only:
-                reasons[node.name] = "llamacpp replicas go to CPU nodes"
-                continue
-            fit = Fit(node.name, [])
-            free = 0
-        else:
-            idle = fleet.free_gpus(node, used.get(node.name, set()))
-            if len(idle) < prof.gpu_count:
-                reasons[node.name] = (
-                    f"needs {prof.gpu_count} free GPUs, has {len(idle)} of {len(node.gpus)}")
-                continue
-            # Memory as discovered, not only the count; unknown memory (None)
-            # is not refused (fleet.gpu_free_mib).
-            roomy = {i: m for i, m in idle.items()
-                     if need_mib is None or m is None or m >= need_mib}
-            if len(roomy) < prof.gpu_count:
-                assert need_mib is not None
-                seen = ", ".join(f"GPU {i}: {_gib(m or 0)}" for i, m in sorted(idle.items()))
-                reasons[node.name] = (
-                    f"needs {prof.gpu_count} GPUs with {_gib(need_mib)} free, has "
+                return "llamacpp replicas go to CPU nodes"
+            return [], 0
+        idle = fleet.free_gpus(node, self._used.get(node.name, set()))
+        if len(idle) < prof.gpu_count:
+            return f"needs {prof.gpu_count} free GPUs, has {len(idle)} of {len(node.gpus)}"
+        # Memory as discovered, not only the count; unknown memory (None)
+        # is not refused (fleet.gpu_free_mib).
+        roomy = {i: m for i, m in idle.items()
+                 if need_mib is None or m is None or m >= need_mib}
+        if len(roomy) < prof.gpu_count:
+            assert need_mib is not None
+            seen = ", ".join(f"GPU {i}: {_gib(m or 0)}" for i, m in sorted(idle.items()))
+            return (f"needs {prof.gpu_count} GPUs with {_gib(need_mib)} free, has "
                     f"{len(roomy)} ({seen})")
-                continue
-            # With a memory need, the smallest GPUs that fit, keeping the
-            # large ones for the models that need them; else the lowest ids.
-            order = sorted(roomy, key=lambda i: ((roomy[i] or 0) if need_mib else 0, i))
-            fit = Fit(node.name, sorted(order[: prof.gpu_count]))
-            free = len(idle)
-        if quota_refusal:
-            reasons[node.name] = quota_refusal
-            continue
-        # Spread replicas of one model first, then fill the emptiest node, so
-        # that losing a node loses as few replicas of any model as possible.
-        score = (same_model.get(node.name, 0), total.get(node.name, 0), -free, node.name)
-        candidates.append((score, fit))
-    if not candidates:
-        return NoFit(reasons)
-    return min(candidates, key=lambda c: c[0])[1]
+        # With a memory need, the smallest GPUs that fit, keeping the
+        # large ones for the models that need them; else the lowest ids.
+        order = sorted(roomy, key=lambda i: ((roomy[i] or 0) if need_mib else 0, i))
+        return sorted(order[: prof.gpu_count]), len(idle)
 
 
 def _quota_refusal(name: str, spec: s.ModelSpec, prof: s.Profile,

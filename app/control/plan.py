@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.control import state as s
-from app.control.placement import NoFit, displace, place
+from app.control.placement import Fit, NoFit, Placer, displace, place
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -181,11 +181,20 @@ def plan(
         conf = confs.get(live[rid].node)
         return conf is not None and conf.draining
 
+    # Indexes built once, not per model (docs/architecture.md, Scale): the
+    # replicas by model (a model's own are added to `live` only while it is
+    # planned; others' only change their draining_since), and the fleet's
+    # fits, kept up to date as replicas are placed.
+    by_model: dict[str, list[str]] = {}
+    for rid, r in live.items():
+        by_model.setdefault(r.model, []).append(rid)
+    placer = Placer(nodes, live, **fitting)
+
     for name, spec in sorted(models.items(), key=by_priority):
         if spec.model is None or not spec.profile_list:
             continue  # external: served by its provider, nothing to place
-        mine = sorted(rid for rid, r in live.items()
-                      if r.model == name and r.draining_since is None)
+        mine = sorted(rid for rid in by_model.get(name, ())
+                      if live[rid].draining_since is None)
         want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
         # Ready ones first, then the busiest, so that a surplus drops those
         # that serve nothing, then the least loaded (their drains end first).
@@ -195,7 +204,6 @@ def plan(
                    and rid not in failed]
         # Where this model kept dying: elsewhere first, if anywhere else fits.
         avoid = {live[rid].node for rid in mine if rid in failed}
-        elsewhere = {n: info for n, info in nodes.items() if n not in avoid}
         stale = [rid for rid in by_use if rid not in current]
         out.drain += current[want:]
         current = current[:want]
@@ -205,9 +213,12 @@ def plan(
         keep = [rid for rid in stale if ready(rid)][:short]
         out.drain += [rid for rid in stale if rid not in keep]
         for i in range(want - len(current)):
-            fit = place(name, spec, elsewhere, live, **fitting) if avoid else NoFit({})
+            fit: Fit | NoFit = NoFit({})
+            if avoid:
+                elsewhere = {n: info for n, info in nodes.items() if n not in avoid}
+                fit = place(name, spec, elsewhere, live, **fitting)
             if isinstance(fit, NoFit):
-                fit = place(name, spec, nodes, live, **fitting)
+                fit = placer.place(name, spec)
             if isinstance(fit, NoFit):
                 coming = [rid for rid in current if not ready(rid)] + [
                     r.id for r in out.create if r.model == name]
@@ -223,6 +234,7 @@ def plan(
                 engine_args=list(prof.engine_args),
             )
             live[rep.id] = rep
+            placer.add(rep)
             out.create.append(rep)
     return out
 

@@ -200,7 +200,7 @@ class Reconciler:
         result.acted = True
         return result
 
-    def _last_uses(self, models: Collection[str], usages: dict[str, s.Usage],
+    def _last_uses(self, models: Collection[str], usages: Mapping[str, s.Usage],
                    running: set[str]) -> dict[str, float]:
         """Each model's last use: the latest any snapshot showed while we
         lead. For a model with replicas, never before we took the lead: a

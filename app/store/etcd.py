@@ -81,6 +81,7 @@ class EtcdStore:
         watch_max_backoff: float = 2.0,
         resolver: Resolver = getaddrinfo,
         resolve_interval: float = 1.0,
+        page_size: int = 1000,
     ) -> None:
         # Bad input stops the gateway at start, naming the endpoint.
         self._endpoints = parse_endpoints(endpoints)
@@ -92,6 +93,12 @@ class EtcdStore:
         # costs only a few more connection attempts while etcd is down.
         self._watch_max_backoff = watch_max_backoff
         self._resolver = resolver
+        # Keys per Range page (`range`): 1000 keys fit the client's 4 MiB
+        # message cap while they average under 4 KiB; ours (replicas,
+        # statuses, nodes) are a few hundred bytes each.
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, not {page_size}")
+        self._page_size = page_size
         self._resolve_interval = resolve_interval
         self._channel: EtcdChannel | None = None
         self._closed = False
@@ -181,18 +188,39 @@ class EtcdStore:
         return self._key_value(resp.kvs[0]) if resp.kvs else None
 
     async def range(self, prefix: str) -> RangeResult:
+        """Every key under `prefix`, read in pages of `page_size` keys.
+
+        One unbounded Range answers in one gRPC message, and the client
+        refuses a message over 4 MiB: a large fleet's state (thousands of
+        replicas, statuses, nodes) would fail to load at all. Each page
+        continues from the last key read + a zero byte (the next possible
+        key), and every page after the first is read at the first one's
+        revision, so the pages form one consistent snapshot (a resync must
+        not mix two states: docs/architecture.md, Scale). If that revision
+        is compacted meanwhile, etcd refuses the read (StoreError) and the
+        caller reads again from the start.
+        """
         start, end = self._range_bounds(prefix)
-        with self._calling("range"):
-            kv = (await self._services()).kv
-            resp = await kv.get(
-                start,
-                range_end=end,
-                sort_order=SortOrder.ASCEND,
-                sort_target=SortTarget.KEY,
-                timeout=self._timeout,
-            )
-        kvs = [kv for kv in map(self._key_value, resp.kvs) if kv is not None]
-        return RangeResult(kvs, resp.header.revision)
+        kvs: list[KeyValue] = []
+        revision = 0
+        while True:
+            with self._calling("range"):
+                kv = (await self._services()).kv
+                resp = await kv.get(
+                    start,
+                    range_end=end,
+                    revision=revision,
+                    limit=self._page_size,
+                    sort_order=SortOrder.ASCEND,
+                    sort_target=SortTarget.KEY,
+                    timeout=self._timeout,
+                )
+            if revision == 0:
+                revision = int(resp.header.revision)
+            kvs += [kv for kv in map(self._key_value, resp.kvs) if kv is not None]
+            if not resp.more or not resp.kvs:
+                return RangeResult(kvs, revision)
+            start = bytes(resp.kvs[-1].key) + b"\x00"
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         with self._calling("put"):
