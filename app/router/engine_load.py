@@ -24,6 +24,9 @@ from app.router.table import RouteTable
 
 logger = logging.getLogger(__name__)
 
+# Scrapes in flight at once per gateway. 64 at ~1 ms each covers thousands
+# of engines within the 1 s interval; more only opens more sockets at once.
+_AT_ONCE = 64
 _RUNNING = ("vllm:num_requests_running",)
 _WAITING = ("vllm:num_requests_waiting",)
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -79,7 +82,15 @@ class EngineLoadPoller:
             return {}
         eps = [ep for ep in self._table.all_endpoints() if not ep.replica_id.startswith(
             "external:")]  # a provider's load is not ours to read
-        results = await asyncio.gather(*(self._read(session, ep.url, ep.key) for ep in eps))
+        # At most `_AT_ONCE` scrapes in flight: a fleet of thousands of
+        # engines must not open thousands of connections at once, every second.
+        gate = asyncio.Semaphore(_AT_ONCE)
+
+        async def read(url: str, key: str) -> EngineLoad | None:
+            async with gate:
+                return await self._read(session, url, key)
+
+        results = await asyncio.gather(*(read(ep.url, ep.key) for ep in eps))
         loads = {ep.replica_id: load for ep, load in zip(eps, results, strict=True)
                  if load is not None}
         self._table.set_loads(loads)
