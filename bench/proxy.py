@@ -46,8 +46,11 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from peers import http  # noqa: E402
 
 from app.control.keys import engine_key  # noqa: E402
 
@@ -151,18 +154,7 @@ class Gateway:
 
     def call(self, method: str, path: str, body: Any = None, admin: bool = True,
              timeout: float = 5.0) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        if admin:
-            req.add_header("Authorization", f"Bearer {self.admin_token}")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-                return resp.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
+        return http(method, self.url + path, body, self.admin_token if admin else "", timeout)
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, gw: Gateway) -> Any:

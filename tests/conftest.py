@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from app.control.mirror import Mirror
+from app.store.embedded import EmbeddedStore
 from tests.support.etcd import EtcdFixture, EtcdServer, ExternalEtcd, throwaway_etcd
 from tests.support.procs import Cluster
 
@@ -57,3 +59,16 @@ def solo(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror]]:
+    """An embedded store and a running mirror of it, for in-process tests."""
+    store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
+    mirror = Mirror(store)
+    mirror.start()
+    try:
+        yield store, mirror
+    finally:
+        await mirror.stop()
+        await store.close()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -29,18 +27,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror]]:
-    store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
-    mirror = Mirror(store)
-    mirror.start()
-    try:
-        yield store, mirror
-    finally:
-        await mirror.stop()
-        await store.close()
 
 
 # --- from the router to the snapshot, and back out for the leader ---------------------

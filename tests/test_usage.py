@@ -3,11 +3,6 @@ leader's reading of them."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
-
 from app.control import state as s
 from app.control.mirror import Mirror
 from app.control.usage import UsagePublisher, drain_inflight, last_used
@@ -46,18 +41,6 @@ class Source:
 
     def engine_loads(self) -> dict[str, float]:
         return {}
-
-
-@pytest.fixture
-async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror]]:
-    store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
-    mirror = Mirror(store)
-    mirror.start()
-    try:
-        yield store, mirror
-    finally:
-        await mirror.stop()
-        await store.close()
 
 
 async def put(store: EmbeddedStore, mirror: Mirror, key: str, value: s.BaseModel) -> int:
