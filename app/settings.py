@@ -227,6 +227,13 @@ class Settings(BaseSettings):
     # Seconds to connect to an agent's API; then 502 (unreachable).
     node_api_connect_timeout: float = Field(5.0, gt=0)
 
+    # --- agent upgrades (docs/architecture.md, "Node operations") ----------------------
+    # Seconds a gateway waits for an agent's installer on POST
+    # /admin/nodes/{node}/upgrade; keep it above the agents'
+    # LLMGW_AGENT_UPGRADE_TIMEOUT (300 s by default), else the gateway answers
+    # 504 while the install may still succeed.
+    node_upgrade_timeout: float = Field(330.0, gt=0)
+
     @field_validator("secret", "admin_token")
     @classmethod
     def _refuse_placeholders(cls, v: SecretStr | None) -> SecretStr | None:
