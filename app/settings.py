@@ -233,6 +233,20 @@ class Settings(BaseSettings):
     # LLMGW_AGENT_UPGRADE_TIMEOUT (300 s by default), else the gateway answers
     # 504 while the install may still succeed.
     node_upgrade_timeout: float = Field(330.0, gt=0)
+    # The oldest agent version that gets new replicas (the newest: this
+    # gateway's own; app/control/agentversion.py). Default: this gateway's
+    # major.minor.0. Lower keeps older agents in use through a rolling
+    # upgrade; agents outside keep their replicas but get no new ones.
+    min_agent_version: str | None = None
+
+    @field_validator("min_agent_version")
+    @classmethod
+    def _a_version(cls, v: str | None) -> str | None:
+        if v is not None:
+            from app.control.agentversion import parse
+
+            parse(v)  # ValueError: "... is not a version"
+        return v
 
     @field_validator("secret", "admin_token")
     @classmethod

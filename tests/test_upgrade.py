@@ -20,13 +20,17 @@ import pytest
 
 from app import __version__
 from app.agent.upgrade import UpgradeConfig, UpgradeError, Upgrader, installer_argv, reexec_argv
+from app.control import agentversion
+from app.control import state as s
 from app.control.keys import node_token
+from app.control.placement import Fit, NoFit, Placer
 from tests.support.procs import (
     ROOT,
     SECRET,
     Cluster,
     Proc,
     engine_pid,
+    put_model,
     serve_one,
     wait_for,
 )
@@ -81,6 +85,45 @@ async def test_installer_past_its_timeout_is_killed() -> None:
     with pytest.raises(UpgradeError, match=r"ran past 0\.3 s"):
         await up.upgrade("1.0")
     assert up.installed is None
+
+
+# --- the supported version window -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("version", "refused"), [
+    ("0.3.0", False), ("0.3.2", False), ("0.3.4", False), ("", False),
+    ("0.2.9", True), ("0.3.5", True), ("0.4.0", True), ("0.3.4.post1", True),
+    ("0.3.0rc1", True), ("not-a-version", True),
+])
+def test_window_refuses_older_and_newer_agents(version: str, refused: bool) -> None:
+    why = agentversion.Window("0.3.0", "0.3.4").refusal(version)
+    assert (why is not None) == refused, why
+    if refused:
+        assert why == (f"agent version {version} is outside the supported window "
+                       "[0.3.0, 0.3.4]")
+
+
+def test_window_default_is_this_minor_up_to_this_version() -> None:
+    assert agentversion.minor_floor("1.7.3") == "1.7.0"
+    assert agentversion.minor_floor("2.0") == "2.0.0"
+
+
+def test_placement_skips_agents_outside_the_window() -> None:
+    def node(name: str, version: str) -> s.NodeInfo:
+        return s.NodeInfo(name=name, version=version, gpus=[s.GpuInfo(index=0)],
+                          engines=["vllm"])
+
+    spec = s.StoredModel(name="m", model="org/m")
+    window = agentversion.Window("0.3.0", "0.3.4")
+    nodes = {"old": node("old", "0.2.1"), "new": node("new", "0.4.0")}
+    fit = Placer(nodes, {}, agent_versions=window).place("m", spec)
+    assert isinstance(fit, NoFit)
+    assert fit.reasons == {
+        "old": "agent version 0.2.1 is outside the supported window [0.3.0, 0.3.4]",
+        "new": "agent version 0.4.0 is outside the supported window [0.3.0, 0.3.4]"}
+    nodes["ok"] = node("ok", "0.3.1")
+    fit = Placer(nodes, {}, agent_versions=window).place("m", spec)
+    assert isinstance(fit, Fit) and fit.node == "ok"
 
 
 # --- the whole path: a wheel built here, a venv of its own, through a gateway ----------
@@ -200,6 +243,15 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
                                capture_output=True, text=True, cwd=tmp_path, check=True)
     assert str(tmp_path / "venv") in installed.stdout  # never this checkout's ./app
 
+    # 0.1.0.post1 is newer than this gateway: node-1 keeps its replica (above)
+    # but gets no new one, and says why.
+    put_model(gw, "second", {"model": "acme/m", "gpus": 1})
+    with gw.admin() as admin:
+        status = admin.get("/admin/models/second").json()["status"]
+    assert status["unplaced"] == (f"node-1: agent version {new_version} is outside the "
+                                  f"supported window [{agentversion.minor_floor(__version__)}"
+                                  f", {__version__}]"), status
+
     # A version that is not there: refused with the installer's lines, the
     # agent runs on.
     with gw.admin() as admin:
@@ -209,3 +261,13 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
     assert any("99.0.0" in line for line in r.json()["output"]), r.text
     assert version() == new_version and agent.popen.poll() is None
     assert os.path.exists(tmp_path / "agent-node-1" / "engines.json")
+
+
+def test_min_agent_version_setting_must_be_a_version() -> None:
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    assert Settings(min_agent_version="0.1.0").min_agent_version == "0.1.0"
+    with pytest.raises(ValidationError, match="is not a version"):
+        Settings(min_agent_version="x y")
