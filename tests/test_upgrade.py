@@ -3,6 +3,7 @@ asked for, re-executes itself on it and adopts its engines."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import csv
 import hashlib
@@ -25,6 +26,7 @@ from app.control import state as s
 from app.control.keys import node_token
 from app.control.placement import Fit, NoFit, Placer
 from tests.support.procs import (
+    ADMIN,
     ROOT,
     SECRET,
     Cluster,
@@ -85,6 +87,31 @@ async def test_installer_past_its_timeout_is_killed() -> None:
     with pytest.raises(UpgradeError, match=r"ran past 0\.3 s"):
         await up.upgrade("1.0")
     assert up.installed is None
+
+
+async def test_one_upgrade_at_a_time_then_restart() -> None:
+    restarted = asyncio.Event()
+    restarts: list[str] = []
+
+    def restart(version: str) -> None:
+        restarts.append(version)
+        restarted.set()
+
+    cfg = UpgradeConfig(installer="{python} -c 'import time; time.sleep(0.5); print(\"ok\")'")
+    up = Upgrader(cfg, restart)
+    first = asyncio.create_task(up.upgrade("1.2.3"))
+    # One step: the task takes the lock before its first suspension (the
+    # installer's start).
+    await asyncio.sleep(0)
+    with pytest.raises(UpgradeError) as err:
+        await up.upgrade("1.2.4")
+    assert err.value.status == 409
+    assert await first == ["ok"]
+    await asyncio.wait_for(restarted.wait(), 5)
+    assert restarts == ["1.2.3"]
+    with pytest.raises(UpgradeError) as err:  # restarting now: refused too
+        await up.upgrade("1.2.4")
+    assert err.value.status == 409
 
 
 # --- the supported version window -------------------------------------------------------
@@ -254,6 +281,13 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
 
     # A version that is not there: refused with the installer's lines, the
     # agent runs on.
+    # The agent's 422 comes through the gateway and `llmgw ctl upgrade`.
+    ctl = subprocess.run(
+        [sys.executable, "-m", "app.cli", "ctl", "upgrade", "node-1", "99.0.0",
+         "--gateway", gw.url], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=cluster.base_env() | {"LLMGW_ADMIN_TOKEN": ADMIN})
+    assert ctl.returncode == 1, (ctl.stdout, ctl.stderr)
+    assert "answered 422: Upgrade failed: the installer exited with 1" in ctl.stderr
     with gw.admin() as admin:
         admin.timeout = 120
         r = admin.post("/admin/nodes/node-1/upgrade", json={"version": "99.0.0"})
