@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from app import __version__
-from app.agent.upgrade import UpgradeConfig, UpgradeError, Upgrader, installer_argv, reexec_argv
+from app.agent.upgrade import (
+    UpgradeConfig,
+    UpgradeError,
+    Upgrader,
+    installer_argv,
+    reexec_argv,
+    shown,
+)
 from app.control import agentversion
 from app.control import state as s
 from app.control.keys import node_token
@@ -47,6 +54,11 @@ def test_installer_argv_default_and_index() -> None:
         "--no-index", "--find-links", "/srv/w"]
     assert installer_argv(UpgradeConfig(), "1.0", "https://pypi.example/simple",
                           python="py")[-2:] == ["--index-url", "https://pypi.example/simple"]
+
+
+def test_index_credentials_are_masked_in_the_log() -> None:
+    argv = installer_argv(UpgradeConfig(), "1.0", "https://me:s3cret@pypi.example/simple")
+    assert "s3cret" not in shown(argv) and "https://***@pypi.example/simple" in shown(argv)
 
 
 @pytest.mark.parametrize("version", ["", "x1", "1.0 --pre", "1;rm", "--index-url=x"])

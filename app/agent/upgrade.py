@@ -30,6 +30,7 @@ DEFAULT_INSTALLER = "{python} -m pip install --no-deps llmgw=={version}"
 # that a shell or pip would read as another argument.
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]{0,63}$")
 _URL = re.compile(r"^(https?|file)://[^\s]{1,2000}$")
+_USERINFO = re.compile(r"(://)[^/@\s]+@")
 TAIL_LINES = 20
 
 
@@ -76,6 +77,12 @@ def installer_argv(cfg: UpgradeConfig, version: str, index_url: str | None,
     return argv
 
 
+def shown(argv: list[str]) -> str:
+    """`argv` for the log, an index URL's credentials masked (DESIGN
+    invariant 6 in docs/architecture.md: secrets never in logs)."""
+    return shlex.join(_USERINFO.sub(r"\1***@", a) for a in argv)
+
+
 def reexec_argv(argv: list[str], python: str = sys.executable) -> list[str]:
     """The command line that runs this agent again on the installed code:
     `argv` is sys.argv (its [0] the console script or app/cli.py), the rest
@@ -98,7 +105,7 @@ class Upgrader:
             raise UpgradeError(409, "Upgrade in progress",
                                "this agent is installing or restarting already")
         async with self._lock:
-            logger.info("upgrade to llmgw %s: running %s", version, shlex.join(argv))
+            logger.info("upgrade to llmgw %s: running %s", version, shown(argv))
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
