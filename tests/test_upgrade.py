@@ -305,6 +305,9 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
         r = admin.post("/admin/nodes/node-1/upgrade", json={"version": "99.0.0"})
     assert r.status_code == 422, r.text
     assert any("99.0.0" in line for line in r.json()["output"]), r.text
+    with gw.admin() as admin:  # refused by the gateway, before the agent
+        r = admin.post("/admin/nodes/node-1/upgrade", json={"version": "1.0 --pre"})
+    assert r.status_code == 422 and "version" in r.text, r.text
     assert version() == new_version and agent.popen.poll() is None
     assert os.path.exists(tmp_path / "agent-node-1" / "engines.json")
 
