@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.agent.upgrade import DEFAULT_INSTALLER
 from app.control.state import check_name
 from app.settings import Settings
 
@@ -70,6 +72,7 @@ def agent(args: argparse.Namespace) -> None:
     from app.agent.engines import available_engines, resolve_vllm
     from app.agent.gpus import declared_hardware, probe
     from app.agent.nodeops import NodeOpsConfig
+    from app.agent.upgrade import UpgradeConfig, Upgrader, reexec_argv
     from app.agent.weights import default_cache_dir
 
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
@@ -94,11 +97,22 @@ def agent(args: argparse.Namespace) -> None:
             else default_cache_dir()),
     )
 
+    upgrade_cfg = UpgradeConfig(installer=args.installer,
+                                extra_args=shlex.split(args.installer_args),
+                                timeout=args.upgrade_timeout)
+    installed: list[str] = []
+
     async def main() -> None:
         a = Agent(cfg)
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
+
+        def restart(version: str) -> None:
+            installed.append(version)
+            task.cancel()  # a clean stop: engines left running, records saved
+
+        a.ops.api.upgrader = Upgrader(upgrade_cfg, restart)
         # Before start(): a stop during adoption must still be a clean one.
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
@@ -114,6 +128,14 @@ def agent(args: argparse.Namespace) -> None:
             await a.shutdown()
 
     asyncio.run(main())
+    if installed:
+        # The same command line on the newly installed code; the new run
+        # adopts the engines left running (app/agent/upgrade.py).
+        argv = reexec_argv(sys.argv)
+        logging.getLogger(__name__).info("re-executing on llmgw %s: %s", installed[0],
+                                         shlex.join(argv))
+        logging.shutdown()
+        os.execv(argv[0], argv)
 
 
 def ctl(args: argparse.Namespace) -> None:
@@ -159,6 +181,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", default=os.environ.get("LLMGW_AGENT_CACHE_DIR") or None,
                     help="the model cache the API lists and prunes (default: "
                     "huggingface_hub's: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub)")
+    ap.add_argument("--installer",
+                    default=os.environ.get("LLMGW_AGENT_INSTALLER") or DEFAULT_INSTALLER,
+                    help="self-upgrade command template ({python}, {version}); run without "
+                    "a shell (default: %(default)s)")
+    ap.add_argument("--installer-args", default=os.environ.get("LLMGW_AGENT_INSTALLER_ARGS", ""),
+                    help="extra installer arguments for every upgrade, e.g. "
+                    "'--no-index --find-links /srv/wheels'")
+    ap.add_argument("--upgrade-timeout", type=float,
+                    default=float(os.environ.get("LLMGW_AGENT_UPGRADE_TIMEOUT", "300")),
+                    help="seconds the installer may run (default: %(default)s)")
     ap.set_defaults(func=agent)
 
     cp = sub.add_parser("ctl", help="operator commands (`llmgw ctl --help`)", add_help=False)

@@ -238,6 +238,26 @@ def fabric_test(
         sys.stderr.write("(results not saved: the store is unreachable)\n")
 
 
+@app.command()
+def upgrade(
+    node: Annotated[str, typer.Argument(help="node name")],
+    version: Annotated[str, typer.Argument(help="llmgw version to install, e.g. 0.2.0")],
+    index_url: Annotated[str | None, typer.Option(
+        "--index-url", help="package index (default: the agent's installer's)")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=1, help="seconds to wait for the install")] = 360.0,
+    gateway: Gateway = _DEFAULT_GATEWAY, as_json: AsJson = False,
+) -> None:
+    """Install an llmgw version on a node's agent; it restarts on it, keeping its engines."""
+    data = request(gateway, "POST", f"/admin/nodes/{urllib.parse.quote(node)}/upgrade",
+                   body={"version": version, "index_url": index_url}, timeout=timeout)
+    if as_json:
+        _out(data, True)
+        return
+    sys.stdout.write(f"{node}: llmgw {data.get('from', '?')} -> {data.get('version', version)} "
+                     "installed; the agent is restarting and keeps its engines\n")
+
+
 @app.command("node-token")
 def node_token_cmd(node: Annotated[str, typer.Argument(help="node name")]) -> None:
     """Print the agent token (LLMGW_AGENT_TOKEN) for a node, derived from LLMGW_SECRET."""

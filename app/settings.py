@@ -227,6 +227,27 @@ class Settings(BaseSettings):
     # Seconds to connect to an agent's API; then 502 (unreachable).
     node_api_connect_timeout: float = Field(5.0, gt=0)
 
+    # --- agent upgrades (docs/architecture.md, "Node operations") ----------------------
+    # Seconds a gateway waits for an agent's installer on POST
+    # /admin/nodes/{node}/upgrade; keep it above the agents'
+    # LLMGW_AGENT_UPGRADE_TIMEOUT (300 s by default), else the gateway answers
+    # 504 while the install may still succeed.
+    node_upgrade_timeout: float = Field(330.0, gt=0)
+    # The oldest agent version that gets new replicas (the newest: this
+    # gateway's own; app/control/agentversion.py). Default: this gateway's
+    # major.minor.0. Lower keeps older agents in use through a rolling
+    # upgrade; agents outside keep their replicas but get no new ones.
+    min_agent_version: str | None = None
+
+    @field_validator("min_agent_version")
+    @classmethod
+    def _a_version(cls, v: str | None) -> str | None:
+        if v is not None:
+            from app.control.agentversion import parse
+
+            parse(v)  # ValueError: "... is not a version"
+        return v
+
     @field_validator("secret", "admin_token")
     @classmethod
     def _refuse_placeholders(cls, v: SecretStr | None) -> SecretStr | None:

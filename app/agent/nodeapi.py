@@ -12,6 +12,7 @@ and a token taken from one node opens that node's API only.
     GET    /node/v1/weights                             the model cache's entries
     DELETE /node/v1/weights  {"paths": [...]}           removes entries (all or none)
     POST   /node/v1/fabric/ticket|send|sink             fabric test (app/agent/fabric.py)
+    POST   /node/v1/upgrade  {"version", "index_url"?}  installs llmgw, restarts (upgrade.py)
 
 Errors are RFC 9457 problem JSON, like the gateways' /admin. Log lines are
 returned with every engine key and key-shaped string masked
@@ -30,7 +31,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from app.agent import fabric, logfiles, weights
+from app import __version__
+from app.agent import fabric, logfiles, upgrade, weights
 from app.agent.engines import EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -84,12 +86,15 @@ class NodeApi:
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.fabric = fabric.Fabric()
+        # Set by the agent's command (app/cli.py), which can re-execute it.
+        self.upgrader: upgrade.Upgrader | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=1 << 20)
         app.router.add_get("/node/v1/logs", self.logs)
         app.router.add_get("/node/v1/weights", self.list_weights)
         app.router.add_delete("/node/v1/weights", self.delete_weights)
+        app.router.add_post("/node/v1/upgrade", self.upgrade)
         fabric.routes(self.fabric, app, _problem)
         return app
 
@@ -202,3 +207,25 @@ class NodeApi:
                            "already: list the cache again") from None
         logger.info("removed from the model cache: %s", ", ".join(removed))
         return web.json_response({"node": self.cfg.node, "removed": removed})
+
+    # --- self-upgrade (upgrade.py) --------------------------------------------------------
+
+    async def upgrade(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        version = body.get("version") if isinstance(body, dict) else None
+        index_url = body.get("index_url") if isinstance(body, dict) else None
+        if not isinstance(version, str) or not isinstance(index_url, str | None):
+            raise _Problem(400, "Bad body", 'send JSON: {"version": "X.Y.Z", '
+                           '"index_url": optional}')
+        if self.upgrader is None:
+            raise _Problem(501, "Upgrade not available",
+                           "this agent was not started by `llmgw agent`: it cannot restart")
+        try:
+            lines = await self.upgrader.upgrade(version, index_url)
+        except upgrade.UpgradeError as exc:
+            raise _Problem(exc.status, exc.title, exc.detail, output=exc.output) from None
+        return web.json_response({"node": self.cfg.node, "from": __version__,
+                                  "version": version, "restarting": True, "output": lines})

@@ -1,4 +1,4 @@
-"""Admin routes that reach a node's agent: its logs and its model cache.
+"""Admin routes that reach a node's agent: its logs, its model cache, its upgrade.
 
 Any gateway answers them: it finds the node's agent API in the mirrored
 inventory (`api_url`), authenticates with the node's token (derived from
@@ -11,7 +11,13 @@ back as they are; a gateway never answers 500 for an agent's trouble:
 - no API reported (an agent older than node operations), an API URL not on
   the node's own address, connection refused, an agent refusing the
   gateway's token, a broken answer: 502, saying which;
-- no answer within LLMGW_NODE_API_TIMEOUT: 504.
+- no answer within LLMGW_NODE_API_TIMEOUT (an upgrade: LLMGW_NODE_UPGRADE_TIMEOUT): 504.
+
+`POST /admin/nodes/{node}/upgrade {"version", "index_url"?}` waits for the
+agent's installer (app/agent/upgrade.py): 200 when installed (the agent
+then restarts on it and adopts its engines; its heartbeat reports the new
+version), 422 with the installer's last lines when it failed (the agent
+runs on), 409 while another upgrade of that agent runs.
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ class WeightsDelete(BaseModel):
                                          "directory, or absolute paths inside it")
 
 
+class Upgrade(BaseModel):
+    version: str = Field(..., min_length=1, max_length=64, pattern=r"^[0-9][0-9A-Za-z.+!-]*$",
+                         description="the llmgw version to install, e.g. 0.2.0")
+    index_url: str | None = Field(None, max_length=2000,
+                                  description="package index to install from (default: the "
+                                              "agent's installer's)")
+
+
 def agent_url(gw: Gateway, node: str) -> str:
     """The node's agent API URL, once checked it may be sent the node token;
     else the problem to answer (404, 502, 503)."""
@@ -65,12 +79,13 @@ def agent_url(gw: Gateway, node: str) -> str:
 
 async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
                      params: dict[str, str] | None = None,
-                     body: Any = None) -> dict[str, Any]:
+                     body: Any = None, timeout_s: float | None = None) -> dict[str, Any]:
     """One call to a node's agent API with the node's token; its answer, or
     the problem to answer (module docstring)."""
     api_url = agent_url(gw, node)
     url = api_url + path
-    timeout = aiohttp.ClientTimeout(total=gw.settings.node_api_timeout,
+    total = timeout_s or gw.settings.node_api_timeout
+    timeout = aiohttp.ClientTimeout(total=total,
                                     sock_connect=gw.settings.node_api_connect_timeout)
     headers = {"Authorization": f"Bearer {node_token(gw.secret, node)}"}
     try:
@@ -89,7 +104,7 @@ async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
     except (aiohttp.ServerTimeoutError, TimeoutError):
         raise Problem(504, "Agent timed out",
                       f"node {node!r}'s agent at {api_url} did not answer within "
-                      f"{gw.settings.node_api_timeout:g} s") from None
+                      f"{total:g} s") from None
     except aiohttp.ClientError as exc:
         raise Problem(502, "Agent unreachable",
                       f"node {node!r}'s agent at {api_url} is unreachable: "
@@ -149,5 +164,15 @@ def routes(gw: Gateway) -> APIRouter:
         node: str, req: Annotated[WeightsDelete, Body()],
     ) -> dict[str, Any]:
         return await call(node, "DELETE", "/node/v1/weights", body={"paths": req.paths})
+
+    @r.post("/{node:path}/upgrade", summary="Install an llmgw version on a node's agent, "
+            "which restarts on it and adopts its engines")
+    async def upgrade(node: str, req: Annotated[Upgrade, Body()]) -> dict[str, Any]:
+        body = {"version": req.version, "index_url": req.index_url}
+        answer = await call_agent(gw, node, "POST", "/node/v1/upgrade", body=body,
+                                  timeout_s=gw.settings.node_upgrade_timeout)
+        logger.info("node %s: agent upgraded from llmgw %s to %s, restarting", node,
+                    answer.get("from"), answer.get("version"))
+        return answer
 
     return r

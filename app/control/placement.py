@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.control import fleet
+from app.control import agentversion, fleet
 from app.control import state as s
 
 
@@ -109,7 +109,10 @@ class Placer:
         nodeconfs: Mapping[str, s.NodeConf] | None = None,
         quotas: Mapping[str, s.Quota] | None = None,
         models: Mapping[str, s.ModelSpec] | None = None,
+        agent_versions: agentversion.Window | None = None,
     ) -> None:
+        # Agents outside it get no new replicas (app/control/agentversion.py).
+        self._window = agent_versions or agentversion.default_window()
         self._nodes = nodes
         self._replicas = replicas
         self._confs = nodeconfs or {}
@@ -241,6 +244,9 @@ class Placer:
         """The GPUs a replica of `prof` would take on `node` and its free
         GPUs, or why it cannot go there (quota aside)."""
         conf = self._confs.get(node.name)
+        too_old_or_new = self._window.refusal(node.version)
+        if too_old_or_new is not None:
+            return too_old_or_new
         if conf is not None and conf.draining:
             return "draining"
         if conf is not None and conf.cordoned:

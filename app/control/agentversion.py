@@ -1,0 +1,78 @@
+"""The agent versions a gateway places replicas on (docs/architecture.md,
+"Node operations"): from LLMGW_MIN_AGENT_VERSION (default: this gateway's
+own major.minor.0) to this gateway's own version. An agent outside keeps
+the replicas it has, but the leader places nothing new there, and the
+placement's reason on that node says why; an inventory without a version
+(built by hand) is not refused.
+
+Versions compare as PEP 440 through `packaging` when it is installed, else
+by their release numbers alone (pre/post/dev parts ignored).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from app import __version__
+
+try:
+    from packaging.version import InvalidVersion, Version
+except ImportError:  # pragma: no cover - packaging is present wherever pip is
+    Version = None  # type: ignore[assignment,misc]
+    InvalidVersion = ValueError  # type: ignore[assignment,misc]
+
+_RELEASE = re.compile(r"^v?(\d+(?:\.\d+)*)")
+
+
+def parse(version: str) -> Any:
+    """A comparable key for `version`; ValueError if it is not one."""
+    if Version is not None:
+        try:
+            return Version(version)
+        except InvalidVersion:
+            raise ValueError(f"{version!r} is not a version") from None
+    m = _RELEASE.match(version.strip())
+    if m is None:
+        raise ValueError(f"{version!r} is not a version")
+    nums = [int(x) for x in m.group(1).split(".")]
+    while nums and nums[-1] == 0:
+        nums.pop()
+    return tuple(nums)
+
+
+def minor_floor(version: str) -> str:
+    """major.minor.0 of `version`."""
+    m = _RELEASE.match(version)
+    parts = (m.group(1).split(".") if m else ["0"]) + ["0"]
+    return f"{parts[0]}.{parts[1]}.0"
+
+
+@dataclass(frozen=True)
+class Window:
+    minimum: str
+    maximum: str
+
+    def refusal(self, version: str) -> str | None:
+        """Why an agent at `version` gets no new replicas, or None."""
+        if not version:
+            return None
+        try:
+            ok = parse(self.minimum) <= parse(version) <= parse(self.maximum)
+        except ValueError:
+            ok = False
+        if ok:
+            return None
+        return (f"agent version {version} is outside the supported window "
+                f"[{self.minimum}, {self.maximum}]")
+
+
+@cache
+def default_window() -> Window:
+    """This gateway's window: LLMGW_MIN_AGENT_VERSION (checked by
+    app/settings.py at start) up to this gateway's version."""
+    minimum = os.environ.get("LLMGW_MIN_AGENT_VERSION") or minor_floor(__version__)
+    return Window(minimum, __version__)
