@@ -23,6 +23,7 @@ from app.agent.gpus import declared_hardware, probe
 from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog
 from app.control import state as s
+from app.control.agentversion import default_window
 from app.control.keys import hash_client_key, node_token
 from app.control.leader import Elector
 from app.control.mirror import Mirror
@@ -63,6 +64,8 @@ class Gateway:
             "LLMGW_SECRET and LLMGW_ADMIN_TOKEN must be set with etcd"
         )
         self.settings = settings
+        # The agent versions new replicas may go to (app/control/agentversion.py).
+        self.agent_window = default_window(settings.min_agent_version)
         self.secret = settings.secret.get_secret_value()
         self.admin_token = settings.admin_token.get_secret_value()
         self._store_factory = store_factory
@@ -112,7 +115,7 @@ class Gateway:
         if st.catalog_file is not None:
             await self._seed(catalog.load_file(st.catalog_file, st.model_root_list))
         self._mirror = Mirror(self._store)
-        publisher = Publisher(self._mirror, self.table, self.secret)
+        publisher = Publisher(self._mirror, self.table, self.secret, self.agent_window)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()
@@ -124,7 +127,8 @@ class Gateway:
                                 node_grace=st.node_grace,
                                 idle_slack=st.usage_refresh + st.usage_interval,
                                 scale_down_window=st.scale_down_window,
-                                default_load_target=st.default_load_target)
+                                default_load_target=st.default_load_target,
+                                agent_window=self.agent_window)
         elector = self._elector
         usage = UsagePublisher(self._store, self._mirror,
                                RouterUsage(self.table, self.last_use, publisher),

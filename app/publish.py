@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from app.control import state as s
+from app.control.agentversion import Window
 from app.control.keys import engine_key
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
@@ -38,7 +39,9 @@ _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
 
 
 class Publisher:
-    def __init__(self, mirror: Mirror, table: RouteTable, secret: str) -> None:
+    def __init__(self, mirror: Mirror, table: RouteTable, secret: str,
+                 agent_window: Window | None = None) -> None:
+        self._agent_window = agent_window
         self._mirror = mirror
         self._table = table
         self._secret = secret
@@ -91,7 +94,8 @@ class Publisher:
     def _unplaced(self, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo]) -> str:
         """Why a model has no replica at all: placement is a pure function of
         the mirrored state, so this gateway can say what the leader sees."""
-        fit = place(name, spec, nodes, self._mirror.replicas())
+        fit = place(name, spec, nodes, self._mirror.replicas(),
+                    agent_versions=self._agent_window)
         return f"no replica is placed: {fit}" if isinstance(fit, NoFit) else (
             "no replica is placed yet")
 

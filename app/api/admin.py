@@ -79,7 +79,7 @@ def routes(gw: Gateway) -> APIRouter:
         if len(mine) < wanted:
             fit = place(model.name, model, gw.mirror.nodes(), replicas,
                         nodeconfs=gw.mirror.nodeconfs(), quotas=gw.mirror.quotas(),
-                        models=gw.mirror.models())
+                        models=gw.mirror.models(), agent_versions=gw.agent_window)
             nofit = fit if isinstance(fit, NoFit) else None
         return stored_view(model) | {"status": {
             "wanted": wanted, "replicas": len(mine), "ready": ready,

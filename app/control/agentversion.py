@@ -11,10 +11,8 @@ by their release numbers alone (pre/post/dev parts ignored).
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 from app import __version__
@@ -70,9 +68,8 @@ class Window:
                 f"[{self.minimum}, {self.maximum}]")
 
 
-@cache
-def default_window() -> Window:
-    """This gateway's window: LLMGW_MIN_AGENT_VERSION (checked by
-    app/settings.py at start) up to this gateway's version."""
-    minimum = os.environ.get("LLMGW_MIN_AGENT_VERSION") or minor_floor(__version__)
-    return Window(minimum, __version__)
+def default_window(minimum: str | None = None) -> Window:
+    """This gateway's window: `minimum` (LLMGW_MIN_AGENT_VERSION, checked by
+    app/settings.py at start; default this gateway's major.minor.0) up to
+    this gateway's version."""
+    return Window(minimum or minor_floor(__version__), __version__)

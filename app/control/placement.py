@@ -67,6 +67,7 @@ def place(
     nodeconfs: Mapping[str, s.NodeConf] | None = None,
     quotas: Mapping[str, s.Quota] | None = None,
     models: Mapping[str, s.ModelSpec] | None = None,
+    agent_versions: agentversion.Window | None = None,
 ) -> Fit | NoFit:
     """Picks a node (and GPUs) for one more replica of `name`.
 
@@ -76,7 +77,8 @@ def place(
     whose use is counted over the replicas of `models` (by default this
     model alone). Left out, each is as if nothing were configured.
     """
-    placer = Placer(nodes, replicas, nodeconfs=nodeconfs, quotas=quotas, models=models)
+    placer = Placer(nodes, replicas, nodeconfs=nodeconfs, quotas=quotas, models=models,
+                    agent_versions=agent_versions)
     return placer.place(name, spec, profile=profile)
 
 

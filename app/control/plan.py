@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.control import state as s
+from app.control.agentversion import Window
 from app.control.placement import Fit, NoFit, Placer, displace, place
 
 _SLUG = re.compile(r"[^a-z0-9]+")
@@ -95,6 +96,7 @@ def plan(
     idle_slack: float = 0.0,
     nodeconfs: Mapping[str, s.NodeConf] | None = None,
     quotas: Mapping[str, s.Quota] | None = None,
+    agent_window: Window | None = None,
     failed: Collection[str] = (),
     targets: Mapping[str, int] | None = None,
     loads: Mapping[str, float] | None = None,
@@ -144,7 +146,8 @@ def plan(
     """
     absent = absent_for or {}
     confs = nodeconfs or {}
-    fitting: dict[str, Any] = {"nodeconfs": confs, "quotas": quotas or {}, "models": models}
+    fitting: dict[str, Any] = {"nodeconfs": confs, "quotas": quotas or {}, "models": models,
+                            "agent_versions": agent_window}
     phases = statuses or {}
     counts = inflight or {}
     used = last_used or {}

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from app.control import state as s
 from app.control import usage
+from app.control.agentversion import Window
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
 from app.control.plan import Plan, plan, wanted
@@ -66,6 +67,7 @@ class Reconciler:
         idle_slack: float = 0.0,
         scale_down_window: float = 300.0,
         default_load_target: int = 16,
+        agent_window: Window | None = None,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
@@ -73,6 +75,7 @@ class Reconciler:
         self._store = store
         self._mirror = mirror
         self._elector = elector
+        self._agent_window = agent_window
         self._drain_seconds = drain_seconds
         self._interval = interval
         self._node_grace = node_grace
@@ -152,7 +155,7 @@ class Reconciler:
             node_grace=self._node_grace, statuses=statuses, failed=failed,
             inflight=inflight, last_used=last, idle_slack=self._idle_slack,
             nodeconfs=self._mirror.nodeconfs(), quotas=self._mirror.quotas(),
-            targets=targets, loads=loads,
+            targets=targets, loads=loads, agent_window=self._agent_window,
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():
