@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -84,12 +85,13 @@ def agent(args: argparse.Namespace) -> None:
     gpus = hw.gpus
     cfg = AgentConfig(
         gateways=[u for u in args.gateway.split(",") if u], node=args.node, token=token,
-        # Without LLMGW_VLLM_BIN a GPU node installs its vLLM build itself.
+        # With no vLLM of the operator's, a GPU node installs its build itself.
         gpus=gpus, engines=available_engines(gpus, vllm_env or ("managed" if gpus else "")),
         work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
-        # LLMGW_VLLM_BIN is the operator's own build: never installed over.
-        install_builds=not vllm_env,
+        # LLMGW_VLLM_BIN, or a vllm on PATH, is the operator's own build:
+        # used as it is, never installed over (docs/architecture.md).
+        install_builds=not (vllm_env or shutil.which("vllm")),
         stop_engines_on_exit=args.stop_engines_on_exit,
         ops=NodeOpsConfig(
             hardware=hw, rediscover=probe if args.gpus is None else None,
