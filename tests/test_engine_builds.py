@@ -148,7 +148,7 @@ class AsgiGateway:
         pass
 
 
-@pytest.mark.parametrize("check", [CHECK_OK, CHECK_FAILS])
+@pytest.mark.parametrize("check", [CHECK_OK, CHECK_FAILS], ids=["check-passes", "check-fails"])
 async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
     etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path, check: str
 ) -> None:
@@ -162,8 +162,10 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
                               builds=stand_ins(tmp_path, check)))
         agent = Agent(cfg, client=AsgiGateway(c, "h1"))
         await agent.heartbeat()
+        await agent.build_step()  # the choice is not known yet: nothing installed
+        assert not (tmp_path / "agent" / "engines").exists()
         assert await agent.poll(0) == "changed"
-        assert agent.ops.builds.choice == "auto"
+        assert agent.ops.builds.choice == "auto" and agent.ops.build_chosen.is_set()
 
         # The agent waits in its long poll; the operator picks cu129.
         loop = asyncio.get_running_loop()
@@ -211,3 +213,5 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
 
         r = await c.put("/admin/nodes/h1/engine-build", json={"build": "cu12"})
         assert r.status_code == 422, r.text
+        r = await c.put("/admin/nodes/h9/engine-build", json={"build": "cu13"})
+        assert r.status_code == 404, r.text

@@ -194,6 +194,8 @@ class Agent:
             self.client.move_on()
             return "stale"
         self.revision = revision
+        if not self.synced:
+            self.ops.build_chosen.set()  # the build loop waited for the choice
         self.synced = True
         self.ops.choose(str(answer.get("engine_build") or "auto"))
         if answer["fingerprint"] == self.fingerprint:
@@ -373,6 +375,8 @@ class Agent:
     async def build_step(self) -> None:
         """Brings the node to its chosen vLLM build, then reports it at once
         (placement waits on it); then waits for another choice."""
+        if not self.synced:
+            return  # the operator's choice is not known yet: install nothing
         self.ops.build_chosen.clear()
         if await self.ops.builds.step(self.ops.hardware.cuda_version):
             await self.heartbeat()
