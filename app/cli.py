@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -69,6 +70,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def agent(args: argparse.Namespace) -> None:
     from app.agent.agent import Agent, AgentConfig
+    from app.agent.builds import builds_config
     from app.agent.engines import available_engines, resolve_vllm
     from app.agent.gpus import declared_hardware, probe
     from app.agent.nodeops import NodeOpsConfig
@@ -86,13 +88,17 @@ def agent(args: argparse.Namespace) -> None:
     gpus = hw.gpus
     cfg = AgentConfig(
         gateways=[u for u in args.gateway.split(",") if u], node=args.node, token=token,
-        gpus=gpus, engines=available_engines(gpus, vllm_env),
+        # With no vLLM of the operator's, a GPU node installs its build itself.
+        gpus=gpus, engines=available_engines(gpus, vllm_env or ("managed" if gpus else "")),
         work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
+        # LLMGW_VLLM_BIN, or a vllm on PATH, is the operator's own build:
+        # used as it is, never installed over (docs/architecture.md).
+        install_builds=not (vllm_env or shutil.which("vllm")),
         stop_engines_on_exit=args.stop_engines_on_exit,
         ops=NodeOpsConfig(
             hardware=hw, rediscover=probe if args.gpus is None else None,
-            api_port=args.api_port,
+            api_port=args.api_port, builds=builds_config(),
             cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir
             else default_cache_dir()),
     )

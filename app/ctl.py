@@ -124,6 +124,8 @@ def nodes(gateway: Gateway = _DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
             versions += f", driver {n['driver_version']}"
         if n.get("cuda_version"):
             versions += f", CUDA {n['cuda_version']}"
+        if n.get("vllm_build") is not None:  # agents older than engine builds: absent
+            versions += f", vLLM build {n['vllm_build'] or 'none usable'}"
         host = f"{n.get('cpus') or '?'} CPUs, {_gib(n.get('memory_mib') or 0)}"
         table.add_row(n["name"], n.get("address", ""), _gpus(n), versions, host,
                       ", ".join(n.get("replicas", [])))
@@ -256,6 +258,23 @@ def upgrade(
         return
     sys.stdout.write(f"{node}: llmgw {data.get('from', '?')} -> {data.get('version', version)} "
                      "installed; the agent is restarting and keeps its engines\n")
+
+
+@app.command("engine-build")
+def engine_build(
+    node: Annotated[str, typer.Argument(help="node name")],
+    choice: Annotated[str, typer.Argument(help="auto, cu13, cu129 or none")],
+    gateway: Gateway = _DEFAULT_GATEWAY, as_json: AsJson = False,
+) -> None:
+    """Choose the vLLM build a node's agent installs (none: no vLLM replicas there)."""
+    if choice not in ("auto", "cu13", "cu129", "none"):
+        raise typer.BadParameter("one of auto, cu13, cu129, none", param_hint="CHOICE")
+    data = request(gateway, "PUT", f"/admin/nodes/{urllib.parse.quote(node)}/engine-build",
+                   body={"build": choice})
+    if as_json:
+        _out(data, True)
+    else:
+        sys.stdout.write(f"{node}: engine build {data.get('engine_build', choice)}\n")
 
 
 @app.command("node-token")

@@ -88,6 +88,14 @@ def test_ctl_against_a_real_gateway(cluster: Cluster, tmp_path: Path) -> None:
     assert removed.stdout == "removed models--old--x\n"
     assert not (cache / "models--old--x").exists()
 
+    # The fake vllm on PATH is the operator's own build, used without a check.
+    assert node["vllm_build"] == "operator", node
+    chosen = ctl("engine-build", "node-1", "none", gateway=gw.url)
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout == "node-1: engine build none\n"
+    bad = ctl("engine-build", "node-1", "cu12", gateway=gw.url)
+    assert bad.returncode == 2 and "auto, cu13, cu129, none" in bad.stderr, bad.stderr
+
     said = one_line_error(ctl("logs", "node-9", gateway=gw.url))
     assert "404" in said and "node-9" in said
     said = one_line_error(ctl("nodes", gateway=gw.url, token="wrong-token-0123456789"))

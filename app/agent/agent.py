@@ -16,11 +16,12 @@ an in-memory gateway and a clock they move, against real engine processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +71,9 @@ class AgentConfig:
     engines: list[Engine]
     work_dir: Path
     vllm_bin: str = "vllm"
+    # Install and GPU-check the vLLM build the operator chooses for this node
+    # (builds.py). Off: `vllm_bin` is the operator's own build, used as it is.
+    install_builds: bool = False
     advertise_host: str = ""
     # Engines outlive the agent unless this is set: a restarted agent (an
     # upgrade, a crash) adopts them instead of reloading every model.
@@ -107,7 +111,11 @@ class Agent:
         # unknown: converging then would stop every adopted engine.
         self.synced = False
         self._state_path = cfg.work_dir / "engines.json"
-        self.ops = NodeOps(cfg.ops, node=cfg.node, token=cfg.token, work_dir=cfg.work_dir,
+        ops = cfg.ops
+        if not cfg.install_builds:
+            ops = replace(ops, builds=replace(
+                ops.builds, operator_bin=ops.builds.operator_bin or cfg.vllm_bin))
+        self.ops = NodeOps(ops, node=cfg.node, token=cfg.token, work_dir=cfg.work_dir,
                            gpus=cfg.gpus, view=self, clock=clock)
 
     async def start(self) -> None:
@@ -152,6 +160,7 @@ class Agent:
         return NodeInfo(
             name=self.cfg.node, engines=self.cfg.engines, address=self.host,
             version=__version__, api_url=self.ops.api.url, **self.ops.hardware.node_fields(),
+            **self.ops.build_fields(),
         )
 
     def engine_specs(self) -> list[EngineSpec]:
@@ -185,7 +194,10 @@ class Agent:
             self.client.move_on()
             return "stale"
         self.revision = revision
+        if not self.synced:
+            self.ops.build_chosen.set()  # the build loop waited for the choice
         self.synced = True
+        self.ops.choose(str(answer.get("engine_build") or "auto"))
         if answer["fingerprint"] == self.fingerprint:
             return "unchanged"
         self.fingerprint = answer["fingerprint"]
@@ -227,7 +239,7 @@ class Agent:
                 entry = cur or _Running(proc)
                 self.running[rid] = entry
                 try:
-                    await proc.start(self.cfg.vllm_bin)
+                    await proc.start(self._vllm_bin(spec))
                 except OSError as exc:
                     self._died(entry, f"could not start {spec.engine}: {exc}")
                     continue
@@ -240,6 +252,15 @@ class Agent:
                 # between two starts leaves no engine it would not adopt.
                 self._save()
             return started, stopped
+
+    def _vllm_bin(self, spec: EngineSpec) -> str:
+        """The vllm executable: the node's verified build (builds.py)."""
+        if spec.engine != "vllm":
+            return self.cfg.vllm_bin
+        found = self.ops.builds.vllm_bin()
+        if found is None:
+            raise OSError(f"no usable vLLM build on this node ({self.ops.builds.status()})")
+        return found
 
     def _died(self, entry: _Running, reason: str) -> None:
         """Marks the replica failed: restarted after a backoff, or, dying
@@ -351,8 +372,29 @@ class Agent:
         await self.report()
         await self.ops.rotate(e.proc.log_path for e in self.running.values())
 
+    async def build_step(self) -> None:
+        """Brings the node to its chosen vLLM build, then reports it at once
+        (placement waits on it); then waits for another choice."""
+        if not self.synced:
+            return  # the operator's choice is not known yet: install nothing
+        self.ops.build_chosen.clear()
+        if await self.ops.builds.step(self.ops.hardware.cuda_version):
+            await self.heartbeat()
+
+    async def _build_loop(self) -> None:
+        while True:
+            try:
+                await self.build_step()
+            except (GatewayUnreachable, GatewayRefused) as exc:
+                logger.warning("reporting the engine build failed: %s", exc)
+            except Exception:
+                logger.exception("engine build step crashed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ops.build_chosen.wait(), 60.0)
+
     async def run(self) -> None:
         await asyncio.gather(
+            self._build_loop(),
             self._every(lambda: self.heartbeat_every, self.heartbeat, "heartbeat"),
             self._every(lambda: 0.0, self._poll_step, "assignment poll"),
             self._every(lambda: self.cfg.observe_interval, self._observe_step, "engine check"),

@@ -3,7 +3,9 @@ discovered, its own API (nodeapi.py), its log file and its engines' log
 rotation (logfiles.py). See docs/architecture.md, "Node operations".
 
 The agent calls four one-step methods: `start()`, `refresh()` (from the
-heartbeat), `rotate()` (from the engine check) and `stop()`.
+heartbeat), `rotate()` (from the engine check) and `stop()`; and its vLLM
+build (builds.py) through `choose()` (from the assignments poll) and
+`builds.step()` (from a loop of its own: an install takes minutes).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from app.agent import logfiles
+from app.agent.builds import Builds, BuildsConfig
 from app.agent.gpus import Hardware, host_only, refreshed
 from app.agent.nodeapi import NodeApi, NodeApiConfig, NodeView
 from app.agent.weights import default_cache_dir
@@ -42,6 +46,8 @@ class NodeOpsConfig:
     # Larger keeps more history on disk; each copy is up to this size.
     log_max_bytes: int = 64 * 2**20
     log_keep: int = 3
+    # The vLLM build: installer and GPU check commands (builds.py).
+    builds: BuildsConfig = field(default_factory=BuildsConfig)
 
 
 class NodeOps:
@@ -56,6 +62,9 @@ class NodeOps:
         self.api = NodeApi(NodeApiConfig(node=node, token=token, work_dir=work_dir,
                                          cache_dir=cfg.cache_dir, log_keep=cfg.log_keep), view)
         self._log_handler: logging.Handler | None = None
+        self.builds = Builds(cfg.builds, work_dir)
+        # Set when the gateways name another build: the build loop wakes.
+        self.build_chosen = asyncio.Event()
 
     async def start(self, host: str) -> None:
         if self.cfg.log_to_file:
@@ -79,6 +88,16 @@ class NodeOps:
         found = await asyncio.to_thread(self.cfg.rediscover)
         self.hardware = refreshed(self.hardware, found)
         return True
+
+    def choose(self, build: str) -> None:
+        """The build the gateways name for this node (the assignments answer)."""
+        if build != self.builds.choice:
+            logger.info("engine build for this node: %s (was %s)", build, self.builds.choice)
+            self.builds.choice = build
+            self.build_chosen.set()
+
+    def build_fields(self) -> dict[str, Any]:
+        return {"vllm_build": self.builds.usable, "vllm_build_check": self.builds.status()}
 
     async def rotate(self, logs: Iterable[Path]) -> list[Path]:
         """Rotates the engine logs grown past log_max_bytes."""

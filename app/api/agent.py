@@ -37,18 +37,24 @@ class StatusReport(BaseModel):
     replicas: list[s.ReplicaStatus]
 
 
-def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]]]:
-    """This node's desired replicas, with their engine keys, and a fingerprint."""
+def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], str]:
+    """This node's desired replicas, with their engine keys, a fingerprint,
+    and the vLLM build chosen for the node (in the fingerprint: a new choice
+    answers the long poll)."""
     mine = sorted((r for r in gw.mirror.replicas().values() if r.node == node),
                   key=lambda r: r.id)
-    shape = [[r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args]
-             for r in mine]
+    conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+    shape: list[Any] = [
+        [r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args]
+        for r in mine]
+    if conf.engine_build != "auto":  # fingerprints of the default stay as they were
+        shape.append(conf.engine_build)
     fp = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
     out = [{"id": r.id, "model": r.model, "weights": r.weights,
             "weights_revision": r.weights_revision, "engine_args": r.engine_args,
             "engine": r.engine,
             "gpus": r.gpus, "key": engine_key(gw.secret, r.id)} for r in mine]
-    return fp, out
+    return fp, out, conf.engine_build
 
 
 def check_engine_url(url: str, node: s.NodeInfo | None) -> str | None:
@@ -148,12 +154,13 @@ def routes(gw: Gateway) -> APIRouter:
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
         while True:
             seen = gw.mirror.revision
-            fp, replicas = assignments(gw, node)
+            fp, replicas, build = assignments(gw, node)
             left = deadline - loop.time()
             if fp != since or left <= 0 or gw.closing.is_set():
-                return {"fingerprint": fp, "revision": seen, "replicas": replicas}
-            # Woken only by a change to this node's replicas, not by every
-            # change in the fleet (docs/architecture.md, Scale).
+                return {"fingerprint": fp, "revision": seen, "replicas": replicas,
+                        "engine_build": build}
+            # Woken only by a change to this node's replicas or conf, not by
+            # every change in the fleet (docs/architecture.md, Scale).
             await _first(gw.mirror.wait_node_past(node, seen, left), gw.closing.wait())
 
     @r.put("/status")

@@ -50,6 +50,14 @@ class NodeConfBody(BaseModel):
         return s.check_labels(v)
 
 
+class EngineBuildBody(BaseModel):
+    """`PUT /admin/nodes/{node}/engine-build`: the vLLM build its agent
+    installs (docs/architecture.md, "Node operations")."""
+
+    model_config = ConfigDict(extra="forbid")
+    build: s.EngineBuild
+
+
 class QuotaBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_gpus: int = Field(..., ge=0, le=100_000, description="GPUs the scope may hold")
@@ -124,6 +132,12 @@ def routes(gw: Gateway) -> APIRouter:
     async def put_conf(node: str, body: NodeConfBody) -> dict[str, Any]:
         return await change(node, lambda c: c.model_copy(
             update={"pool": body.pool, "labels": body.labels}))
+
+    @r.put("/nodes/{node}/engine-build")
+    async def put_engine_build(node: str, body: EngineBuildBody) -> dict[str, Any]:
+        """auto (the newest build the driver runs), cu13, cu129, or none (no
+        vLLM replicas). The node's agent is told within its long poll."""
+        return await change(node, lambda c: c.model_copy(update={"engine_build": body.build}))
 
     @r.post("/nodes/{node}/cordon")
     async def cordon(node: str) -> dict[str, Any]:

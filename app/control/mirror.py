@@ -87,6 +87,9 @@ class Mirror:
                              if kv is not None)
                 if ev.kind == "put":
                     nodes.add(_node_of(ev.value))
+            elif ev.key.startswith(s.NODECONF):
+                # Its engine build is in the node's assignments answer.
+                nodes.add(ev.key.removeprefix(s.NODECONF))
             if ev.kind == "put":
                 self._kvs[ev.key] = KeyValue(
                     ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease
@@ -186,7 +189,8 @@ class Mirror:
 
     def node_revision(self, node: str) -> int:
         """The revision of the last change to the replicas on `node` (one
-        placed there, changed, or moved or deleted from there), as far as
+        placed there, changed, or moved or deleted from there) or to its
+        conf (`nodeconf/{node}`: its engine build), as far as
         this mirror can tell: a resync counts as a change to every node."""
         return max(self._node_changed.get(node, 0), self._resynced_at)
 

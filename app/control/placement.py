@@ -258,6 +258,8 @@ class Placer:
             return f"in pool {pool}, the profile wants pool {prof.pool}"
         if prof.engine not in node.engines:
             return f"engine {prof.engine} not available"
+        if prof.engine == "vllm" and (why := _no_vllm_build(node, conf)):
+            return why
         if prof.engine == "llamacpp":
             if not node.cpu_only:
                 return "llamacpp replicas go to CPU nodes"
@@ -278,6 +280,17 @@ class Placer:
         # large ones for the models that need them; else the lowest ids.
         order = sorted(roomy, key=lambda i: ((roomy[i] or 0) if need_mib else 0, i))
         return sorted(order[: prof.gpu_count]), len(idle)
+
+
+def _no_vllm_build(node: s.NodeInfo, conf: s.NodeConf | None) -> str:
+    """Why `node` has no vLLM build to run a replica with, or "". Agents
+    older than engine builds report none (None): not judged."""
+    if conf is not None and conf.engine_build == "none":
+        return "engine build set to none"
+    if node.vllm_build == "":
+        first = (node.vllm_build_check.splitlines() or ["not reported yet"])[0]
+        return f"no usable vLLM build ({first})"
+    return ""
 
 
 def _quota_refusal(name: str, spec: s.ModelSpec, prof: s.Profile,

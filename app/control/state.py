@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -120,6 +121,13 @@ class NodeInfo(_Stored):
     memory_mib: int = 0
     # The agent's own API (logs, cached weights): http://ADDRESS:PORT.
     api_url: str = ""
+    # The vLLM build replicas would use (docs/architecture.md, "Node
+    # operations"): "cu13", "cu129", "operator" (LLMGW_VLLM_BIN), "" none
+    # usable (no vLLM replicas placed here); None from older agents, which
+    # placement does not judge.
+    vllm_build: str | None = None
+    # What became of the chosen build: installing, its GPU check and output.
+    vllm_build_check: str = Field(default="", max_length=4096)
 
     @field_validator("name")
     @classmethod
@@ -144,6 +152,9 @@ def check_labels(labels: dict[str, str]) -> dict[str, str]:
     return labels
 
 
+EngineBuild = Literal["auto", "cu13", "cu129", "none"]
+
+
 class NodeConf(_Stored):
     """The operator's choices for one node (`nodeconf/{node}`), kept apart
     from `nodes/{node}`, which its agent rewrites and which vanishes with its
@@ -155,6 +166,8 @@ class NodeConf(_Stored):
     pool: str = Field(default="default", max_length=64,
                       description="only profiles of this pool are placed here")
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+    engine_build: EngineBuild = Field(
+        default="auto", description="the vLLM build its agent installs; none: no vLLM here")
 
     @field_validator("pool")
     @classmethod

@@ -1,0 +1,217 @@
+"""Engine builds per node (docs/architecture.md, "Node operations"): the
+operator chooses a vLLM build on the API, the node's agent is told within
+its long poll, installs it with a stand-in installer, verifies it with a
+stand-in GPU check, reports it, and placement uses it. In-process gateways
+on a real etcd; the installer and the check are shell scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.agent.agent import Agent, AgentConfig
+from app.agent.builds import Builds, BuildsConfig, pick
+from app.agent.engines import EngineSpec
+from app.agent.gpus import Hardware, declared
+from app.agent.nodeops import NodeOpsConfig
+from app.control import state as s
+from app.control.placement import Fit, NoFit, place
+from tests.support.etcd import EtcdServer, ExternalEtcd
+from tests.support.procs import FAKE_BIN
+from tests.test_agent_api import _node, _until, gateways
+
+# Counts its runs in its own directory, and leaves a vllm in the venv.
+INSTALLER = """#!/bin/sh
+echo "installing $1 into $2"
+echo run >> "$2.runs"
+mkdir -p "$2/bin" && ln -sf {vllm} "$2/bin/vllm"
+"""
+CHECK_OK = "#!/bin/sh\necho 'matmul sum 262144.0'\n"
+CHECK_FAILS = ("#!/bin/sh\necho 'torch imported'\n"
+               "echo 'CUDA error: no kernel image is available for execution' >&2\nexit 3\n")
+
+
+def script(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text.format(vllm=FAKE_BIN / "vllm"))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def runs(venv: Path) -> str:
+    return Path(f"{venv}.runs").read_text()
+
+
+def stand_ins(tmp: Path, check: str = CHECK_OK, operator_bin: str = "") -> BuildsConfig:
+    return BuildsConfig(installer=script(tmp, "install.sh", INSTALLER) + " {build} {venv}",
+                        check=script(tmp, "check.sh", check) + " {venv}",
+                        operator_bin=operator_bin)
+
+
+def test_auto_picks_the_newest_build_the_driver_can_run() -> None:
+    assert pick("auto", "13.0")[0] == "cu13"
+    assert pick("auto", "13.1")[0] == "cu13"
+    assert pick("auto", "12.9")[0] == "cu129"
+    assert pick("auto", "12.8") == (
+        None, "the driver's CUDA 12.8 is older than 12.9: no vLLM build can run here")
+    assert pick("auto", "")[0] is None
+    assert pick("cu129", "13.0")[0] == "cu129"  # an explicit choice is taken as it is
+    assert pick("none", "13.0")[0] is None
+
+
+async def test_a_build_is_installed_once_then_checked(tmp_path: Path) -> None:
+    b = Builds(stand_ins(tmp_path), tmp_path / "work")
+    assert b.vllm_bin() is None
+    assert await b.step("13.0") is True
+    assert b.usable == "cu13", b.detail
+    assert "GPU check passed" in b.detail and "matmul sum 262144.0" in b.detail
+    venv = tmp_path / "work" / "engines" / "cu13" / "venv"
+    assert b.vllm_bin() == str(venv / "bin" / "vllm")
+    assert await b.step("13.0") is False  # nothing to do
+    # Another agent run on the same work dir checks it again, installs nothing.
+    again = Builds(stand_ins(tmp_path), tmp_path / "work")
+    assert await again.step("13.0") is True and again.usable == "cu13"
+    assert runs(venv) == "run\n"
+
+
+async def test_a_failed_gpu_check_is_shown_with_its_output_and_not_retried(
+    tmp_path: Path
+) -> None:
+    b = Builds(stand_ins(tmp_path, CHECK_FAILS), tmp_path / "work")
+    assert await b.step("12.9") is True
+    assert b.usable == "" and b.vllm_bin() is None
+    assert b.detail.startswith("cu129: GPU check failed (exit 3); output:"), b.detail
+    assert "CUDA error: no kernel image" in b.detail and "torch imported" in b.detail
+    assert await b.step("12.9") is False  # not retried until the choice changes
+    # Placement refuses the node and says why.
+    node = s.NodeInfo(name="h1", gpus=declared(1), engines=["vllm"], vllm_build=b.usable,
+                      vllm_build_check=b.status())
+    fit = place("m", s.StoredModel(name="m", model="org/m"), {"h1": node}, {})
+    assert isinstance(fit, NoFit)
+    assert fit.reasons == {"h1": "no usable vLLM build (cu129: GPU check failed (exit 3); "
+                                 "output:)"}
+
+
+async def test_an_operator_vllm_is_used_as_it_is_never_installed_over(tmp_path: Path) -> None:
+    own = str(FAKE_BIN / "vllm")
+    b = Builds(stand_ins(tmp_path, CHECK_FAILS, operator_bin=own), tmp_path / "work")
+    b.choice = "cu13"
+    assert await b.step("13.0") is False
+    assert (b.usable, b.vllm_bin()) == ("operator", own)
+    assert not (tmp_path / "work" / "engines").exists()
+
+
+def test_placement_keeps_vllm_off_nodes_without_a_usable_build() -> None:
+    spec = s.StoredModel(name="m", model="org/m")
+    ok = s.NodeInfo(name="ok", gpus=declared(1), engines=["vllm"], vllm_build="cu13")
+    old = s.NodeInfo(name="old", gpus=declared(1), engines=["vllm"])  # an older agent
+    fit = place("m", spec, {"ok": ok}, {}, nodeconfs={"ok": s.NodeConf(engine_build="none")})
+    assert isinstance(fit, NoFit) and fit.reasons == {"ok": "engine build set to none"}
+    assert place("m", spec, {"ok": ok}, {}) == Fit("ok", [0])
+    assert place("m", spec, {"old": old}, {}) == Fit("old", [0])
+
+
+class AsgiGateway:
+    """The agent's gateway calls, over an in-process gateway app."""
+
+    def __init__(self, client: httpx.AsyncClient, node: str) -> None:
+        self.c, self.base, self.headers = client, f"/agent/v1/nodes/{node}", _node(node)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def heartbeat(self, inventory: dict[str, Any]) -> dict[str, Any]:
+        r = await self.c.put(self.base, json=inventory, headers=self.headers)
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def assignments(self, since: str, wait: float) -> dict[str, Any]:
+        r = await self.c.get(self.base + "/assignments", params={"since": since, "wait": wait},
+                             headers=self.headers, timeout=wait + 5)
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def report(self, replicas: list[dict[str, Any]]) -> None:
+        pass
+
+    def move_on(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("check", [CHECK_OK, CHECK_FAILS], ids=["check-passes", "check-fails"])
+async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path, check: str
+) -> None:
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(app, c)]:
+        gw = app.state.gateway
+        cfg = AgentConfig(
+            gateways=["http://127.0.0.1:9"], node="h1", token="t", gpus=declared(1),
+            engines=["vllm"], work_dir=tmp_path / "agent", install_builds=True,
+            ops=NodeOpsConfig(hardware=Hardware(gpus=declared(1), cuda_version="13.0"),
+                              api_port=None, log_to_file=False,
+                              builds=stand_ins(tmp_path, check)))
+        agent = Agent(cfg, client=AsgiGateway(c, "h1"))
+        await agent.heartbeat()
+        await agent.build_step()  # the choice is not known yet: nothing installed
+        assert not (tmp_path / "agent" / "engines").exists()
+        assert await agent.poll(0) == "changed"
+        assert agent.ops.builds.choice == "auto" and agent.ops.build_chosen.is_set()
+
+        # The agent waits in its long poll; the operator picks cu129.
+        loop = asyncio.get_running_loop()
+        polling = asyncio.ensure_future(agent.poll(20))
+        # Time for the poll to reach the gateway and wait there: answered
+        # before the PUT, the timing below would prove nothing.
+        await asyncio.sleep(0.2)
+        assert not polling.done()
+        started = loop.time()
+        r = await c.put("/admin/nodes/h1/engine-build", json={"build": "cu129"})
+        assert r.status_code == 200, r.text
+        assert r.json()["engine_build"] == "cu129"
+        assert await polling == "changed"
+        assert loop.time() - started < 1.0
+        assert agent.ops.builds.choice == "cu129" and agent.ops.build_chosen.is_set()
+
+        # Installed, checked, reported at once by the build step.
+        await agent.build_step()
+        await _until(lambda: gw.mirror.nodes()["h1"].vllm_build_check != "", "build reported")
+        info = gw.mirror.nodes()["h1"]
+        spec = s.StoredModel(name="m", model="org/m")
+        fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())
+        if check == CHECK_OK:
+            assert info.vllm_build == "cu129", info.vllm_build_check
+            assert fit == Fit("h1", [0])
+            engine = EngineSpec(replica_id="r1", model="m", weights="org/m", engine="vllm",
+                                gpus=(0,), key="k")
+            assert agent._vllm_bin(engine) == str(
+                tmp_path / "agent" / "engines" / "cu129" / "venv" / "bin" / "vllm")
+        else:
+            assert info.vllm_build == ""
+            engine = EngineSpec(replica_id="r1", model="m", weights="org/m", engine="vllm",
+                                gpus=(0,), key="k")
+            with pytest.raises(OSError, match="no usable vLLM build"):
+                agent._vllm_bin(engine)
+            assert "CUDA error: no kernel image" in info.vllm_build_check
+            assert isinstance(fit, NoFit) and fit.reasons["h1"].startswith(
+                "no usable vLLM build (cu129: GPU check failed")
+
+        # `none`: no vLLM replicas, whatever the build.
+        r = await c.put("/admin/nodes/h1/engine-build", json={"build": "none"})
+        assert r.status_code == 200, r.text
+        fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())
+        assert isinstance(fit, NoFit) and fit.reasons == {"h1": "engine build set to none"}
+
+        r = await c.put("/admin/nodes/h1/engine-build", json={"build": "cu12"})
+        assert r.status_code == 422, r.text
+        r = await c.put("/admin/nodes/h9/engine-build", json={"build": "cu13"})
+        assert r.status_code == 404, r.text
