@@ -146,3 +146,16 @@ def test_an_adopted_engine_is_stopped_with_its_group_only_if_it_leads_one(
         for p in (leader, alone):
             p.kill()
             p.wait()
+
+
+def test_advertising_loopback_to_a_remote_gateway_is_said_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from app.agent.gateway_client import advertise_address
+
+    assert advertise_address("http://127.0.0.1:8080") == "127.0.0.1"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # loopback to loopback
+    # No route to tell (an unresolvable gateway): 127.0.0.1, and an error says so.
+    assert advertise_address("http://no-such-host.invalid:8080") == "127.0.0.1"
+    assert any("--advertise-host" in r.getMessage() for r in caplog.records
+               if r.levelname == "ERROR")

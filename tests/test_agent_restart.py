@@ -4,7 +4,11 @@ running instead of starting them again: no reload, no GPU used twice."""
 from __future__ import annotations
 
 import signal
+import threading
+import time
 import uuid
+
+import httpx
 
 from tests.support.procs import (
     Cluster,
@@ -26,6 +30,22 @@ def test_restarted_agent_adopts_its_engines(cluster: Cluster) -> None:
     name = f"adopt-{uuid.uuid4().hex[:8]}"
     served = serve_one(gw, name)
     key, rep, pid = served.key, served.replica, served.pid
+
+    # A client asks all along, through every stop, crash and restart below.
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        with httpx.Client(base_url=gw.url, timeout=10,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            while not stop.is_set():
+                answers.append(client.post("/v1/chat/completions", json={
+                    "model": name, "messages": [{"role": "user", "content": "hi"}]}
+                ).status_code)
+                time.sleep(0.05)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
 
     # A clean stop leaves the engine serving, through the gateway too.
     agent.signal(signal.SIGTERM)
@@ -54,6 +74,10 @@ def test_restarted_agent_adopts_its_engines(cluster: Cluster) -> None:
 
     agent = adopt("--stop-engines-on-exit")
     wait_for(lambda: routes(gw, key, name), 10, "routing")
+    stop.set()
+    asking.join(15)
+    # Not one request lost while the agent stopped, crashed and came back.
+    assert len(answers) > 20 and set(answers) == {200}, sorted(set(answers))
     # Asked to, the agent stops an adopted engine (not its child) on exit.
     agent.signal(signal.SIGTERM)
     assert agent.wait(20) == 0, agent.output()[-2000:]

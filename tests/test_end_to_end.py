@@ -95,11 +95,12 @@ def test_a_profiles_engine_args_and_revision_reach_the_engine(cluster: Cluster) 
     key = make_key(gw)
     put_model(gw, "tuned", {
         "model": "acme/tuned", "revision": "v2",
-        "profiles": [{"engine": "vllm", "gpus": 1,
-                      "engine_args": ["--max-model-len=4096", "--enforce-eager"]}]})
+        "profiles": [{"engine": "vllm", "gpus": 1, "gpu_memory_utilization": 0.85,
+                      "max_model_len": 4096, "engine_args": ["--enforce-eager"]}]})
     rep = wait_ready(gw)
     wait_for(lambda: routes(gw, key, "tuned"), 10, "routing")
     with open(f"/proc/{engine_pid(rep['url'])}/cmdline", "rb") as f:
         argv = f.read().decode().split("\0")
     assert argv[argv.index("--revision") + 1] == "v2"
     assert "--max-model-len=4096" in argv and "--enforce-eager" in argv
+    assert "--gpu-memory-utilization=0.85" in argv  # the profile's fields, as vLLM's flags

@@ -8,12 +8,16 @@ in-memory `GatewayAPI` instead (docs/architecture.md, DESIGN invariant 7).
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+
+logger = logging.getLogger(__name__)
 
 
 class GatewayUnreachable(Exception):
@@ -65,9 +69,25 @@ def advertise_address(gateway_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             sock.connect((host, parts.port or 80))
-            return str(sock.getsockname()[0])
-        except OSError:
+            address = str(sock.getsockname()[0])
+        except OSError as exc:
+            logger.error(
+                "cannot tell this host's address on the way to %s (%s): advertising "
+                "127.0.0.1, which only a gateway on this very host can reach; set "
+                "--advertise-host", gateway_url, exc)
             return "127.0.0.1"
+    if address.startswith("127.") and not _loopback(host):
+        logger.error(
+            "the route to gateway %s leaves from %s: engines advertised there are reachable "
+            "from this host only; set --advertise-host", gateway_url, address)
+    return address
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class GatewayClient:

@@ -148,6 +148,16 @@ def _check_profile(p: s.Profile, at: Loc) -> list[FieldError]:
         if p.gpu_memory_gib is not None:
             out.append(FieldError((*at, "gpu_memory_gib"),
                                   "engine llamacpp runs on CPU nodes: it needs no GPU memory"))
+        for f in ("gpu_memory_utilization", "max_model_len"):
+            if getattr(p, f) is not None:
+                out.append(FieldError((*at, f), f"{f} is a vLLM setting; engine llamacpp "
+                                                "takes none"))
+    names = {a[2:].split("=", 1)[0].replace("_", "-") for a in p.engine_args}
+    for f, flag in (("gpu_memory_utilization", "gpu-memory-utilization"),
+                    ("max_model_len", "max-model-len")):
+        if getattr(p, f) is not None and flag in names:
+            out.append(FieldError((*at, f), f"given twice: as {f} and as --{flag} in "
+                                            "engine_args"))
     for j, arg in enumerate(p.engine_args):
         why = refused_engine_arg(p.engine, arg)
         if why is not None:

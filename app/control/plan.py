@@ -50,7 +50,7 @@ def _matches(spec: s.StoredModel, r: s.Replica) -> bool:
         return False
     prof = spec.profile_list[0]
     return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
-        spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_args)
+        spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_flags)
 
 
 def wanted(spec: s.ModelSpec, last_use: float | None, now: float, idle_slack: float = 0.0,
@@ -234,7 +234,7 @@ def plan(
                 id=replica_id(name, new_suffix()), model=name, node=fit.node,
                 gpus=fit.gpus, engine=prof.engine, weights=spec.model,
                 weights_revision=spec.revision, profile=prof.name,
-                engine_args=list(prof.engine_args),
+                engine_args=prof.engine_flags,
             )
             live[rep.id] = rep
             placer.add(rep)

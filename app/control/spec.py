@@ -101,6 +101,12 @@ class Profile(BaseModel):
         default_factory=list, max_length=64,
         description="extra engine flags, each '--name' or '--name=value'; flags llmgw sets "
                     "itself (host, port, served model name, keys...) are refused")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1,
+        description="vLLM's --gpu-memory-utilization: the share of each GPU's memory it takes")
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=10_000_000,
+        description="vLLM's --max-model-len: the longest context a request may use")
     priority: int = Field(default=0, ge=0, le=1000, description="higher is routed to first")
     weight: float = Field(
         default=1.0, gt=0, le=1000,
@@ -118,6 +124,17 @@ class Profile(BaseModel):
         if self.gpus is not None:
             return self.gpus
         return 1 if self.engine == "vllm" else 0
+
+    @property
+    def engine_flags(self) -> list[str]:
+        """The engine flags a replica of this profile runs with: its own
+        fields as vLLM's flags, then its extra `engine_args`."""
+        flags = []
+        if self.gpu_memory_utilization is not None:
+            flags.append(f"--gpu-memory-utilization={self.gpu_memory_utilization:g}")
+        if self.max_model_len is not None:
+            flags.append(f"--max-model-len={self.max_model_len}")
+        return flags + list(self.engine_args)
 
 
 class External(BaseModel):
