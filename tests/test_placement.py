@@ -300,3 +300,23 @@ def test_a_replica_its_agent_gave_up_on_is_placed_again_elsewhere() -> None:
     p = plan({"m": model("m")}, {"n1": nodes[0]}, {"r1": rep}, now=100.0,
              drain_seconds=2.0, new_suffix=lambda: "0001", failed={"r1"})
     assert p.drain == ["r1"] and [(r.node, r.gpus) for r in p.create] == [("n1", [1])]
+
+
+def test_the_first_profile_that_fits_is_placed_and_kept() -> None:
+    h100 = s.NodeInfo(name="h1", gpus=[s.GpuInfo(index=0, memory_mib=81559)], engines=["vllm"])
+    a10 = s.NodeInfo(name="a1", gpus=[s.GpuInfo(index=i, memory_mib=23028) for i in range(2)],
+                     engines=["vllm"])
+    spec = model("m", replicas={"min": 2, "max": 2}, profiles=[
+        {"name": "big", "gpus": 1, "gpu_memory_gib": 70, "engine_args": ["--enforce-eager"]},
+        {"name": "small", "gpus": 2, "gpu_memory_gib": 20}])
+    p = run_plan([spec], [h100, a10], {})
+    # The preferred profile where it fits (the H100), the next one elsewhere.
+    assert sorted((r.node, r.profile, len(r.gpus), tuple(r.engine_args)) for r in p.create) == [
+        ("a1", "small", 2, ()), ("h1", "big", 1, ("--enforce-eager",))]
+    # Each replica is held to the profile it was placed with: nothing rolls.
+    placed = {r.id: r for r in p.create}
+    assert run_plan([spec], [h100, a10], placed, ready=tuple(placed)).empty
+    # No profile fits: each node says why, per profile.
+    p = run_plan([spec], [a10], {"x": s.Replica(id="x", model="other", node="a1", gpus=[0],
+                                                weights="w")})
+    assert "big:" in p.unplaced["m"] and "small:" in p.unplaced["m"]

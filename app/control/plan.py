@@ -43,14 +43,38 @@ class Plan:
 
 
 def _matches(spec: s.StoredModel, r: s.Replica) -> bool:
-    """Whether replica `r` still runs what the spec asks for (its first
-    profile's engine, GPUs and flags; not the profile's name, whose renaming
-    must not restart an engine). A model turned external has no replicas."""
-    if not spec.profile_list:
+    """Whether replica `r` still runs what the spec asks for: the engine,
+    GPUs and flags of the profile it was placed with (by name; a replica of
+    an unnamed or renamed profile is held to the first, so renaming the only
+    profile restarts no engine). A model turned external has no replicas."""
+    profiles = spec.profile_list
+    if not profiles:
         return False
-    prof = spec.profile_list[0]
+    prof = next((p for p in profiles if p.name == r.profile), profiles[0])
     return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
         spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_flags)
+
+
+def _place_any(placer: Placer, name: str, spec: s.StoredModel
+               ) -> tuple[Fit | NoFit, s.Profile]:
+    """The first of the model's profiles, in the order given, that fits
+    somewhere: an operator lists the preferred way first (an H100 pool, then
+    an A10 one). When none fits, every node's reason names each profile's."""
+    profiles = spec.profile_list
+    refusals: list[tuple[s.Profile, NoFit]] = []
+    for prof in profiles:
+        fit = placer.place(name, spec, profile=prof)
+        if not isinstance(fit, NoFit):
+            return fit, prof
+        refusals.append((prof, fit))
+    if len(refusals) == 1:
+        return refusals[0][1], profiles[0]
+    reasons: dict[str, str] = {}
+    for prof, nofit in refusals:
+        for node, why in nofit.reasons.items():
+            reasons[node] = f"{reasons[node]}; " if node in reasons else ""
+            reasons[node] += f"{prof.name}: {why}"
+    return NoFit(reasons), profiles[0]
 
 
 def wanted(spec: s.ModelSpec, last_use: float | None, now: float, idle_slack: float = 0.0,
@@ -217,11 +241,12 @@ def plan(
         out.drain += [rid for rid in stale if rid not in keep]
         for i in range(want - len(current)):
             fit: Fit | NoFit = NoFit({})
+            prof = spec.profile_list[0]
             if avoid:
                 elsewhere = {n: info for n, info in nodes.items() if n not in avoid}
-                fit = place(name, spec, elsewhere, live, **fitting)
+                fit, prof = _place_any(Placer(elsewhere, live, **fitting), name, spec)
             if isinstance(fit, NoFit):
-                fit = placer.place(name, spec)
+                fit, prof = _place_any(placer, name, spec)
             if isinstance(fit, NoFit):
                 coming = [rid for rid in current if not ready(rid)] + [
                     r.id for r in out.create if r.model == name]
@@ -229,7 +254,6 @@ def plan(
                 if name in out.unplaced and len(current) + i < spec.replica_range.min:
                     _displace(out, name, spec, models, nodes, live, now, fitting)
                 break
-            prof = spec.profile_list[0]
             rep = s.Replica(
                 id=replica_id(name, new_suffix()), model=name, node=fit.node,
                 gpus=fit.gpus, engine=prof.engine, weights=spec.model,
