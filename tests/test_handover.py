@@ -20,7 +20,7 @@ from app.control import state as s
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
-from app.store.base import Compare, Op, Store, TxnResult, WatchBatch
+from app.store.base import Compare, Op, Store, StoreUnavailable, TxnResult, WatchBatch
 from app.store.etcd import EtcdStore
 from tests.support.etcd import EtcdServer, ExternalEtcd
 
@@ -264,3 +264,70 @@ async def test_drains_and_deletes_are_conditional_on_the_revision_read(
     kv = await store.get(s.REPLICAS + "m-c")
     assert kv is not None and s.Replica.model_validate_json(kv.value) == undrained
     assert "m-c" in result.refused
+
+
+class DiesAfter:
+    """A leader's store that goes dark after `writes` transactions: the
+    gateway killed in the middle of applying its plan."""
+
+    def __init__(self, inner: Store, writes: int) -> None:
+        self.inner = inner
+        self.left = writes
+
+    async def txn(self, compares: Sequence[Compare], success: Sequence[Op],
+                  failure: Sequence[Op] = ()) -> TxnResult:
+        if self.left <= 0:
+            raise StoreUnavailable("this gateway was killed")
+        self.left -= 1
+        return await self.inner.txn(compares, success, failure)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_leader_killed_in_the_middle_of_a_scale_up_leaves_no_double_placement(
+    stores: tuple[EtcdStore, EtcdStore],
+) -> None:
+    store_a, store_b = stores
+    start = (await store_a.range("")).revision + 1
+    await put(store_a, s.NODES + "n1", s.NodeInfo(
+        name="n1", gpus=[s.GpuInfo(index=i) for i in range(4)], engines=["vllm"]))
+    await put(store_a, s.NODES + "n2", s.NodeInfo(
+        name="n2", gpus=[s.GpuInfo(index=i) for i in range(4)], engines=["vllm"]))
+    await put(store_a, s.MODELS + "m", s.StoredModel(
+        name="m", model="w", gpus=1, replicas={"min": 6, "max": 6}))  # type: ignore[arg-type]
+
+    a = side(DiesAfter(store_a, 3), "a", [f"a{i}" for i in range(9)])  # type: ignore[arg-type]
+    held = HeldWatch(store_b)
+    b = side(held, "b", [f"b{i}" for i in range(9)])  # type: ignore[arg-type]
+    a.mirror.start()
+    b.mirror.start()
+    try:
+        assert await a.mirror.wait_for(await store_a.put("sync", b""), 5)
+        assert await b.mirror.wait_for(start + 2, 5)
+        assert (await a.elector.tick()).is_leader
+        # A plans six replicas and dies after writing two of them (its third
+        # transaction was its campaign's): its lease lapses, never revoked.
+        with pytest.raises(StoreUnavailable):
+            await a.reconciler.tick()
+        await a.mirror.stop()
+        await store_a.revoke(a.elector.lease)  # the TTL running out, without the wait
+        # B leads on a copy that has not seen A's two creates yet.
+        assert (await b.elector.tick()).is_leader
+        assert b.mirror.replicas() == {}
+        first = await b.reconciler.tick()
+        assert not first.acted  # it waits for its copy to reach its lead
+        held.release()
+        assert await b.mirror.wait_for((await store_b.range("")).revision, 5)
+        for _ in range(3):
+            await b.reconciler.tick()
+            assert await b.mirror.wait_for((await store_b.range("")).revision, 5)
+    finally:
+        await b.mirror.stop()
+
+    history = await replica_history(store_a, start)
+    assert doubly_held(history) == []
+    final = history[-1][1]
+    # Exactly the six wanted: A's two survivors, and four of B's; nothing twice.
+    assert len(final) == 6 and sum(r.id.startswith("m-a") for r in final.values()) == 2
+    assert len({(r.node, g) for r in final.values() for g in r.gpus}) == 6

@@ -195,6 +195,10 @@ def test_load_raises_replicas_toward_max_and_they_fall_back_after_the_window(
         print(f"3 replicas {time.monotonic() - began:.1f} s after the load began")
         wait_for(lambda: all(r["phase"] == "ready" for r in replicas(gw)), 30,
                  "the new replicas ready")
+        # Any gateway's status tells what the load asks for, not the floor.
+        with gw.admin() as admin:
+            assert wait_for(lambda: admin.get("/admin/models/chat").json()["status"][
+                "wanted"] == 3, 10, "status wanted 3")
     finally:
         stop.set()
         for t in threads:
