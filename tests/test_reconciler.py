@@ -423,3 +423,40 @@ def test_lease_ttl_election_interval_and_etcd_timeout_are_checked_together(
     Settings(data_dir=tmp_path, **etcd)
     Settings(data_dir=tmp_path, lease_ttl=4, etcd_timeout=2, **etcd)
     Settings(data_dir=tmp_path, etcd_timeout=0.3, **etcd)
+
+
+async def test_a_replica_given_up_on_is_placed_again_with_a_doubling_backoff(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, elector = parts
+    wall = Clock(1000.0)
+    suffixes = iter(f"{i:04d}" for i in range(100))
+    rec = Reconciler(store, mirror, elector, drain_seconds=0.0, interval=1, node_grace=30,
+                     wall=wall, new_suffix=lambda: next(suffixes))
+    for node in ("n1", "n2"):
+        await put(store, mirror, s.NODES + node, s.NodeInfo(
+            name=node, gpus=[s.GpuInfo(index=0)], engines=["vllm"]))
+    await put(store, mirror, s.MODELS + "m", s.StoredModel(name="m", model="w", gpus=1))
+    assert (await elector.tick()).is_leader
+    assert await mirror.wait_for(elector.lead_revision, 2)
+    (first,) = (await applied(rec, mirror)).plan.create
+
+    async def give_up(rid: str, node: str) -> None:
+        await put(store, mirror, s.STATUS + rid, s.ReplicaStatus(
+            id=rid, node=node, phase="failed", given_up=True, updated=wall.now))
+
+    await give_up(first.id, first.node)
+    # The first time: at once, on the other node.
+    p = (await applied(rec, mirror)).plan
+    assert p.drain == [first.id]
+    (second,) = p.create
+    assert second.node != first.node
+    await applied(rec, mirror)  # the drained one goes (nothing in flight: cap 0 s)
+    # It dies there too: the next try waits 30 s from its death.
+    wall.now = 1010.0
+    await give_up(second.id, second.node)
+    assert (await rec.tick()).plan.drain == []
+    wall.now = 1039.0
+    assert (await rec.tick()).plan.drain == []
+    wall.now = 1040.0
+    assert (await applied(rec, mirror)).plan.drain == [second.id]
