@@ -69,8 +69,9 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def agent(args: argparse.Namespace) -> None:
-    from app.agent.agent import Agent, AgentConfig
+    from app.agent.agent import Agent
     from app.agent.builds import builds_config
+    from app.agent.config import AgentConfig
     from app.agent.engines import available_engines, resolve_vllm
     from app.agent.gpus import declared_hardware, probe
     from app.agent.nodeops import NodeOpsConfig

@@ -17,7 +17,8 @@ from typing import Any
 import aiohttp
 
 from app import __version__
-from app.agent.agent import Agent, AgentConfig
+from app.agent.agent import Agent
+from app.agent.config import AgentConfig
 from app.agent.engines import available_engines, resolve_vllm
 from app.agent.gpus import declared_hardware, probe
 from app.agent.nodeops import NodeOpsConfig

@@ -24,7 +24,8 @@ import pytest
 from aiohttp import web
 
 from app.agent import health
-from app.agent.agent import Agent, AgentConfig
+from app.agent.agent import Agent
+from app.agent.config import AgentConfig
 from app.agent.gateway_client import GatewayClient, GatewayRefused, GatewayUnreachable
 from app.agent.gpus import declared
 from tests.support.procs import FAKE_BIN, kill_tagged

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.agent.agent import Agent, AgentConfig
+from app.agent.agent import Agent
 from app.agent.builds import Builds, BuildsConfig, pick
+from app.agent.config import AgentConfig
 from app.agent.engines import EngineSpec
 from app.agent.gpus import Hardware, declared
 from app.agent.nodeops import NodeOpsConfig

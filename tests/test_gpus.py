@@ -214,7 +214,8 @@ class Beats:
 async def test_the_agent_discovers_again_now_and_then_off_the_event_loop(
     tmp_path: Path,
 ) -> None:
-    from app.agent.agent import Agent, AgentConfig
+    from app.agent.agent import Agent
+    from app.agent.config import AgentConfig
     from app.agent.nodeops import NodeOpsConfig
 
     now = [0.0]

@@ -235,7 +235,8 @@ def test_weights_listed_and_removed_only_inside_the_cache_and_never_in_use(
 
 
 async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> None:
-    from app.agent.agent import Agent, AgentConfig, _Running
+    from app.agent.agent import Agent, _Running
+    from app.agent.config import AgentConfig
     from app.agent.engines import EngineProcess, EngineSpec
     from app.agent.nodeops import NodeOpsConfig
 
@@ -261,7 +262,8 @@ async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> Non
 async def test_an_agent_whose_api_port_is_taken_runs_on_without_its_api(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from app.agent.agent import Agent, AgentConfig
+    from app.agent.agent import Agent
+    from app.agent.config import AgentConfig
     from app.agent.nodeops import NodeOpsConfig
 
     with socket.socket() as taken:

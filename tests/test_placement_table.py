@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from app.control import state as s
+from app.control.displace import Displacement, displace
 from app.control.fleet import model_health, quota_report, quota_use
-from app.control.placement import Displacement, Fit, NoFit, displace, place
+from app.control.placement import Fit, NoFit, place
 
 H100 = 81559  # MiB nvidia-smi reports for an H100 80GB
 L40S = 46068

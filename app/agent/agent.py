@@ -22,13 +22,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
 
 from app import __version__
 from app.agent import health
+from app.agent.config import AgentConfig
 from app.agent.engines import EngineProcess, EngineSpec, free_port
 from app.agent.gateway_client import (
     GatewayAPI,
@@ -37,8 +37,8 @@ from app.agent.gateway_client import (
     GatewayUnreachable,
     advertise_address,
 )
-from app.agent.nodeops import NodeOps, NodeOpsConfig
-from app.control.state import Engine, GpuInfo, NodeInfo, Phase, ReplicaStatus
+from app.agent.nodeops import NodeOps
+from app.control.state import NodeInfo, Phase, ReplicaStatus
 
 logger = logging.getLogger(__name__)
 
@@ -60,31 +60,6 @@ class _Running:
     # Ready once since it started: liveness probes from then on, not readiness.
     was_ready: bool = False
     probe_failures: int = 0
-
-
-@dataclass
-class AgentConfig:
-    gateways: list[str]
-    node: str
-    token: str
-    gpus: list[GpuInfo]
-    engines: list[Engine]
-    work_dir: Path
-    vllm_bin: str = "vllm"
-    # Install and GPU-check the vLLM build the operator chooses for this node
-    # (builds.py). Off: `vllm_bin` is the operator's own build, used as it is.
-    install_builds: bool = False
-    advertise_host: str = ""
-    # Engines outlive the agent unless this is set: a restarted agent (an
-    # upgrade, a crash) adopts them instead of reloading every model.
-    stop_engines_on_exit: bool = False
-    heartbeat_interval: float = 5.0
-    observe_interval: float = 1.0
-    poll_wait: float = 25.0
-    # Per probe; a slow answer counts as a failed probe.
-    probe_timeout: float = 2.0
-    # Hardware refresh, the agent's API, log files (nodeops.py).
-    ops: NodeOpsConfig = field(default_factory=NodeOpsConfig)
 
 
 class Agent:

@@ -15,7 +15,8 @@ from typing import Any
 
 from app.control import state as s
 from app.control.agentversion import Window
-from app.control.placement import Fit, NoFit, Placer, displace, place
+from app.control.displace import displace
+from app.control.placement import Fit, NoFit, Placer, place
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 

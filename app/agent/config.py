@@ -1,0 +1,35 @@
+"""What one agent is told at start: its node, gateways, GPUs, engines and
+the timings of its loops (the `llmgw agent` command line builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.agent.nodeops import NodeOpsConfig
+from app.control.state import Engine, GpuInfo
+
+
+@dataclass
+class AgentConfig:
+    gateways: list[str]
+    node: str
+    token: str
+    gpus: list[GpuInfo]
+    engines: list[Engine]
+    work_dir: Path
+    vllm_bin: str = "vllm"
+    # Install and GPU-check the vLLM build the operator chooses for this node
+    # (builds.py). Off: `vllm_bin` is the operator's own build, used as it is.
+    install_builds: bool = False
+    advertise_host: str = ""
+    # Engines outlive the agent unless this is set: a restarted agent (an
+    # upgrade, a crash) adopts them instead of reloading every model.
+    stop_engines_on_exit: bool = False
+    heartbeat_interval: float = 5.0
+    observe_interval: float = 1.0
+    poll_wait: float = 25.0
+    # Per probe; a slow answer counts as a failed probe.
+    probe_timeout: float = 2.0
+    # Hardware refresh, the agent's API, log files (nodeops.py).
+    ops: NodeOpsConfig = field(default_factory=NodeOpsConfig)
