@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,3 +356,17 @@ def start_vllm_router(tmp: Path, core: int | None, upstream: str, key: str,
                 f"vllm-router {_version(venv, 'vllm-router')} (Rust), round_robin")
     wait_for(lambda: chat_ok(peer.url, key), 60, "vllm-router", proc.alive)
     return peer
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so a benchmark's `finally` always cleans up
+    what it started."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -38,7 +38,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from peers import http  # noqa: E402
+from peers import http, signals_raise  # noqa: E402
 
 from app.control.keys import engine_key  # noqa: E402
 
@@ -504,19 +504,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bare", action="store_true",
                    help="also run a bare ASGI+aiohttp proxy (no framework) as a third target")
     return p.parse_args(argv)
-
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C, so the finally below always cleans up."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -241,18 +240,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for tool in ("wrk", "taskset"):
@@ -274,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     gw = peers.Llmgw(tmp, proxy_core, other_core, gw_env)
     figures: list[Figures] = []
     prof = ""
-    with sigterm_raises():
+    with peers.signals_raise():
         try:
             gw.start()
             print(f"llmgw at {gw.url}, stand-in at {gw.engine_url} (pid {gw.engine_pid}); "

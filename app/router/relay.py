@@ -80,8 +80,7 @@ class Upstreams:
                         raise  # not ours: the server is stopping
                     if why is Why.CLIENT_GONE:
                         return CLIENT_GONE
-                    raise error(504, f"The request did not finish within "
-                                f"{self._timeouts.request:g} s.", "server_error",
+                    raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, accept_encoding, stream,
                                         send, affinity, meter, started[0])
@@ -201,13 +200,16 @@ class Upstreams:
             return CLIENT_GONE
         if why is Why.FIRST_BYTE:
             self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
-            message = (f"replica {ep.replica_id} sent no first token within "
-                       f"{self._timeouts.first_byte:g} s")
+            message = (f"Replica {ep.replica_id} sent no first token within "
+                       f"{self._timeouts.first_byte:g} s.")
         else:
-            message = f"the request did not finish within {self._timeouts.request:g} s"
+            message = self._past_deadline()
         logger.warning("request to replica %s ended: %s", ep.replica_id, message)
-        raise error(504, message[0].upper() + message[1:] + ".", "server_error",
-                    "upstream_timeout")
+        raise error(504, message, "server_error", "upstream_timeout")
+
+    def _past_deadline(self) -> str:
+        """What a client whose request ran out of its whole deadline is told."""
+        return f"The request did not finish within {self._timeouts.request:g} s."
 
     async def _relay(self, upstream: aiohttp.ClientResponse, ep: Endpoint, watch: Watch,
                      send: Send, meter: Ticket | None = None, started: bool = False) -> int:
@@ -261,7 +263,7 @@ class Upstreams:
                 message = (f"Replica {ep.replica_id} sent nothing for "
                            f"{self._timeouts.idle:g} s.")
             else:
-                message = f"The request did not finish within {self._timeouts.request:g} s."
+                message = self._past_deadline()
             logger.warning("stream from replica %s ended: %s", ep.replica_id, message)
             await _end_badly(send, framed, message, "upstream_timeout")
             return 504
