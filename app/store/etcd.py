@@ -12,32 +12,23 @@ them `LeaseExpired` ("lease not found"), `StoreError` (etcd refused the request
 itself) or `StoreUnavailable` (everything else: a 503). Each call's outcome
 also tells `health()` whether etcd is reachable (app/store/health.py).
 
-Watches run on our own loop over the gRPC Watch stream, not etcd3aio's
-`WatchService.watch`: that one resumes a cut stream from the revision after
-the last *response* it saw, "created" included, whose header carries the
-current revision rather than the replayed one, so a cut between etcd
-accepting a watch from an old revision and sending the replay (up to 100 ms,
-etcd's sync interval) would skip the replay silently. Ours resumes from the
-revision after the last *event* delivered (or the start revision), so a
-reconnect never skips an event: anything not replayable is reported as
-`compacted`.
+Watches run on our own loop over the gRPC Watch stream, in
+app/store/etcd_watch.py (why not etcd3aio's `WatchService.watch`: see there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no type information shipped
 from etcd3aio import SortOrder, SortTarget, prefix_range_end
-from etcd3aio._protobuf import WatchCreateRequest, WatchRequest
 
+from app.store import etcd_watch
 from app.store.base import (
     Compare,
-    Event,
     KeyValue,
     LeaseExpired,
     Op,
@@ -50,17 +41,8 @@ from app.store.base import (
 )
 from app.store.etcd_channel import EtcdChannel, Resolver, Services, getaddrinfo
 from app.store.etcd_endpoints import parse_endpoints
-from app.store.etcd_wire import (
-    PB_EVENT_DELETE,
-    WATCH_MIN_BACKOFF,
-    WATCH_RETRY_CODES,
-    pb_compare,
-    pb_op,
-    translated,
-)
+from app.store.etcd_wire import pb_compare, pb_op, translated
 from app.store.health import HealthTracker
-
-logger = logging.getLogger(__name__)
 
 
 class EtcdStore:
@@ -286,138 +268,6 @@ class EtcdStore:
 
     # -- watch ----------------------------------------------------------------
 
-    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchBatch]:
-        """See `Store.watch`.
-
-        `next_revision` is the only resume point: the start revision until an
-        event is delivered, then the last delivered event's revision + 1. It
-        never moves on a "created" or progress header, which carry the
-        store's current revision, not the stream's position; so a stream cut
-        anywhere (even between "created" and a replay of old revisions) is
-        reopened from the first revision not yet delivered, and every event
-        arrives once, in order. Transient gRPC failures reopen the stream
-        with backoff (0.1 s doubling to `watch_max_backoff`); other statuses
-        raise StoreError. Created and progress responses are not yielded.
-        """
-        key, range_end = self._range_bounds(prefix)
-        next_revision = start_revision
-        backoff = WATCH_MIN_BACKOFF
-        while not self._closed:
-            try:
-                services = await self._services()
-            except StoreUnavailable as exc:
-                self._lost(str(exc))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._watch_max_backoff)
-                continue
-            call = services.watch.Watch()
-            compacted = False
-            try:
-                await call.write(
-                    WatchRequest(
-                        create_request=WatchCreateRequest(
-                            key=key, range_end=range_end, start_revision=next_revision
-                        )
-                    )
-                )
-                while True:
-                    resp = await call.read()
-                    if resp is grpc.aio.EOF:
-                        logger.warning("etcd watch stream on %r ended; reopening", prefix)
-                        break
-                    if resp.compact_revision > 0:
-                        # etcd cancels a watch it cannot replay and never says
-                        # so again. Report it (below), then go on from now.
-                        compacted = True
-                        break
-                    if resp.canceled:
-                        logger.warning(
-                            "etcd cancelled the watch on %r: %s", prefix, resp.cancel_reason
-                        )
-                        break
-                    if resp.created:
-                        self._health.succeeded()
-                        logger.debug(
-                            "etcd watch on %r created from revision %d (store at %d)",
-                            prefix,
-                            next_revision,
-                            resp.header.revision,
-                        )
-                        if next_revision == 0:
-                            # "From now" is pinned to the revision it meant, so
-                            # a reconnect does not move it on silently.
-                            next_revision = int(resp.header.revision) + 1
-                        continue
-                    if not resp.events:
-                        continue  # a progress notification: nothing moves
-                    # The last event's revision, never the header's: a replay
-                    # comes in several responses, each headed with the
-                    # current revision. Raw events, so keys we drop count too.
-                    next_revision = int(resp.events[-1].kv.mod_revision) + 1
-                    events = [e for e in map(self._event, resp.events) if e is not None]
-                    if events:
-                        backoff = WATCH_MIN_BACKOFF
-                        yield WatchBatch(events, events[-1].mod_revision)
-            except grpc.aio.AioRpcError as exc:
-                if self._closed:
-                    return
-                code = exc.code()
-                if code not in WATCH_RETRY_CODES:
-                    raise StoreError(f"etcd watch: {code.name} {exc.details() or ''}") from exc
-                self._lost(f"etcd watch: {code.name} {exc.details() or ''}")
-                # Debug: the outage itself is logged once, by the health tracker.
-                logger.debug(
-                    "etcd watch on %r failed (%s %s); reopening from revision %d in %.2fs",
-                    prefix,
-                    code.name,
-                    exc.details() or "",
-                    next_revision,
-                    backoff,
-                )
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is None or task.cancelling() > 0:
-                    raise  # our reader was cancelled
-                if self._closed:
-                    return  # close() closed the channel under the call
-                # The channel was replaced (the names resolved elsewhere) and
-                # its grace period ended: reopen on the new one.
-                logger.debug("etcd watch on %r: its channel was closed; reopening", prefix)
-            finally:
-                call.cancel()
-            if self._closed:
-                return
-            if compacted:
-                current = await self._current_revision()
-                if current is None:
-                    return
-                yield WatchBatch([], current, compacted=True)
-                next_revision = current + 1
-                continue
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._watch_max_backoff)
-
-    def _event(self, pb: Any) -> Event | None:
-        key = self._relative(pb.kv.key)
-        if key is None:
-            return None
-        kv = pb.kv
-        if pb.type == PB_EVENT_DELETE:
-            return Event("delete", key, b"", kv.mod_revision)
-        return Event("put", key, bytes(kv.value), kv.mod_revision, kv.lease, kv.create_revision)
-
-    async def _current_revision(self) -> int | None:
-        """The store's revision, retried until etcd answers; None once closed."""
-        delay = 0.25
-        while not self._closed:
-            try:
-                with self._calling("revision"):
-                    start, _ = self._range_bounds("")
-                    kv = (await self._services()).kv
-                    resp = await kv.get(start, count_only=True, timeout=self._timeout)
-                return int(resp.header.revision)
-            except StoreUnavailable:
-                logger.warning("etcd unavailable while resyncing a watch; retrying")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._watch_max_backoff)
-        return None
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchBatch]:
+        """See `Store.watch`; the loop is `watch` in app/store/etcd_watch.py."""
+        return etcd_watch.watch(self, prefix, start_revision)
