@@ -10,9 +10,9 @@ FastAPI's request objects, routing and per-response task groups cost the
 gateway about 0.9 ms of CPU per plain request, against about 0.5 ms for a
 bare proxy. The admin API, where that does not matter, stays on FastAPI.
 
-aiohttp is the upstream client: side by side on one core here, a proxy with
-httpx as its client gave 410-460 req/s at 64 concurrent requests and broke
-SSE streams under load, against 6,000-8,000 with aiohttp (FINDINGS.md).
+Requests go to engines through the router's own HTTP client
+(`upstream.py`, on httptools), which costs a third of aiohttp's CPU per
+request; aiohttp still polls the engines' /metrics, off the request path.
 
 What happens to a request once its model is known (attempts, timeouts,
 failures) is in `relay.py` and `timeouts.py`; docs/architecture.md
@@ -37,6 +37,7 @@ from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
 from app.router.table import KeyGrant, RouteTable
 from app.router.timeouts import Timeouts, Watch
+from app.router.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,9 @@ SessionFactory = Callable[[aiohttp.ClientTimeout], aiohttp.ClientSession]
 
 
 def default_session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
-    """The upstream session a gateway uses: its own pool, our timeouts."""
-    # limit=0: the engines, not this pool, bound concurrency.
+    """The session that polls engines' /metrics: its own pool, our timeouts."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 class RequestObserver(Protocol):
@@ -89,10 +89,10 @@ class _ClientGone(Exception):
 class Proxy:
     """The ASGI app mounted at /v1 (see `main.create_app`).
 
-    `session_factory` builds the upstream session in `start()` (given the
-    connect timeout) and is called once: a test passes its own (tracing, a
-    custom connector) while the request path stays the same aiohttp client
-    code. The proxy closes the session in `stop()` either way.
+    `client` sends requests to engines (a test passes one whose
+    `on_request` records each attempt); `session_factory` builds, in
+    `start()`, the aiohttp session that polls the engines' load. The proxy
+    closes both in `stop()`.
     """
 
     def __init__(
@@ -104,6 +104,7 @@ class Proxy:
         limiter: Limiter | None = None,
         session_factory: SessionFactory = default_session,
         affinity: bool = True,
+        client: UpstreamClient | None = None,
     ) -> None:
         self._affinity = affinity
         self._table = table
@@ -113,17 +114,19 @@ class Proxy:
         self._hash_key = hash_key
         self._observer = observer
         self._timeouts = timeouts
-        self._upstreams = Upstreams(table, timeouts)
+        self._upstreams = Upstreams(table, timeouts,
+                                    client or UpstreamClient(timeouts.connect))
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._session: aiohttp.ClientSession | None = None
         # Engines' own load, read off the request path with our session.
-        self.loads = EngineLoadPoller(table, lambda: self._upstreams.session)
+        self.loads = EngineLoadPoller(table, lambda: self._session)
         self._polling: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # No total and no read timeout here: `Watch` times each request as a
         # whole, across its attempts, and a stream's reads by phase.
-        self._upstreams.session = self._session_factory(
+        self._session = self._session_factory(
             aiohttp.ClientTimeout(sock_connect=self._timeouts.connect))
         self._polling = asyncio.create_task(self.loads.run(), name="engine-loads")
 
@@ -132,9 +135,10 @@ class Proxy:
             self._polling.cancel()
             await asyncio.gather(self._polling, return_exceptions=True)
             self._polling = None
-        if self._upstreams.session is not None:
-            await self._upstreams.session.close()
-            self._upstreams.session = None
+        await self._upstreams.client.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     # --- ASGI -------------------------------------------------------------------
 
@@ -269,7 +273,7 @@ class _Outcome:
         self.status = 500
 
 
-def _headers(scope: Scope) -> tuple[str, str, str | None]:
+def _headers(scope: Scope) -> tuple[str, bytes, str | None]:
     """The client's bearer token ("" if none), the encodings it accepts, and
     the session it names (`X-Session-Id`), if any."""
     authorization: bytes | None = None
@@ -277,13 +281,13 @@ def _headers(scope: Scope) -> tuple[str, str, str | None]:
     # Sent to the engine as the client's: our session does not decompress
     # (auto_decompress=False), so an engine must not compress for a client
     # that cannot read it. None given: identity, as HTTP means it.
-    accept_encoding = "identity"
+    accept_encoding = b"identity"
     for name, value in scope["headers"]:
         if name == b"authorization":
             if authorization is None:  # the first one counts
                 authorization = value
         elif name == b"accept-encoding":
-            accept_encoding = value.decode("latin-1")
+            accept_encoding = value
         elif name == b"x-session-id":
             session = value.decode("latin-1")[:256]
     if authorization is None:

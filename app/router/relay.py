@@ -26,13 +26,11 @@ import json
 import logging
 from typing import Any
 
-import aiohttp
-from yarl import URL
-
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, send_whole
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
+from app.router.upstream import Response, UpstreamClient, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +49,15 @@ class _Retry(Exception):
 
 
 class Upstreams:
-    """Sends requests to replicas with one shared aiohttp session."""
+    """Sends requests to replicas with one shared client (app/router/upstream.py)."""
 
-    def __init__(self, table: RouteTable, timeouts: Timeouts) -> None:
+    def __init__(self, table: RouteTable, timeouts: Timeouts, client: UpstreamClient) -> None:
         self._table = table
         self._timeouts = timeouts
-        self.session: aiohttp.ClientSession | None = None
+        self.client = client
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                      accept_encoding: str, stream: bool, send: Send,
+                      accept_encoding: bytes, stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
@@ -68,7 +66,6 @@ class Upstreams:
         model's endpoint names the provider's model instead (encoded for
         that attempt only). `meter` notes the usage the answer reports.
         """
-        assert self.session is not None, "Proxy.start() was not awaited"
         started = [False]  # set by _hold once a held stream's response began
         try:
             if not self._table.endpoints(model) and self._table.holdable(model):
@@ -125,9 +122,8 @@ class Upstreams:
                 await asyncio.gather(keepalive, return_exceptions=True)
 
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                        accept_encoding: str, stream: bool, send: Send,
+                        accept_encoding: bytes, stream: bool, send: Send,
                         affinity: str | None, meter: Ticket | None, started: bool) -> int:
-        assert self.session is not None
         payload = json.dumps(body).encode()
         tried: set[str] = set()
         last_error = ""
@@ -137,20 +133,18 @@ class Upstreams:
                 break
             tried.add(ep.replica_id)
             lease = self._table.acquire(ep)
-            upstream: aiohttp.ClientResponse | None = None
+            upstream: Response | None = None
             try:
                 if stream:
                     watch.expect_first_byte()
                 data = payload if not ep.upstream_model else json.dumps(
                     body | {"model": ep.upstream_model}).encode()
-                upstream = await self.session.post(
-                    URL(ep.url + url_tail, encoded=True), data=data,
-                    headers={"Authorization": f"Bearer {ep.key}",
-                             "Content-Type": "application/json",
-                             # Ours to pass on (auto_decompress=False): the
-                             # engine compresses only what the client can read.
-                             "Accept-Encoding": accept_encoding},
-                )
+                upstream = await self.client.post(ep.url, url_tail, data, [
+                    (b"Authorization", b"Bearer " + ep.key.encode()),
+                    (b"Content-Type", b"application/json"),
+                    # Ours to pass on (the client never decompresses): the
+                    # engine compresses only what the client can read.
+                    (b"Accept-Encoding", accept_encoding)])
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
@@ -166,13 +160,13 @@ class Upstreams:
                 answer = await upstream.read()
                 watch.close()  # the answer is whole: a client leaving now changes nothing
                 if meter is not None and upstream.status == 200:
-                    meter.read_answer(answer, upstream.headers.get("Content-Encoding"))
+                    meter.read_answer(answer, upstream.headers.get("content-encoding"))
                 await send_whole(send, upstream.status, answer, _passed_on(upstream, ep),
-                                 upstream.headers.get("Content-Type",
+                                 upstream.headers.get("content-type",
                                                       "application/json").encode())
                 return upstream.status
-            except (aiohttp.ClientError, TimeoutError, _Retry) as exc:
-                # TimeoutError here is aiohttp's connect timeout: reads are
+            except (UpstreamError, _Retry) as exc:
+                # Connect timeouts are the client's (UpstreamError): reads are
                 # timed by the watch, which cancels instead.
                 last_error = f"replica {ep.replica_id} failed ({exc or type(exc).__name__})"
                 logger.warning("%s; trying another", last_error)
@@ -211,23 +205,22 @@ class Upstreams:
         """What a client whose request ran out of its whole deadline is told."""
         return f"The request did not finish within {self._timeouts.request:g} s."
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, ep: Endpoint, watch: Watch,
+    async def _relay(self, upstream: Response, ep: Endpoint, watch: Watch,
                      send: Send, meter: Ticket | None = None, started: bool = False) -> int:
         """Streams the engine's bytes as they come; returns the status for metrics.
         `started`: the response began while the request was held (its
         headers are out): only the body follows."""
-        content = upstream.content
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
-        chunk = await content.readany()
+        chunk = await upstream.readany()
         watch.streaming()
         headers = _passed_on(upstream, ep)
-        content_type = upstream.headers.get("Content-Type", "text/event-stream")
+        content_type = upstream.headers.get("content-type", "text/event-stream")
         headers += [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
         # Whole events only, so that an error event can follow a failure: not
         # for a compressed body, which no event can be appended to in clear.
         framed = (content_type.startswith("text/event-stream")
-                  and "Content-Encoding" not in upstream.headers)
+                  and "content-encoding" not in upstream.headers)
         loop = asyncio.get_running_loop()
         tail = b""  # the start of an event not yet whole (framed only)
         try:
@@ -243,9 +236,9 @@ class Upstreams:
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
                 watch.read_since = loop.time()
-                chunk = await content.readany()
+                chunk = await upstream.readany()
                 watch.read_since = 0.0
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             logger.warning("replica %s broke off mid-stream: %s", ep.replica_id,
                            exc or type(exc).__name__)
             self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
@@ -272,9 +265,9 @@ class Upstreams:
         return upstream.status
 
 
-def _passed_on(upstream: aiohttp.ClientResponse, ep: Endpoint) -> list[tuple[bytes, bytes]]:
+def _passed_on(upstream: Response, ep: Endpoint) -> list[tuple[bytes, bytes]]:
     headers = [(b"x-llmgw-replica", ep.replica_id.encode())]
-    encoding = upstream.headers.get("Content-Encoding")
+    encoding = upstream.headers.get("content-encoding")
     if encoding is not None:  # bytes pass as the engine encoded them
         headers.append((b"content-encoding", encoding.encode()))
     return headers

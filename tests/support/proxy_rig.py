@@ -1,8 +1,8 @@
 """The /v1 proxy in-process: a route table filled by hand, engines stood in by
 aiohttp.web apps on loopback ports, the ASGI app called directly (through
 httpx.ASGITransport, or by hand where a test must see or cut a stream).
-The proxy's own aiohttp client code does the forwarding; its session comes
-from an injected factory that also records every attempt it makes."""
+The proxy's own client (app/router/upstream.py) does the forwarding, told
+to record every attempt it makes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import socket
 import zlib
 from typing import Any
 
-import aiohttp
 import httpx
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -22,6 +21,7 @@ from aiohttp.test_utils import TestServer
 from app.router.proxy import Proxy
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 from app.router.timeouts import Timeouts
+from app.router.upstream import UpstreamClient
 
 CLIENT_KEY = "sk-client-key-0123456789"
 CHAT = "/v1/chat/completions"
@@ -176,18 +176,10 @@ class Rig:
         self.observed = Observed()
         self.timeouts = timeouts or Timeouts(connect=2, first_byte=10, idle=10, request=10,
                                              cooldown=5)
-        trace = aiohttp.TraceConfig()
-
-        async def on_start(_s: object, _c: object, params: aiohttp.TraceRequestStartParams
-                           ) -> None:
-            self.attempts.append(str(params.url))
-
-        trace.on_request_start.append(on_start)
-        self.proxy = Proxy(
-            self.table, hash_key, self.timeouts, observer=self.observed,
-            session_factory=lambda timeout: aiohttp.ClientSession(
-                timeout=timeout, auto_decompress=False, trace_configs=[trace]),
-        )
+        client = UpstreamClient(self.timeouts.connect)
+        client.on_request = self.attempts.append
+        self.proxy = Proxy(self.table, hash_key, self.timeouts, observer=self.observed,
+                           client=client)
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.proxy),
                                       base_url="http://gateway")
 

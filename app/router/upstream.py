@@ -1,0 +1,348 @@
+"""The router's HTTP/1.1 client for engines and providers: keep-alive
+connections on asyncio protocols, responses parsed by httptools (llhttp,
+the parser uvicorn serves with).
+
+Why not aiohttp's client, which the router used before: measured with
+bench/router_overhead.py, `ClientSession.post` and the response's reads cost
+about 55 us of CPU per proxied request (tracing hooks, cookie jars, URL
+objects, payload registries, timer contexts), a third of the gateway's whole
+cost per request. The router needs one narrow thing: a POST with a body it
+holds whole, an answer read whole or as it comes, and the connection closed
+whenever the request is abandoned (that is how vLLM learns to abort). This
+client does that and nothing more; see docs/architecture.md ("Routing").
+
+* Connections are kept per origin (scheme, host, port) and reused while the
+  server keeps them open; an idle one is dropped after `keepalive` seconds
+  or as soon as the server closes it (uvicorn, which vLLM and llama.cpp's
+  server run on, closes idle ones after 5 s).
+* A request on a reused connection that the server closed before answering
+  (the keep-alive race every HTTP client meets) is sent once more on a new
+  connection; any other failure is the caller's to retry or not.
+* A cancelled request, or a response closed before its end, closes its
+  connection: never reused, and the engine sees the client gone.
+* Body reads pause the socket above `_HIGH_WATER` buffered bytes, so a slow
+  client slows the engine's stream instead of growing our memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl
+import time
+from collections.abc import Callable
+from functools import lru_cache
+from typing import NamedTuple, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+# Buffered body bytes above which the socket stops being read until the
+# reader catches up.
+_HIGH_WATER = 256 * 1024
+# Bytes that may not appear in a request target or a header value (CR, LF and
+# the other controls): they would let a value end the line it is on.
+_UNSAFE = re.compile(rb"[\x00-\x1f\x7f]")
+_UNSAFE_TARGET = re.compile(rb"[\x00-\x20\x7f]")
+
+
+class UpstreamError(Exception):
+    """The connection failed, broke, or carried something that is not HTTP."""
+
+
+class Origin(NamedTuple):
+    """Where a base URL points: what a connection is opened to, the Host
+    header, and the path every request target starts with."""
+
+    scheme: str
+    host: str
+    port: int
+    host_header: bytes
+    prefix: bytes
+
+
+@lru_cache(maxsize=4096)
+def origin(base_url: str) -> Origin:
+    """The origin of an engine's or provider's base URL (http or https)."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    default = port == (443 if parts.scheme == "https" else 80)
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    header = shown if default else f"{shown}:{port}"
+    return Origin(parts.scheme, host, port, header.encode("idna"),
+                  parts.path.rstrip("/").encode())
+
+
+class Response:
+    """An upstream answer: its status and headers at once, its body as it comes.
+
+    `headers` maps lower-case names to values (the last one of a repeated
+    header). Call `close()` when done, whether or not the body was read:
+    a whole answer hands its connection back, any other closes it.
+    """
+
+    __slots__ = ("_conn", "headers", "status")
+
+    def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = headers
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        chunks = []
+        while chunk := await self._conn.read_some():
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def readany(self) -> bytes:
+        """What has come of the body since the last read, waiting for some;
+        b"" at its end. UpstreamError if the connection broke first."""
+        return await self._conn.read_some()
+
+    def close(self) -> None:
+        self._conn.finish()
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: writes a request, parses its response."""
+
+    def __init__(self, pool: UpstreamClient, key: tuple[str, str, int]) -> None:
+        self._pool = pool
+        self._key = key
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._paused = False
+        self.idle_since = 0.0
+        self.reused = False  # carried a whole exchange before this one
+        self._reset()
+
+    def _reset(self) -> None:
+        self._header_list: list[tuple[bytes, bytes]] = []
+        self._head: asyncio.Future[tuple[int, dict[str, str]]] | None = None
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._complete = False
+        self._keep_alive = False
+        self._until_eof = False  # no length, not chunked: the close ends it
+        self.received = False  # any byte of the answer came
+        self._error: Exception | None = None
+
+    # --- used by the client ------------------------------------------------------
+
+    @property
+    def usable(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    def send(self, data: bytes) -> asyncio.Future[tuple[int, dict[str, str]]]:
+        self._reset()
+        self._head = asyncio.get_running_loop().create_future()
+        if self._transport is None or self._transport.is_closing():
+            self._fail(UpstreamError("the server closed the connection"))
+        else:
+            self._transport.write(data)
+        return self._head
+
+    async def read_some(self) -> bytes:
+        while not self._body:
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return data
+
+    def finish(self) -> None:
+        """The exchange is over: back to the pool if whole and reusable, else closed."""
+        if (self._complete and not self._until_eof and self._error is None
+                and self._keep_alive and self.usable):
+            self.reused = True
+            self._pool.release(self._key, self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    # --- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"the answer is not valid HTTP: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._until_eof and self._head is not None and self._head.done():
+            self._complete = True  # a body delimited by the close ended normally
+            self._wake()
+        elif not self._complete:
+            self._fail(UpstreamError("the server closed the connection"
+                                     + (f" ({exc})" if exc else "")))
+        self._pool.forget(self._key, self)
+
+    # --- httptools callbacks --------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_list.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1")
+                   for name, value in self._header_list}
+        status = self._parser.get_status_code()
+        if ("content-length" not in headers and "chunked" not in headers.get(
+                "transfer-encoding", "") and status not in (204, 304)):
+            self._until_eof = True
+        if self._head is not None and not self._head.done():
+            self._head.set_result((status, headers))
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        # Asked here: llhttp answers it only within the message's callbacks.
+        self._keep_alive = self._parser.should_keep_alive()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+        self._wake()
+
+
+class UpstreamClient:
+    """Keep-alive connections to engines and providers, one pool per origin.
+
+    `clock` times idle connections (monotonic, injectable)."""
+
+    def __init__(self, connect_timeout: float, keepalive: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
+        self._clock = clock
+        self._ssl = ssl_context
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        # Told the URL of every attempt before it is sent (tests).
+        self.on_request: Callable[[str], None] | None = None
+
+    async def post(self, base_url: str, target: str, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> Response:
+        """POSTs `body` to `target` (path and query) under `base_url`; returns
+        once the answer's headers came. `headers` go as given, after Host
+        and Content-Length; none may hold a control character."""
+        o = origin(base_url)
+        path = o.prefix + target.encode("latin-1")
+        if _UNSAFE_TARGET.search(path):
+            raise UpstreamError(f"unsafe request target {target!r}")
+        lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", o.host_header,
+                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+        for name, value in headers:
+            if _UNSAFE.search(value) or _UNSAFE.search(name):
+                raise UpstreamError(f"unsafe value in request header {name!r}")
+            lines += (name, b": ", value, b"\r\n")
+        lines += (b"\r\n", body)
+        data = b"".join(lines)
+        if self.on_request is not None:
+            self.on_request(base_url + target)
+        key = (o.scheme, o.host, o.port)
+        conn = self._take_idle(key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, data)
+            except UpstreamError:
+                if conn.received:
+                    raise
+                # Closed by the server as we reused it, before any answer: the
+                # request never reached an engine that could act on it.
+        return await self._exchange(await self._connect(key, o), data)
+
+    async def _exchange(self, conn: _Connection, data: bytes) -> Response:
+        try:
+            status, headers = await conn.send(data)
+        except BaseException:
+            conn.abort()  # cancelled or failed: the engine sees the close
+            raise
+        return Response(conn, status, headers)
+
+    async def _connect(self, key: tuple[str, str, int], o: Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        ssl_arg: ssl.SSLContext | None = None
+        if o.scheme == "https":
+            ssl_arg = self._ssl or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, key), o.host, o.port, ssl=ssl_arg,
+                    server_hostname=o.host if ssl_arg is not None else None)
+        except TimeoutError:
+            raise UpstreamError(f"connect to {o.host}:{o.port} timed out after "
+                                f"{self._connect_timeout:g} s") from None
+        except OSError as exc:  # refused, unreachable, name not known, TLS
+            raise UpstreamError(f"cannot connect to {o.host}:{o.port}: "
+                                f"{exc.strerror or exc}") from None
+        self._open.add(conn)
+        return conn
+
+    def _take_idle(self, key: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = self._clock()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely closed
+            if conn.usable and now - conn.idle_since < self._keepalive:
+                return conn
+            conn.abort()
+        return None
+
+    def release(self, key: tuple[str, str, int], conn: _Connection) -> None:
+        conn.idle_since = self._clock()
+        self._idle.setdefault(key, []).append(conn)
+
+    def forget(self, key: tuple[str, str, int], conn: _Connection) -> None:
+        """A connection closed: out of the pool."""
+        self._open.discard(conn)
+        idle = self._idle.get(key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def close(self) -> None:
+        for conn in list(self._open):
+            conn.abort()
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports' close callbacks run

@@ -1,0 +1,296 @@
+"""The router's HTTP client (app/router/upstream.py) against raw servers on
+loopback that answer exactly as each case needs: kept-alive connections, a
+server closing an idle one, bodies by length, chunks and close, a body cut
+short, back-pressure, cancellation, and what it refuses to send."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from app.router.upstream import UpstreamClient, UpstreamError, origin
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class Server:
+    """A loopback server running `handler` per connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()  # a client closed a connection
+        self.arrived = asyncio.Event()  # a request was read
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request (head and Content-Length body); b"" at EOF."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            self.closed.set()
+            return b""
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        request = head + await reader.readexactly(length)
+        self.requests.append(request)
+        self.arrived.set()
+        return request
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 1)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    c = UpstreamClient(connect_timeout=2.0)
+    yield c
+    await c.close()
+
+
+async def serve(handler_of: Callable[[Server], Handler]) -> tuple[Server, str]:
+    srv = Server(lambda r, w: handler_of(srv)(r, w))
+    return srv, await srv.start()
+
+
+def answer_ok_forever(srv: Server) -> Handler:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await srv.read_request(reader):
+            writer.write(OK)
+            await writer.drain()
+    return handle
+
+
+async def test_connections_are_kept_alive_and_reused(client: UpstreamClient) -> None:
+    srv, url = await serve(answer_ok_forever)
+    try:
+        for _ in range(5):
+            r = await client.post(url, "/v1/chat/completions", b'{"a": 1}',
+                                  [(b"Authorization", b"Bearer k")])
+            assert (r.status, await r.read()) == (200, b"{}")
+            assert r.headers["content-type"] == "application/json"
+            r.close()
+        assert srv.connections == 1
+        assert client.idle_count() == 1
+        head = srv.requests[0]
+        assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        assert b"\r\nHost: 127.0.0.1:" in head and b"\r\nContent-Length: 8\r\n" in head
+        assert b"\r\nAuthorization: Bearer k\r\n" in head and head.endswith(b'{"a": 1}')
+    finally:
+        await srv.close()
+
+
+async def test_a_kept_connection_the_server_closed_is_replaced_without_an_error(
+        client: UpstreamClient) -> None:
+    # The server answers once per connection, then closes it: as uvicorn does
+    # with an idle connection after its keep-alive timeout.
+    def once(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(OK.replace(b"Content-Type", b"Connection: keep-alive\r\nX-A"))
+            await writer.drain()
+        return handle
+
+    srv, url = await serve(once)
+    try:
+        for _ in range(3):
+            r = await client.post(url, "/v1/completions", b"{}", [])
+            assert await r.read() == b"{}"
+            r.close()
+            await asyncio.sleep(0.05)  # the close reaches us (or races the next send)
+        assert srv.connections == 3
+        assert len(srv.requests) == 3
+    finally:
+        await srv.close()
+
+
+async def test_a_request_sent_on_a_connection_closed_meanwhile_is_sent_once_more(
+        client: UpstreamClient) -> None:
+    # Kept alive, but the server closes without answering the second request:
+    # the keep-alive race. Nothing was answered, so it goes on a new connection.
+    def first_answers_second_dropped(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if srv.connections == 1:
+                await srv.read_request(reader)
+                writer.write(OK)
+                await writer.drain()
+                await srv.read_request(reader)  # read, then close with no answer
+                return
+            await answer_ok_forever(srv)(reader, writer)
+        return handle
+
+    srv, url = await serve(first_answers_second_dropped)
+    try:
+        for _ in range(2):
+            r = await client.post(url, "/v1/completions", b"{}", [])
+            assert await r.read() == b"{}"
+            r.close()
+        assert srv.connections == 2
+        assert len(srv.requests) == 3  # the dropped one, then once more
+    finally:
+        await srv.close()
+
+
+async def test_bodies_by_chunks_and_by_close_are_read_whole(client: UpstreamClient) -> None:
+    def chunked_then_close(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end")
+            await writer.drain()
+        return handle
+
+    srv, url = await serve(chunked_then_close)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        assert await r.read() == b"hello world"
+        r.close()
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        assert await r.read() == b"until the end"
+        r.close()
+        assert client.idle_count() == 0  # a body ended by the close leaves nothing to reuse
+    finally:
+        await srv.close()
+
+
+async def test_a_body_cut_short_raises_and_the_connection_is_not_reused(
+        client: UpstreamClient) -> None:
+    def cut(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+            await writer.drain()
+        return handle
+
+    srv, url = await serve(cut)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        assert await r.readany() == b"partial"
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await r.readany()
+        r.close()
+        assert client.idle_count() == 0
+    finally:
+        await srv.close()
+
+
+async def test_garbage_refused_and_timeouts_are_upstream_errors() -> None:
+    def garbage(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(1)
+        return handle
+
+    srv, url = await serve(garbage)
+    client = UpstreamClient(connect_timeout=0.3)
+    try:
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await client.post(url, "/v1/completions", b"{}", [])
+        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()
+        with pytest.raises(UpstreamError, match="cannot connect"):
+            await client.post(f"http://127.0.0.1:{port}", "/v1/completions", b"{}", [])
+        # TEST-NET-1 (RFC 5737): nothing answers, the connect times out.
+        with pytest.raises(UpstreamError, match=r"timed out|cannot connect"):
+            await client.post("http://192.0.2.1:81", "/v1/completions", b"{}", [])
+    finally:
+        await client.close()
+        await srv.close()
+
+
+async def test_a_cancelled_request_closes_its_connection(client: UpstreamClient) -> None:
+    def hold(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            await srv.read_request(reader)  # returns b"" when the client closes
+        return handle
+
+    srv, url = await serve(hold)
+    try:
+        task = asyncio.create_task(client.post(url, "/v1/completions", b"{}", []))
+        await asyncio.wait_for(srv.arrived.wait(), 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(srv.closed.wait(), 1)  # the engine sees the client gone
+        assert client.idle_count() == 0
+    finally:
+        await srv.close()
+
+
+async def test_a_slow_reader_pauses_the_socket_and_loses_nothing(
+        client: UpstreamClient) -> None:
+    total = 4 * 1024 * 1024  # far above the high-water mark
+
+    def big(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+            for i in range(total // 65536):
+                writer.write(bytes([i % 251]) * 65536)
+                await writer.drain()
+        return handle
+
+    srv, url = await serve(big)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        await asyncio.sleep(0.3)  # the server writes while nobody reads
+        conn = r._conn
+        assert conn._paused, "the socket was not paused above the high-water mark"
+        assert conn._buffered < 2 * 1024 * 1024
+        got = bytearray()
+        while chunk := await r.readany():
+            got += chunk
+        assert len(got) == total
+        assert all(got[i * 65536] == i % 251 for i in range(total // 65536))
+        r.close()
+    finally:
+        await srv.close()
+
+
+async def test_header_values_and_targets_that_could_split_a_line_are_refused(
+        client: UpstreamClient) -> None:
+    with pytest.raises(UpstreamError, match="unsafe value"):
+        await client.post("http://127.0.0.1:9", "/v1/completions", b"{}",
+                          [(b"Accept-Encoding", b"gzip\r\nX-Injected: 1")])
+    with pytest.raises(UpstreamError, match="unsafe request target"):
+        await client.post("http://127.0.0.1:9", "/v1/completions?a=1 HTTP/1.1\r\nX: y", b"{}",
+                          [])
+
+
+def test_origins_of_base_urls() -> None:
+    o = origin("https://api.example.com/openai/")
+    assert (o.scheme, o.host, o.port, o.host_header, o.prefix) == (
+        "https", "api.example.com", 443, b"api.example.com", b"/openai")
+    o = origin("http://[::1]:8000")
+    assert (o.host, o.port, o.host_header, o.prefix) == ("::1", 8000, b"[::1]:8000", b"")
+    with pytest.raises(UpstreamError):
+        origin("ftp://example.com")
