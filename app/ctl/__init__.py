@@ -6,15 +6,15 @@ all-in-one data directory's `admin-token` file). Tables for people;
 `--json` prints the gateway's answer as it is, for scripts. A failure is
 one line on stderr ("llmgw ctl: ...") and exit status 1; a usage error 2.
 
-The commands live in fleet.py; this module only names them, in the order
-`--help` lists them.
+The commands live in fleet.py (nodes, models, ...) and keys.py (`keys
+...`); this module only names them, in the order `--help` lists them.
 """
 
 from __future__ import annotations
 
 import typer
 
-from app.ctl import fleet
+from app.ctl import fleet, keys
 
 # No locals in tracebacks: they would print the admin token.
 app = typer.Typer(name="llmgw ctl", no_args_is_help=True, add_completion=False,
@@ -30,6 +30,7 @@ app.command("fabric-test")(fleet.fabric_test)
 app.command()(fleet.upgrade)
 app.command("engine-build")(fleet.engine_build)
 app.command("node-token")(fleet.node_token_cmd)
+app.add_typer(keys.app, name="keys")
 
 
 def run(argv: list[str]) -> None:
