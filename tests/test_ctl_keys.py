@@ -53,18 +53,19 @@ def client(gw: GatewayProc, key: str) -> openai.OpenAI:
 
 
 def test_a_created_key_is_shown_once_and_works_until_revoked(gw: GatewayProc) -> None:
-    said = ok(gw, "create", "alice", "--model", "m", "--model", "other", "--rpm", "100",
+    said = ok(gw, "create", "alice [/x]", "--model", "m", "--model", "other", "--rpm", "100",
               "--tpm", "50000", "--concurrency", "4", "--expires-in", "30d")
     (key,) = KEY.findall(said)
     assert "will not be shown again" in said
     assert key in said.splitlines()  # on a line of its own, for copying
     assert client(gw, key).models.list().data  # the official client, with this key
 
-    (rec,) = [k for k in json.loads(ok(gw, "list", "--json")) if k["name"] == "alice"]
+    (rec,) = [k for k in json.loads(ok(gw, "list", "--json")) if k["name"] == "alice [/x]"]
     assert key.startswith(rec["prefix"]) and len(rec["prefix"]) == 16
     fields = {label: value.strip() for label, value in
               (line.split(maxsplit=1) for line in said.split("\n\n")[0].splitlines())}
     assert (fields["id"], fields["prefix"]) == (rec["id"], rec["prefix"])
+    assert fields["name"] == "alice [/x]"  # as given: not read as rich markup
     assert rec["models"] == ["m", "other"]
     assert rec["limits"] == {"requests_per_minute": 100, "tokens_per_minute": 50000,
                              "concurrent_requests": 4}
@@ -72,7 +73,7 @@ def test_a_created_key_is_shown_once_and_works_until_revoked(gw: GatewayProc) ->
 
     table = ok(gw, "list")
     (row,) = [line for line in table.splitlines() if rec["id"] in line]
-    for part in ("alice", "m, other", "100 rpm, 50000 tpm, 4 concurrent"):
+    for part in ("alice [/x]", "m, other", "100 rpm, 50000 tpm, 4 concurrent"):
         assert part in row, (part, row)
     shown = ok(gw, "show", rec["id"])
     assert "100 rpm, 50000 tpm, 4 concurrent" in shown and rec["prefix"] in shown
@@ -155,7 +156,8 @@ def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "0", "0d", "-5m", "5w", "d", "1h30m", "soon", "1e3"])
+@pytest.mark.parametrize("text", ["", "0", "0d", "-5m", "5w", "d", "1h30m", "soon", "1e3",
+                                  "9" * 400])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ValueError, match="not a duration"):
         parse_duration(text)

@@ -6,6 +6,7 @@ its hash and listings show its prefix (DESIGN invariant 6).
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Column, Table
+from rich.text import Text
 
 from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, out, request, when
 
@@ -33,7 +35,7 @@ def parse_duration(text: str) -> float:
     """'30d', '12h', '90m', '45s' or plain seconds ('3600') -> seconds (> 0)."""
     match = _DURATION.fullmatch(text.strip().lower())
     seconds = float(match[1]) * _UNITS[match[2]] if match else 0.0
-    if seconds <= 0:
+    if not 0 < seconds < math.inf:
         raise ValueError(f"{text!r} is not a duration: give e.g. 30d, 12h, 90m or 3600 (seconds)")
     return seconds
 
@@ -111,7 +113,7 @@ def _fields(rec: dict[str, Any]) -> list[tuple[str, str]]:
 def _grid(rec: dict[str, Any]) -> Table:
     grid = Table.grid(padding=(0, 2))
     for label, value in _fields(rec):
-        grid.add_row(label, value)
+        grid.add_row(label, Text(value))  # Text: a name is shown as given, never as markup
     return grid
 
 
@@ -125,7 +127,7 @@ def list_keys(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> No
     for rec in sorted(data, key=lambda r: r.get("created", 0)):
         row = [value for _, value in _fields(rec)]
         row[-1] = row[-1][:10]  # the day (--json has the time): rows fit 100 columns
-        table.add_row(*row)
+        table.add_row(*map(Text, row))
     out(data, as_json, table)
 
 
@@ -155,20 +157,17 @@ def usage(key_id: KeyId, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = F
         "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS")), title=title)
     counts = ("requests", "prompt_tokens", "completion_tokens")
     for model_name, u in sorted(data.get("models", {}).items()):
-        table.add_row(model_name, *(str(u.get(f, 0)) for f in counts))
+        table.add_row(Text(model_name), *(str(u.get(f, 0)) for f in counts))
     table.add_section()
     table.add_row("TOTAL", *(str(data.get("total", {}).get(f, 0)) for f in counts))
-    console = Console(highlight=False)
-    console.print(table)
+    Console(highlight=False).print(table)
     # Each gateway writes its counts every LLMGW_KEY_USAGE_INTERVAL seconds
     # (app/control/key_usage.py): say how fresh they are.
     now = time.time()
     wrote = data.get("gateways", {})
     for gw_id, updated in sorted(wrote.items()):
-        console.print(f"{gw_id} last wrote {when(updated, seconds=True)} "
-                      f"({max(0, now - updated):.0f} s ago)")
-    if not wrote:
-        console.print("no gateway has written usage for this key yet "
-                      "(they write every LLMGW_KEY_USAGE_INTERVAL seconds)")
-    else:
-        console.print("requests of the last LLMGW_KEY_USAGE_INTERVAL seconds may be missing")
+        sys.stdout.write(f"{gw_id} last wrote {when(updated, seconds=True)} "
+                         f"({max(0, now - updated):.0f} s ago)\n")
+    sys.stdout.write("requests of the last LLMGW_KEY_USAGE_INTERVAL seconds may be missing\n"
+                     if wrote else "no gateway has written usage for this key yet (they write "
+                     "every LLMGW_KEY_USAGE_INTERVAL seconds)\n")
