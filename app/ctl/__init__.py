@@ -1,0 +1,38 @@
+"""`llmgw ctl`: the operator's commands, over a gateway's /admin API.
+
+The gateway comes from `--gateway` or LLMGW_GATEWAY (default
+http://127.0.0.1:8080), the admin token from LLMGW_ADMIN_TOKEN (else the
+all-in-one data directory's `admin-token` file). Tables for people;
+`--json` prints the gateway's answer as it is, for scripts. A failure is
+one line on stderr ("llmgw ctl: ...") and exit status 1; a usage error 2.
+
+The commands live in fleet.py (nodes, models, ...) and keys.py (`keys
+...`); this module only names them, in the order `--help` lists them.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from app.ctl import fleet, keys
+
+# No locals in tracebacks: they would print the admin token.
+app = typer.Typer(name="llmgw ctl", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_show_locals=False,
+                  help="Operator commands, over a gateway's admin API.")
+
+app.command()(fleet.nodes)
+app.command()(fleet.models)
+app.command()(fleet.replicas)
+app.command()(fleet.logs)
+app.command()(fleet.weights)
+app.command("fabric-test")(fleet.fabric_test)
+app.command()(fleet.upgrade)
+app.command("engine-build")(fleet.engine_build)
+app.command("node-token")(fleet.node_token_cmd)
+app.add_typer(keys.app, name="keys")
+
+
+def run(argv: list[str]) -> None:
+    """Runs `llmgw ctl ARGV` and exits with its status."""
+    app(args=argv, prog_name="llmgw ctl")

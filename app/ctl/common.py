@@ -1,0 +1,87 @@
+"""What every `llmgw ctl` command shares: the gateway and its admin token,
+one admin API call, a failure in one line, output as a table or as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+TIMEOUT = 60.0  # the gateway waits up to LLMGW_NODE_API_TIMEOUT (30 s) on an agent
+
+Gateway = Annotated[str, typer.Option(
+    "--gateway", envvar="LLMGW_GATEWAY", help="a gateway's URL (LLMGW_GATEWAY)")]
+AsJson = Annotated[bool, typer.Option("--json", help="print the gateway's JSON answer")]
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+
+
+def fail(message: str) -> NoReturn:
+    """A failure: one line on stderr, exit status 1."""
+    sys.stderr.write(f"llmgw ctl: {message}\n")
+    raise typer.Exit(1)
+
+
+def data_dir_file(name: str) -> str:
+    data_dir = Path(os.environ.get("LLMGW_DATA_DIR", "~/.local/share/llmgw")).expanduser()
+    path = data_dir / name
+    return path.read_text().strip() if path.exists() else ""
+
+
+def _admin_token() -> str:
+    token = os.environ.get("LLMGW_ADMIN_TOKEN", "") or data_dir_file("admin-token")
+    if not token:
+        fail("set LLMGW_ADMIN_TOKEN (the gateways' admin token)")
+    return token
+
+
+def request(gateway: str, method: str, path: str, body: Any = None,
+            params: dict[str, str] | None = None, timeout: float = TIMEOUT) -> Any:
+    """One admin API call; fails with the gateway's problem detail."""
+    url = gateway.rstrip("/") + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            problem = json.loads(raw)
+        except ValueError:
+            problem = None
+        if isinstance(problem, dict):
+            said = problem.get("title", "")
+            if problem.get("detail"):
+                said = f"{said}: {problem['detail']}" if said else str(problem["detail"])
+        else:
+            said = raw.decode(errors="replace").strip()[:200]
+        if exc.code == 401:
+            said += " (check LLMGW_ADMIN_TOKEN)"
+        fail(f"{gateway} answered {exc.code}: {said}")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        fail(f"cannot reach the gateway at {gateway}: {reason}")
+
+
+def out(data: Any, as_json: bool, table: Table | None = None) -> None:
+    if as_json or table is None:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        Console(highlight=False).print(table)
+
+
+def when(unix_time: float, seconds: bool = False) -> str:
+    """A Unix time for people, in local time."""
+    return time.strftime("%Y-%m-%d %H:%M" + (":%S" if seconds else ""),
+                         time.localtime(unix_time))
