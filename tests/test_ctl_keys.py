@@ -103,15 +103,16 @@ def test_usage_counts_a_request_per_model(gw: GatewayProc) -> None:
 
     data = wait_for(counted, 10, "the usage written")
     want = {"requests": 1, "prompt_tokens": answer.usage.prompt_tokens,
-            "completion_tokens": answer.usage.completion_tokens}
+            "completion_tokens": answer.usage.completion_tokens, "estimated": 0}
     assert data["models"] == {"m": want} and data["total"] == want
     assert list(data["gateways"]) == ["gw-keys"]
 
     table = ok(gw, "usage", created["id"])
     assert f"key {created['id']} (bob)" in table
     rows = [[cell.strip() for cell in line.split("│")[1:-1]]
-            for line in table.splitlines() if line.count("│") == 5]
-    numbers = [str(want[f]) for f in ("requests", "prompt_tokens", "completion_tokens")]
+            for line in table.splitlines() if line.count("│") == 6]
+    numbers = [str(want[f]) for f in ("requests", "prompt_tokens", "completion_tokens",
+                                      "estimated")]
     assert rows == [["m", *numbers], ["TOTAL", *numbers]], table
     assert "gw-keys last wrote " in table and created["key"] not in table
 

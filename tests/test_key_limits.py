@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from app.router.limits import Limiter, Limits, OverLimit, Ticket, ask_for_usage, share
+from app.router.limits import (
+    Limiter,
+    Limits,
+    OverLimit,
+    Ticket,
+    ask_for_usage,
+    estimate_usage,
+    share,
+)
 from tests.support.proxy_rig import FakeClock
 
 
@@ -78,7 +86,7 @@ def test_tokens_are_charged_when_the_answer_ends_and_may_overshoot_by_it() -> No
     assert over.value.retry_after == 55
     clock.now += 55
     lim.admit("k", "m", tpm).release()
-    assert lim.take_usage() == {("k", "m"): (3, 40, 90)}
+    assert lim.take_usage() == {("k", "m"): (3, 40, 90, 0)}
     assert lim.take_usage() == {}
 
 
@@ -163,3 +171,37 @@ def test_a_plain_answers_usage_is_read_even_compressed() -> None:
     t = _ticket()
     t.note({"prompt_tokens": -1, "completion_tokens": "3"})  # nonsense is not counted
     assert (t.prompt_tokens, t.completion_tokens) == (0, 0)
+
+
+def test_a_stream_without_its_usage_event_is_estimated_and_counted_as_such() -> None:
+    clock = FakeClock()
+    lim = Limiter(clock=clock)
+    tpm = Limits(tokens_per_minute=100)
+    cut = lim.admit("k", "m", tpm)
+    whole = lim.admit("k", "m", tpm)
+    cut.body = {"messages": [{"role": "user", "content": "a" * 400}]}
+    cut.read_events(b'data: {"choices": []}\n\n' * 60)  # 60 events, no usage
+    cut.release()
+    whole.body = {"messages": [{"role": "user", "content": "hi"}]}
+    whole.read_events(b'data: {"choices": []}\n\n'
+                      b'data: {"choices": [], "usage": {"prompt_tokens": 3, '
+                      b'"completion_tokens": 1}}\n\n')
+    whole.release()
+    assert lim.take_usage() == {("k", "m"): (2, 100 + 3, 59 + 1, 1)}
+    # The estimate counts against the key's tokens per minute like any usage.
+    with pytest.raises(OverLimit):
+        lim.admit("k", "m", tpm)
+
+
+@pytest.mark.parametrize(("body", "events", "expected"), [
+    ({"messages": [{"role": "user", "content": "12345"}]}, 0, (2, 0)),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "1234"},
+                                                {"type": "image_url", "image_url": {}}]}]},
+     3, (1, 2)),
+    ({"prompt": "12345678"}, 1, (2, 0)),
+    ({"prompt": [1, 2, 3]}, 2, (3, 1)),
+    ({"prompt": [[1, 2], [3]]}, 2, (3, 1)),
+    ({"prompt": 7, "messages": "nonsense"}, 5, (0, 4)),
+])
+def test_estimates(body: dict[str, object], events: int, expected: tuple[int, int]) -> None:
+    assert estimate_usage(body, events) == expected

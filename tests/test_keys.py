@@ -167,7 +167,8 @@ async def test_requests_per_minute_hold_across_two_gateways(
         await _until(lambda: len(b.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage)) == 2,
                      "both gateways' usage")
         usage = await _usage(b, key["id"])
-        expected = {"requests": 4, "prompt_tokens": prompt, "completion_tokens": completion}
+        expected = {"requests": 4, "prompt_tokens": prompt, "completion_tokens": completion,
+                    "estimated": 0}
         assert usage["models"] == {"m": expected} and usage["total"] == expected
         assert sorted(usage["gateways"]) == ["gw0", "gw1"]
 
@@ -230,7 +231,8 @@ async def test_streamed_usage_is_counted_and_shown_only_to_a_client_that_asked(
         # Every token the stand-in generated or read, and nothing else.
         assert usage["total"] == {"requests": 4,
                                   "prompt_tokens": fake.stats.prompt_tokens,
-                                  "completion_tokens": fake.stats.generation_tokens}
+                                  "completion_tokens": fake.stats.generation_tokens,
+                                  "estimated": 0}
 
 
 async def test_keys_are_shown_once_listed_by_prefix_expire_and_are_revoked(
@@ -300,9 +302,9 @@ class Counted:
     """A usage source holding what a test hands it."""
 
     def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], tuple[int, int, int]] = {}
+        self.counts: dict[tuple[str, str], tuple[int, int, int, int]] = {}
 
-    def take_usage(self) -> dict[tuple[str, str], tuple[int, int, int]]:
+    def take_usage(self) -> dict[tuple[str, str], tuple[int, int, int, int]]:
         taken, self.counts = self.counts, {}
         return taken
 
@@ -316,21 +318,21 @@ async def test_usage_writes_survive_a_lagging_mirror_and_an_unreachable_store(
         source = Counted()
         # A mirror never loaded: every record it shows is absent, i.e. stale.
         writer = KeyUsageWriter(store, Mirror(store), "gw0", source, clock=lambda: 7.0)
-        source.counts = {("k1", "m"): (1, 10, 20), ("k2", "m"): (2, 3, 4)}
+        source.counts = {("k1", "m"): (1, 10, 20, 0), ("k2", "m"): (2, 3, 4, 0)}
         assert await writer.flush() == 2
         # Written on a stale read, refused, redone on a fresh one: nothing lost.
-        source.counts = {("k1", "m"): (1, 5, 5), ("k1", "other"): (1, 1, 1)}
+        source.counts = {("k1", "m"): (1, 5, 5, 1), ("k1", "other"): (1, 1, 1, 0)}
         assert await writer.flush() == 1
         writer._store = dead  # the store is gone: the counts wait
-        source.counts = {("k1", "m"): (1, 1, 1)}
+        source.counts = {("k1", "m"): (1, 1, 1, 0)}
         assert await writer.flush() == 0 and writer.pending == 1
         writer._store = store
         assert await writer.flush() == 1 and writer.pending == 0
         kv = await store.get(usage_key("k1", "gw0"))
         assert kv is not None
         rec = s.KeyUsage.model_validate_json(kv.value)
-        assert {m: (u.requests, u.prompt_tokens, u.completion_tokens)
-                for m, u in rec.models.items()} == {"m": (3, 16, 26), "other": (1, 1, 1)}
+        assert {m: (u.requests, u.prompt_tokens, u.completion_tokens, u.estimated)
+                for m, u in rec.models.items()} == {"m": (3, 16, 26, 1), "other": (1, 1, 1, 0)}
         assert rec.key == "k1" and rec.gateway == "gw0" and rec.updated == 7.0
     finally:
         await dead.close()

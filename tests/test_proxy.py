@@ -138,6 +138,25 @@ async def test_a_client_leaving_mid_stream_frees_its_lease_and_the_engine(rig: R
     await asyncio.wait_for(up.closed.wait(), 2)
 
 
+async def test_a_stream_cut_before_its_usage_event_is_charged_an_estimate(rig: Rig) -> None:
+    # The engine never got to its usage event: without an estimate a client
+    # could stream for free by leaving before the end.
+    up = await rig.upstream("a", "endless")
+    rig.route("small", ("a", up.url))
+    call = AsgiCall(rig.proxy, {"model": "small", "stream": True,
+                                "messages": [{"role": "user", "content": "x" * 41}]})
+    assert (await call.next())["status"] == 200
+    seen = 0
+    while seen < 5:
+        seen += (await call.next())["body"].count(b"data: ")
+    call.leave.set()
+    await asyncio.wait_for(call.task, 2)
+    [(key, (requests, prompt, completion, estimated))] = rig.proxy.limits.take_usage().items()
+    assert key == ("k1", "small")
+    assert (requests, prompt, estimated) == (1, 11, 1)  # 41 characters: 11 tokens
+    assert completion >= seen - 1  # one an event, after the first (role only)
+
+
 async def test_a_client_leaving_a_silent_stream_frees_it_at_once(rig: Rig) -> None:
     # The engine sends nothing more for a while (a long prefill, a stall): the
     # lease and the engine's connection must not wait for its next chunk.

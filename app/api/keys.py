@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.control import state as s
-from app.control.key_usage import totals
+from app.control.key_usage import add, totals
 from app.control.keys import hash_client_key, new_client_key
 from app.store.base import Compare, Delete
 
@@ -121,9 +121,7 @@ def routes(gw: Gateway) -> APIRouter:
         models = totals(records)
         total = s.ModelUsage()
         for u in models.values():
-            total.requests += u.requests
-            total.prompt_tokens += u.prompt_tokens
-            total.completion_tokens += u.completion_tokens
+            add(total, u)
         return {"id": key_id, "name": rec.name if rec is not None else None,
                 "revoked": rec is None,
                 "models": {m: u.model_dump() for m, u in sorted(models.items())},

@@ -38,7 +38,7 @@ class UsageSource(Protocol):
     """Usage counted since the last call: (key id, model) -> (requests,
     prompt tokens, completion tokens)."""
 
-    def take_usage(self) -> Mapping[tuple[str, str], tuple[int, int, int]]: ...
+    def take_usage(self) -> Mapping[tuple[str, str], tuple[int, int, int, int]]: ...
 
 
 def usage_key(key_id: str, gateway: str) -> str:
@@ -72,11 +72,10 @@ class KeyUsageWriter:
     async def flush(self) -> int:
         """Writes what was counted since the last flush; returns the number
         of keys written. Counts not written stay for the next flush."""
-        for (key_id, model), (requests, prompt, completion) in self._source.take_usage().items():
+        for (key_id, model), counts in self._source.take_usage().items():
             u = self._pending.setdefault(key_id, {}).setdefault(model, s.ModelUsage())
-            u.requests += requests
-            u.prompt_tokens += prompt
-            u.completion_tokens += completion
+            add(u, s.ModelUsage(requests=counts[0], prompt_tokens=counts[1],
+                                completion_tokens=counts[2], estimated=counts[3]))
         written = 0
         ids = sorted(self._pending)
         for start in range(0, len(ids), _BATCH):
@@ -104,11 +103,8 @@ class KeyUsageWriter:
             key = usage_key(key_id, self._gateway)
             kv = await self._store.get(key) if fresh else self._mirror.get(key)
             record = _parse(kv) or s.KeyUsage(key=key_id, gateway=self._gateway)
-            for model, add in self._pending[key_id].items():
-                u = record.models.setdefault(model, s.ModelUsage())
-                u.requests += add.requests
-                u.prompt_tokens += add.prompt_tokens
-                u.completion_tokens += add.completion_tokens
+            for model, more in self._pending[key_id].items():
+                add(record.models.setdefault(model, s.ModelUsage()), more)
             record.updated = now
             compares.append(Compare.modified_at(key, kv.mod_revision) if kv is not None
                             else Compare.absent(key))
@@ -133,8 +129,13 @@ def totals(records: Mapping[str, s.KeyUsage]) -> dict[str, s.ModelUsage]:
     out: dict[str, s.ModelUsage] = {}
     for rec in records.values():
         for model, u in rec.models.items():
-            t = out.setdefault(model, s.ModelUsage())
-            t.requests += u.requests
-            t.prompt_tokens += u.prompt_tokens
-            t.completion_tokens += u.completion_tokens
+            add(out.setdefault(model, s.ModelUsage()), u)
     return out
+
+
+def add(total: s.ModelUsage, more: s.ModelUsage) -> None:
+    """Adds `more`'s counts to `total`."""
+    total.requests += more.requests
+    total.prompt_tokens += more.prompt_tokens
+    total.completion_tokens += more.completion_tokens
+    total.estimated += more.estimated

@@ -257,6 +257,9 @@ class ModelUsage(BaseModel):
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Of `requests`, those whose tokens are estimates: streams that ended
+    # before the engine reported their usage (app/router/limits.py).
+    estimated: int = 0
 
 
 class KeyUsage(_Stored):

@@ -154,8 +154,8 @@ def usage(key_id: KeyId, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = F
         return
     title = f"key {key_id} ({data.get('name') or 'revoked'})"
     table = Table("MODEL", *(Column(c, justify="right") for c in (
-        "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS")), title=title)
-    counts = ("requests", "prompt_tokens", "completion_tokens")
+        "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "ESTIMATED")), title=title)
+    counts = ("requests", "prompt_tokens", "completion_tokens", "estimated")
     for model_name, u in sorted(data.get("models", {}).items()):
         table.add_row(Text(model_name), *(str(u.get(f, 0)) for f in counts))
     table.add_section()
@@ -168,6 +168,9 @@ def usage(key_id: KeyId, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = F
     for gw_id, updated in sorted(wrote.items()):
         sys.stdout.write(f"{gw_id} last wrote {when(updated, seconds=True)} "
                          f"({max(0, now - updated):.0f} s ago)\n")
+    if data.get("total", {}).get("estimated"):
+        sys.stdout.write("ESTIMATED: requests whose tokens are estimates (streams that ended "
+                         "before the engine reported their usage)\n")
     sys.stdout.write("requests of the last LLMGW_KEY_USAGE_INTERVAL seconds may be missing\n"
                      if wrote else "no gateway has written usage for this key yet (they write "
                      "every LLMGW_KEY_USAGE_INTERVAL seconds)\n")

@@ -19,7 +19,11 @@ requests all reach one gateway gets that gateway's share only.
 
 Usage (requests, prompt and completion tokens per key and model) is counted
 here and taken in batches by whoever writes it to the store (`take_usage`);
-the router never imports the control plane (DESIGN invariant 8).
+the router never imports the control plane (DESIGN invariant 8). A stream
+that ends before the engine's usage event (the client left, the engine
+died, a timeout) would otherwise cost its key nothing, however long it ran:
+its tokens are estimated instead, and counted as estimated
+(`estimate_usage`).
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ class Limiter:
         self._wall = wall
         self._window = window
         self._keys: dict[str, _KeyState] = {}
-        # (key id, model) -> [requests, prompt tokens, completion tokens]
+        # (key id, model) -> [requests, prompt tokens, completion tokens, estimated]
         self._usage: dict[tuple[str, str], list[int]] = {}
 
     def expired(self, expires: float | None) -> bool:
@@ -154,34 +158,41 @@ class Limiter:
     def _finish(self, ticket: Ticket) -> None:
         st = ticket.state
         st.inflight -= 1
+        estimated = ticket.events > 0 and not ticket.noted and ticket.body is not None
+        if estimated:
+            assert ticket.body is not None
+            ticket.prompt_tokens, ticket.completion_tokens = estimate_usage(
+                ticket.body, ticket.events)
         tokens = ticket.prompt_tokens + ticket.completion_tokens
         if ticket.charge_tokens and tokens:
             st.tokens.append((self._clock(), tokens))
             st.token_sum += tokens
         if st.idle() and self._keys.get(ticket.key_id) is st:
             del self._keys[ticket.key_id]
-        counts = self._usage.setdefault((ticket.key_id, ticket.model), [0, 0, 0])
+        counts = self._usage.setdefault((ticket.key_id, ticket.model), [0, 0, 0, 0])
         counts[0] += 1
         counts[1] += ticket.prompt_tokens
         counts[2] += ticket.completion_tokens
+        counts[3] += estimated
 
     def inflight(self, key_id: str) -> int:
         st = self._keys.get(key_id)
         return st.inflight if st is not None else 0
 
-    def take_usage(self) -> dict[tuple[str, str], tuple[int, int, int]]:
+    def take_usage(self) -> dict[tuple[str, str], tuple[int, int, int, int]]:
         """Usage counted since the last call, by (key id, model), as
-        (requests, prompt tokens, completion tokens); the caller writes it."""
+        (requests, prompt tokens, completion tokens, requests whose tokens
+        were estimated); the caller writes it."""
         taken, self._usage = self._usage, {}
-        return {k: (v[0], v[1], v[2]) for k, v in taken.items()}
+        return {k: (v[0], v[1], v[2], v[3]) for k, v in taken.items()}
 
 
 class Ticket:
     """One admitted request: its place in the key's concurrency, and the
     usage its answer reports. `release()` is idempotent."""
 
-    __slots__ = ("_done", "_limiter", "charge_tokens", "completion_tokens", "key_id",
-                 "model", "prompt_tokens", "state", "strip_usage")
+    __slots__ = ("_done", "_limiter", "body", "charge_tokens", "completion_tokens", "events",
+                 "key_id", "model", "noted", "prompt_tokens", "state", "strip_usage")
 
     def __init__(self, limiter: Limiter, key_id: str, model: str, state: _KeyState,
                  charge_tokens: bool) -> None:
@@ -195,6 +206,11 @@ class Ticket:
         # Set when we asked the engine for a stream's usage and the client did
         # not: the usage-only event is then cut from what the client sees.
         self.strip_usage = False
+        # A stream's request body and the SSE events relayed so far: what its
+        # usage is estimated from if it ends before the engine's usage event.
+        self.body: dict[str, Any] | None = None
+        self.events = 0
+        self.noted = False  # the engine reported usage
         self._done = False
 
     def release(self) -> None:
@@ -210,6 +226,7 @@ class Ticket:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
         if isinstance(prompt, int) and prompt >= 0:
             self.prompt_tokens = prompt
+            self.noted = True
         if isinstance(completion, int) and completion >= 0:
             self.completion_tokens = completion
 
@@ -232,6 +249,7 @@ class Ticket:
     def read_events(self, chunk: bytes) -> bytes:
         """Notes the usage in `chunk` (whole SSE events) and returns what the
         client gets: `chunk`, less the usage-only event if `strip_usage`."""
+        self.events += chunk.count(b"data:")
         if b'"usage"' not in chunk:  # most events: no parse at all
             return chunk
         parts = _EVENT_SPLIT.split(chunk)
@@ -258,6 +276,38 @@ class Ticket:
         self.note(obj.get("usage"))
         return self.strip_usage and obj.get("choices") == [] and isinstance(
             obj.get("usage"), dict)
+
+
+# Characters per token of a prompt whose count the engine never reported:
+# OpenAI's rule of thumb for English text.
+_CHARS_PER_TOKEN = 4
+
+
+def estimate_usage(body: dict[str, Any], events: int) -> tuple[int, int]:
+    """(prompt, completion) tokens of a stream cut before its usage event.
+
+    Completion: one token per event after the first (vLLM sends one token an
+    event, after a first that carries the role only). Prompt: the text's
+    characters / 4, or the count of a prompt given as token ids. Rough, but
+    a key's limits and usage then see the work a cut stream made."""
+    chars = tokens = 0
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    prompt = body.get("prompt")
+    for p in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else ():
+        if isinstance(p, str):
+            chars += len(p)
+        elif isinstance(p, int):
+            tokens += 1
+        elif isinstance(p, list):
+            tokens += len(p)
+    return tokens + -(-chars // _CHARS_PER_TOKEN), max(0, events - 1)
 
 
 def ask_for_usage(body: dict[str, Any]) -> bool:

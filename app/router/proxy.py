@@ -226,6 +226,7 @@ class Proxy:
         ticket = self.limits.admit(grant.id, model, grant.limits, grant.gateways)
         if body.get("stream") is True and path != "/v1/embeddings":
             ticket.strip_usage = ask_for_usage(body)
+            ticket.body = body  # its usage is estimated from it if cut short
         return ticket
 
     def _listed(self, grant: KeyGrant) -> list[dict[str, Any]]:
