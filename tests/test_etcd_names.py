@@ -127,6 +127,13 @@ async def test_names_are_resolved_again_when_every_endpoint_fails(
         looked_up.append(host)
         return answers[host]
 
+    # The watch starts past what is there: the shared etcd may have been
+    # compacted by earlier tests, and revision 1 would then be refused.
+    direct = await EtcdStore.open([etcd_server.endpoint], prefix=etcd_prefix)
+    try:
+        start = await direct.put("before", b"") + 1
+    finally:
+        await direct.close()
     store = EtcdStore([f"etcd-moved:{port_of(etcd_server)}"], etcd_prefix, 1.0,
                       resolver=resolver, resolve_interval=0.0)
     await store.connect()
@@ -136,7 +143,7 @@ async def test_names_are_resolved_again_when_every_endpoint_fails(
         assert looked_up == ["etcd-moved"]
         assert store.health().state == "unreachable"
         # A watch tried at the old address too (it reports its own failure).
-        watch = store.watch("", 1)
+        watch = store.watch("", start)
         first = asyncio.ensure_future(anext(watch))
         async with asyncio.timeout(5):  # a poll of a plain value: no event to wait on
             while not store.health().reason.startswith("etcd watch: UNAVAILABLE"):  # noqa: ASYNC110
