@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+from rich.table import Table
+
 from app import __version__
 from app.control.keys import node_token
+from app.ctl.common import out
 from tests.support.procs import (
     ADMIN,
     ROOT,
@@ -118,3 +122,12 @@ def test_node_token_is_derived_and_checks_the_name(tmp_path: Path) -> None:
     (tmp_path / "secret").write_text(SECRET + "\n")
     done = ctl("node-token", "gpu-01", LLMGW_DATA_DIR=str(tmp_path))
     assert done.stdout.strip() == node_token(SECRET, "gpu-01")
+
+
+def test_tables_show_engine_text_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's log lines start "[rank0]:"; rich markup would eat it, and a
+    # "[/y]" would crash the command with a MarkupError.
+    table = Table("DETAIL")
+    table.add_row("[rank0]: CUDA out of memory [/y]")
+    out([], False, table)
+    assert "[rank0]: CUDA out of memory [/y]" in capsys.readouterr().out

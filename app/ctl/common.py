@@ -75,10 +75,13 @@ def request(gateway: str, method: str, path: str, body: Any = None,
 
 
 def out(data: Any, as_json: bool, table: Table | None = None) -> None:
+    """The answer as JSON, or `table` for people. No rich markup: cells hold
+    what engines and operators wrote ("[rank0]: ...", a key named "[/x]"),
+    which must show as written, not be read as styles."""
     if as_json or table is None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
-        Console(highlight=False).print(table)
+        Console(highlight=False, markup=False).print(table)
 
 
 def when(unix_time: float, seconds: bool = False) -> str:
