@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import trustme
 
 from app.router.upstream import UpstreamClient, UpstreamError, origin
 
@@ -294,3 +296,40 @@ def test_origins_of_base_urls() -> None:
     assert (o.host, o.port, o.host_header, o.prefix) == ("::1", 8000, b"[::1]:8000", b"")
     with pytest.raises(UpstreamError):
         origin("ftp://example.com")
+
+
+async def test_https_providers_are_reached_over_verified_tls() -> None:
+    # External models' providers are https: the certificate is checked
+    # against the CA given (the system's by default) and the host name.
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    requests: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        await reader.readexactly(2)
+        writer.write(OK)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ctx)
+    port = server.sockets[0].getsockname()[1]
+    trusting_ctx = ssl.create_default_context()
+    ca.configure_trust(trusting_ctx)
+    trusting = UpstreamClient(connect_timeout=2.0, ssl_context=trusting_ctx)
+    default = UpstreamClient(connect_timeout=2.0)
+    try:
+        r = await trusting.post(f"https://127.0.0.1:{port}/provider", "/v1/chat/completions",
+                                b"{}", [])
+        assert (r.status, await r.read()) == (200, b"{}")
+        r.close()
+        assert requests[0].startswith(b"POST /provider/v1/chat/completions HTTP/1.1\r\n")
+        assert f"\r\nHost: 127.0.0.1:{port}\r\n".encode() in requests[0]
+        with pytest.raises(UpstreamError, match="cannot connect"):
+            await default.post(f"https://127.0.0.1:{port}", "/v1/chat/completions", b"{}", [])
+        assert len(requests) == 1  # nothing was sent over the unverified connection
+    finally:
+        await trusting.close()
+        await default.close()
+        server.close()
