@@ -2,7 +2,8 @@
 """The Python floor: the least a Python proxy does, to tell llmgw's own cost
 from its stack's. A raw ASGI app (no framework, no auth, no model lookup, no
 JSON rewrite) on uvicorn with uvloop and httptools, forwarding with one
-aiohttp session, the same client and server llmgw uses (app/router/proxy.py).
+aiohttp session: the server llmgw uses, and the client it used until it got
+its own (app/router/upstream.py; bench/README.md says what that changed).
 
     FLOOR_ENGINE_KEY=KEY python bench/floor.py PORT UPSTREAM_URL
 """
