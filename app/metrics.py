@@ -86,12 +86,13 @@ class _FleetCollector(Collector):
         models = mirror.models()
         replicas = mirror.replicas()
         statuses = mirror.statuses()
+        nodes = mirror.nodes()
         phases: Tally[tuple[str, str]] = Tally()
         inflight = GaugeMetricFamily(
             "llmgw_replica_inflight", "Requests this gateway has in flight on each replica",
             labels=["model", "replica"])
         for rid, rep in replicas.items():
-            phases[rep.model, replica_phase(rep, statuses.get(rid))] += 1
+            phases[rep.model, replica_phase(rep, statuses.get(rid), rep.node in nodes)] += 1
             inflight.add_metric([rep.model, rid], gw.table.inflight(rid))
         by_phase = GaugeMetricFamily("llmgw_replicas", "Replicas by model and phase",
                                      labels=["model", "phase"])

@@ -229,3 +229,37 @@ async def test_model_specs_and_node_names_are_typed_at_the_boundary(
         bad = "-n1"
         r = await c.put(f"/agent/v1/nodes/{bad}", json=_inventory(bad), headers=_node(bad))
         assert r.status_code == 422, r.text
+
+
+async def test_replicas_of_a_node_not_heard_from_are_shown_unknown_not_ready(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> None:
+    # The router already leaves them out; the admin API and the metrics
+    # must not show an operator their last "ready" either.
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(a, c)]:
+        gw = a.state.gateway
+        r = await c.put("/agent/v1/nodes/n1", json=_inventory("n1"), headers=_node("n1"))
+        assert r.status_code == 200, r.text
+        r = await c.put("/admin/models/m", json={"model": "org/m", "engine": "vllm", "gpus": 1})
+        assert r.status_code == 201, r.text
+        await _until(lambda: gw.mirror.replicas(), "a replica placed")
+        (rid,) = gw.mirror.replicas()
+        report = {"replicas": [{"id": rid, "node": "n1", "phase": "ready",
+                                "url": "http://127.0.0.1:8123"}]}
+        r = await c.put("/agent/v1/nodes/n1/status", json=report, headers=_node("n1"))
+        assert r.json() == {"written": 1}
+        await _until(lambda: rid in gw.mirror.statuses(), "the status mirrored")
+
+        async def shown() -> tuple[str, str, int, str]:
+            (rep,) = (await c.get("/admin/replicas")).json()
+            ready = (await c.get("/admin/models/m")).json()["status"]["ready"]
+            line = next(ln for ln in (await c.get("/metrics")).text.splitlines()
+                        if ln.startswith('llmgw_replicas{model="m"'))
+            return rep["phase"], rep["detail"], ready, line
+
+        assert await shown() == ("ready", "", 1, 'llmgw_replicas{model="m",phase="ready"} 1.0')
+        # The node's key expires (its agent or the node died).
+        assert await gw.store.delete(s.NODES + "n1")
+        await _until(lambda: "n1" not in gw.mirror.nodes(), "the node gone from the mirror")
+        assert await shown() == ("unknown", "node n1 not heard from; last reported ready", 0,
+                                 'llmgw_replicas{model="m",phase="unknown"} 1.0')

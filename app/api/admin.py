@@ -68,7 +68,9 @@ def routes(gw: Gateway) -> APIRouter:
         usages = gw.mirror.usages()
         mine = [r for r in replicas.values()
                 if r.model == model.name and r.draining_since is None]
-        ready = sum(1 for r in mine if s.replica_phase(r, statuses.get(r.id)) == "ready")
+        nodes = gw.mirror.nodes()
+        ready = sum(1 for r in mine
+                    if s.replica_phase(r, statuses.get(r.id), r.node in nodes) == "ready")
         failed = [{"id": r.id, "node": r.node, "detail": st.detail}
                   for r in mine if (st := statuses.get(r.id)) is not None
                   and s.replica_phase(r, st) == "failed"]
@@ -220,12 +222,18 @@ def routes(gw: Gateway) -> APIRouter:
     @r.get("/replicas")
     async def replicas() -> list[dict[str, Any]]:
         statuses = gw.mirror.statuses()
+        nodes = gw.mirror.nodes()
         out = []
         for rid, rep in gw.mirror.replicas().items():
             st = statuses.get(rid)
+            detail = st.detail if st else ""
+            if rep.node not in nodes and rep.draining_since is None:
+                last = f"; last reported {st.phase}" if st else ""
+                detail = f"node {rep.node} not heard from{last}" + (
+                    f": {detail}" if detail else "")
             out.append(rep.model_dump() | {
-                "phase": s.replica_phase(rep, st),
-                "url": st.url if st else "", "detail": st.detail if st else "",
+                "phase": s.replica_phase(rep, st, rep.node in nodes),
+                "url": st.url if st else "", "detail": detail,
                 # Requests this gateway has in flight on it now.
                 "inflight": gw.table.inflight(rid),
             })

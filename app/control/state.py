@@ -323,9 +323,14 @@ class LeaderInfo(_Stored):
     url: str
 
 
-def replica_phase(rep: Replica, status: ReplicaStatus | None) -> str:
+def replica_phase(rep: Replica, status: ReplicaStatus | None, node_seen: bool = True) -> str:
     """A replica's phase as the fleet shows it: `stopping` once the leader
-    drains it, `pending` until its agent has reported, else the agent's."""
+    drains it; `unknown` while its node is not heard from (`node_seen`
+    False: the agent's last report, "ready" say, is no promise, and the
+    router leaves the replica out); `pending` until its agent has reported;
+    else the agent's."""
     if rep.draining_since is not None:
         return "stopping"
+    if not node_seen:
+        return "unknown"
     return status.phase if status is not None else "pending"
