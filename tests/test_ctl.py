@@ -131,3 +131,14 @@ def test_tables_show_engine_text_as_written(capsys: pytest.CaptureFixture[str]) 
     table.add_row("[rank0]: CUDA out of memory [/y]")
     out([], False, table)
     assert "[rank0]: CUDA out of memory [/y]" in capsys.readouterr().out
+
+
+def test_piped_tables_keep_each_row_on_one_line(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # `llmgw ctl replicas | grep node-1`: rich would wrap at 80 columns.
+    monkeypatch.delenv("COLUMNS", raising=False)
+    table = Table("ID", "DETAIL")
+    table.add_row("m-1", "x" * 150)
+    out([], False, table)
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if "m-1" in ln)
+    assert row.count("x") == 150

@@ -74,14 +74,21 @@ def request(gateway: str, method: str, path: str, body: Any = None,
         fail(f"cannot reach the gateway at {gateway}: {reason}")
 
 
+def console() -> Console:
+    """Where tables go. No rich markup: cells hold what engines and
+    operators wrote ("[rank0]: ...", a key named "[/x]"), shown as written.
+    Piped (no terminal), rows are never wrapped at 80 columns, so that
+    `grep` and `awk` see one line per row; `COLUMNS` still sets a width."""
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, markup=False, width=1000 if wide else None)
+
+
 def out(data: Any, as_json: bool, table: Table | None = None) -> None:
-    """The answer as JSON, or `table` for people. No rich markup: cells hold
-    what engines and operators wrote ("[rank0]: ...", a key named "[/x]"),
-    which must show as written, not be read as styles."""
+    """The answer as JSON, or `table` for people (see `console`)."""
     if as_json or table is None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
-        Console(highlight=False, markup=False).print(table)
+        console().print(table)
 
 
 def when(unix_time: float, seconds: bool = False) -> str:

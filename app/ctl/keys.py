@@ -14,11 +14,10 @@ import urllib.parse
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Column, Table
 from rich.text import Text
 
-from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, out, request, when
+from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, request, when
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   pretty_exceptions_show_locals=False,
@@ -98,7 +97,7 @@ def create(
     if as_json:
         out(data, True)
         return
-    Console(highlight=False, markup=False).print(_grid(data))
+    console().print(_grid(data))
     # The key on a line of its own, for copying; never wrapped by rich.
     sys.stdout.write(f"\n{data['key']}\n\nThis key will not be shown again: store it now "
                      "(the gateway keeps only its hash).\n")
@@ -160,7 +159,7 @@ def usage(key_id: KeyId, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = F
         table.add_row(Text(model_name), *(str(u.get(f, 0)) for f in counts))
     table.add_section()
     table.add_row("TOTAL", *(str(data.get("total", {}).get(f, 0)) for f in counts))
-    Console(highlight=False, markup=False).print(table)
+    console().print(table)
     # Each gateway writes its counts every LLMGW_KEY_USAGE_INTERVAL seconds
     # (app/control/key_usage.py): say how fresh they are.
     now = time.time()
