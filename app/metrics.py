@@ -11,6 +11,7 @@ over gateways, but take the state gauges from any one of them.
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Tally
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.control.scaling import wanted_now
 from app.control.state import Replica, replica_phase
 
 if TYPE_CHECKING:
@@ -98,10 +100,18 @@ class _FleetCollector(Collector):
                                      labels=["model", "phase"])
         for (model, phase), n in sorted(phases.items()):
             by_phase.add_metric([model, phase], n)
-        wanted = GaugeMetricFamily("llmgw_replicas_wanted", "replicas.min of each model",
-                                   labels=["model"])
+        wanted = GaugeMetricFamily(
+            "llmgw_replicas_wanted", "Replicas each model wants now: its floor (min, or "
+            "one while a min-0 model is in use) raised by its engines' load",
+            labels=["model"])
+        usages = mirror.usages()
+        settings = gw.settings
+        now = time.time()
         for name, spec in sorted(models.items()):
-            wanted.add_metric([name], spec.replica_range.min)
+            mine = [r for r in replicas.values() if r.model == name and r.draining_since is None]
+            wanted.add_metric([name], wanted_now(
+                spec, mine, usages, now, settings.usage_refresh + settings.usage_interval,
+                settings.default_load_target))
 
         nodes = mirror.nodes()
         gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports",

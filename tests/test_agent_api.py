@@ -5,6 +5,7 @@ invariant 9). In-process gateways on a real etcd; two of them race."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -263,3 +264,29 @@ async def test_replicas_of_a_node_not_heard_from_are_shown_unknown_not_ready(
         await _until(lambda: "n1" not in gw.mirror.nodes(), "the node gone from the mirror")
         assert await shown() == ("unknown", "node n1 not heard from; last reported ready", 0,
                                  'llmgw_replicas{model="m",phase="unknown"} 1.0')
+
+
+async def test_replicas_wanted_is_what_the_model_wants_now_not_its_floor(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> None:
+    # A min-0 model in use wants a replica: the metric said 0 (replicas.min)
+    # while /admin/models said 1.
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(a, c)]:
+        gw = a.state.gateway
+        r = await c.put("/admin/models/z", json={"model": "org/z", "engine": "vllm", "gpus": 1,
+                                                 "replicas": {"min": 0, "max": 2},
+                                                 "idle_timeout": 600})
+        assert r.status_code == 201, r.text
+
+        async def shown() -> tuple[int, str]:
+            wanted = (await c.get("/admin/models/z")).json()["status"]["wanted"]
+            line = next(ln for ln in (await c.get("/metrics")).text.splitlines()
+                        if ln.startswith('llmgw_replicas_wanted{model="z"'))
+            return wanted, line
+
+        assert await shown() == (0, 'llmgw_replicas_wanted{model="z"} 0.0')
+        # Another gateway's usage snapshot: a request for z a moment ago.
+        used = s.Usage(gateway="gw-other", last_used={"z": time.time()})
+        rev = await gw.store.put(s.USAGE + "gw-other", used.model_dump_json().encode())
+        await gw.mirror.wait_for(rev, 5)
+        assert await shown() == (1, 'llmgw_replicas_wanted{model="z"} 1.0')

@@ -21,9 +21,7 @@ from app.api.errors import Problem
 from app.control import catalog, fleet
 from app.control import state as s
 from app.control.placement import NoFit, place
-from app.control.plan import wanted as plan_wanted
-from app.control.scaling import desired
-from app.control.usage import replica_loads
+from app.control.scaling import wanted_now
 from app.store.base import Compare, Delete, Op, Put
 
 if TYPE_CHECKING:
@@ -75,19 +73,9 @@ def routes(gw: Gateway) -> APIRouter:
                   for r in mine if (st := statuses.get(r.id)) is not None
                   and s.replica_phase(r, st) == "failed"]
         nofit: NoFit | None = None
-        # As the leader counts it: a min-0 model wants one replica while used
-        # within its idle timeout (the snapshots' latest use; plan.wanted).
-        last = max((u.last_used.get(model.name, 0.0) for u in usages.values()), default=0.0)
-        wanted = plan_wanted(model, last or None, time.time(),
-                             gw.settings.usage_refresh + gw.settings.usage_interval)
-        # What the load asks for now (the leader also waits out its
-        # scale-down window before it acts on a lower count): the engines'
-        # running and waiting requests over the model's load target.
-        loads = replica_loads(usages, [r.id for r in mine if r.engine == "llamacpp"])
-        if wanted > 0 and mine and all(r.id in loads for r in mine):
-            target = model.load_target or gw.settings.default_load_target
-            wanted = desired(sum(loads[r.id] for r in mine), target, wanted,
-                             max(wanted, model.replica_range.max))
+        wanted = wanted_now(model, mine, usages, time.time(),
+                            gw.settings.usage_refresh + gw.settings.usage_interval,
+                            gw.settings.default_load_target)
         if len(mine) < wanted:
             fit = place(model.name, model, gw.mirror.nodes(), replicas,
                         nodeconfs=gw.mirror.nodeconfs(), quotas=gw.mirror.quotas(),

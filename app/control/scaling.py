@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from app.control import state as s
+from app.control.plan import wanted as floor_wanted
+from app.control.usage import replica_loads
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,24 @@ logger = logging.getLogger(__name__)
 def desired(load: float, target: int, floor: int, ceiling: int) -> int:
     """Replicas for `load` at `target` per replica, within [floor, ceiling]."""
     return max(floor, min(ceiling, math.ceil(load / target)))
+
+
+def wanted_now(model: s.StoredModel, replicas: Sequence[s.Replica],
+               usages: Mapping[str, s.Usage], now: float, idle_slack: float,
+               default_target: int) -> int:
+    """The replicas `model` wants now, as the leader counts them before its
+    scale-down window: its floor (`plan.wanted`: min, or one while a min-0
+    model is in use), raised by its engines' load when every replica's load
+    is known (`desired`). What `/admin/models` and `llmgw_replicas_wanted`
+    show on every gateway; `replicas`: the model's, not draining."""
+    last = max((u.last_used.get(model.name, 0.0) for u in usages.values()), default=0.0)
+    wanted = floor_wanted(model, last or None, now, idle_slack)
+    loads = replica_loads(usages, [r.id for r in replicas if r.engine == "llamacpp"])
+    if wanted > 0 and replicas and all(r.id in loads for r in replicas):
+        wanted = desired(sum(loads[r.id] for r in replicas),
+                         model.load_target or default_target, wanted,
+                         max(wanted, model.replica_range.max))
+    return wanted
 
 
 class Scaler:
