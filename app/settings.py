@@ -161,6 +161,9 @@ class Settings(BaseSettings):
     # with an error event. Engines send a token every few tens of ms; vLLM
     # preempting a request under memory pressure pauses it for seconds.
     # Shorter cuts those pauses; longer holds a dead stream open longer.
+    # The same limit drops a client that takes nothing for this long (its
+    # socket full): it would hold the engine's connection, the replica's
+    # in-flight count and its key's concurrency until the request timeout.
     stream_idle_timeout: float = Field(60.0, gt=0)
     # Seconds a replica that failed a request (refused, 502/503, broke off,
     # stalled) is passed over while another replica of its model is left.

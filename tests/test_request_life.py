@@ -159,6 +159,25 @@ async def test_the_deadline_ends_a_stream_that_is_still_going(
     assert rig.table.cooldowns() == {}  # the engine was not at fault
 
 
+async def test_a_client_that_stops_reading_a_stream_is_dropped_after_the_idle_limit(
+        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+    # Connected but reading nothing: without a limit it would hold the
+    # engine's connection, its lease and its key's slot until the deadline.
+    rig = await make_rig(idle=0.3)
+    up = await rig.upstream("a", "endless")
+    rig.route("small", ("a", up.url))
+    call = AsgiCall(rig.proxy, STREAM)
+    assert (await call.next())["status"] == 200
+    await call.next()
+    call.stop_reading = True
+    started = time.monotonic()
+    await asyncio.wait_for(call.task, 2)  # not the 10 s deadline
+    assert 0.25 <= time.monotonic() - started < 1.5
+    await asyncio.wait_for(up.closed.wait(), 1)  # the engine sees it closed
+    assert rig.table.inflight("a") == 0
+    assert rig.observed.seen == [("small", 499)]
+
+
 # --- an engine that fails ----------------------------------------------------------
 
 

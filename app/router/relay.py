@@ -233,8 +233,10 @@ class Upstreams:
                 if framed and meter is not None:
                     chunk = meter.read_events(chunk)  # usage noted, maybe cut
                 if chunk:
+                    watch.send_since = loop.time()
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
+                    watch.send_since = 0.0
                 watch.read_since = loop.time()
                 chunk = await upstream.readany()
                 watch.read_since = 0.0
@@ -250,6 +252,12 @@ class Upstreams:
             if why is None:
                 raise
             if why is Why.CLIENT_GONE:
+                return CLIENT_GONE
+            if why is Why.CLIENT_STALLED:
+                # Nothing more can reach it; the server closes its connection
+                # as the response is left incomplete.
+                logger.warning("client of a stream from replica %s took nothing for %g s: "
+                               "stream dropped", ep.replica_id, self._timeouts.idle)
                 return CLIENT_GONE
             if why is Why.IDLE:
                 self._table.cool_down(ep.replica_id, self._timeouts.cooldown)

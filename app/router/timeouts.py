@@ -1,11 +1,12 @@
 """The limits on one request's life, and the watch that enforces them.
 
 `Watch` ends a request's work by cancelling the task that serves it, for one
-of four reasons (`Why`): the client went away, the request's deadline passed,
-a stream's first byte did not come in time, or a stream went silent. One
+of five reasons (`Why`): the client went away, the request's deadline passed,
+a stream's first byte did not come in time, a stream went silent, or its
+client stopped taking what it is sent. One
 watch per request, armed once its body is read: one listener task on the
-ASGI `receive` and one timer handle. The per-chunk cost of a stream is two
-attribute writes (`read_since`), not a timer per chunk.
+ASGI `receive` and one timer handle. The per-chunk cost of a stream is four
+attribute writes (`read_since`, `send_since`), not a timer per chunk.
 
 Why a self-cancelling watch rather than `asyncio.wait({upstream,
 disconnected})` as Starlette does: the work stays in the request's own task
@@ -48,6 +49,7 @@ class Why(enum.Enum):
     DEADLINE = "deadline"
     FIRST_BYTE = "first byte"
     IDLE = "idle"
+    CLIENT_STALLED = "client stalled"
 
 
 class Watch:
@@ -63,11 +65,14 @@ class Watch:
     Streams: `expect_first_byte()` when a stream attempt starts; then the
     relay sets `read_since` to the loop's time before each upstream read and
     to 0.0 after it. A read pending longer than the limit (first byte, then
-    idle) expires; time spent sending to a slow client does not count.
+    idle) expires; time spent sending to a slow client does not count. Once
+    streaming, the relay also sets `send_since` around each send to the
+    client: a send pending for the idle limit (a client connected but
+    reading nothing, its socket full) expires too.
     """
 
     __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listener", "_loop", "_task",
-                 "_timeouts", "_timer", "read_since", "why")
+                 "_timeouts", "_timer", "read_since", "send_since", "why")
 
     def __init__(self, receive: Receive, timeouts: Timeouts, started: float) -> None:
         """`started`: the loop's time at the request's arrival."""
@@ -80,6 +85,7 @@ class Watch:
         self._limit = 0.0  # the pending read's limit; 0: reads are not timed
         self._first = False  # the limit is the first byte's, not idle
         self.read_since = 0.0
+        self.send_since = 0.0
         self.why: Why | None = None
         self._armed = True
         self._timer = self._loop.call_at(self._deadline, self._check)
@@ -137,8 +143,11 @@ class Watch:
             self._schedule(self._deadline)
         elif self.read_since and now - self.read_since >= self._limit:
             self._fire(Why.FIRST_BYTE if self._first else Why.IDLE)
-        else:  # a read pending for less than its limit, or none pending (sending)
-            self._schedule((self.read_since or now) + self._limit)
+        elif self.send_since and now - self.send_since >= self._limit:
+            self._fire(Why.CLIENT_STALLED)
+        else:  # a read or a send pending for less than its limit, or neither
+            pending = [t for t in (self.read_since, self.send_since) if t]
+            self._schedule(min(pending, default=now) + self._limit)
 
 
 async def _disconnect(receive: Receive) -> None:

@@ -212,6 +212,7 @@ class AsgiCall:
     def __init__(self, proxy: Proxy, body: dict[str, Any], path: str = CHAT) -> None:
         self.sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.leave = asyncio.Event()  # set: the client disconnects
+        self.stop_reading = False  # set: every later send blocks (a client not reading)
         self._body: bytes | None = json.dumps(body).encode()
         scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
                  "headers": [(b"authorization", f"Bearer {CLIENT_KEY}".encode()),
@@ -226,6 +227,8 @@ class AsgiCall:
         return {"type": "http.disconnect"}
 
     async def _send(self, message: Any) -> None:
+        if self.stop_reading:
+            await asyncio.Event().wait()  # as a server's send waits for a full socket
         await self.sent.put(dict(message))
 
     async def next(self) -> dict[str, Any]:
