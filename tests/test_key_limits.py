@@ -180,7 +180,8 @@ def test_a_stream_without_its_usage_event_is_estimated_and_counted_as_such() -> 
     cut = lim.admit("k", "m", tpm)
     whole = lim.admit("k", "m", tpm)
     cut.body = {"messages": [{"role": "user", "content": "a" * 400}]}
-    cut.read_events(b'data: {"choices": []}\n\n' * 60)  # 60 events, no usage
+    # 60 events and [DONE], no usage: llama-cpp-python's server, say.
+    cut.read_events(b'data: {"choices": []}\n\n' * 60 + b"data: [DONE]\n\n")
     cut.release()
     whole.body = {"messages": [{"role": "user", "content": "hi"}]}
     whole.read_events(b'data: {"choices": []}\n\n'

@@ -249,7 +249,7 @@ class Ticket:
     def read_events(self, chunk: bytes) -> bytes:
         """Notes the usage in `chunk` (whole SSE events) and returns what the
         client gets: `chunk`, less the usage-only event if `strip_usage`."""
-        self.events += chunk.count(b"data:")
+        self.events += chunk.count(b"data:") - chunk.count(b"data: [DONE]")
         if b'"usage"' not in chunk:  # most events: no parse at all
             return chunk
         parts = _EVENT_SPLIT.split(chunk)
