@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
-from app.api import admin, agent, docs, errors, fabric, fleet, keys, nodes
+from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes
 from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
 from app.router.proxy import Proxy, openapi_paths
@@ -83,6 +83,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.v1 = gw.proxy
     errors.install(app)
     docs.install(app)
+    cluster.install(app)
 
     @app.get("/healthz", tags=["probes"], summary="The process is up")
     async def healthz() -> dict[str, str]:

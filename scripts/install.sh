@@ -14,6 +14,8 @@ command -v etcd >/dev/null || need_apt+=(etcd-server)
 # haproxy: the load balancer tests run compose/haproxy.cfg in front of gateways.
 [ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null || need_apt+=(haproxy)
 command -v curl >/dev/null || need_apt+=(curl)
+# Chromium: tests/test_cluster_page.py drives the cluster page in it (Playwright).
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 command -v gcc >/dev/null || need_apt+=(build-essential)
 command -v cmake >/dev/null || need_apt+=(cmake)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
