@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 import yaml
 
+from app.ctl.catalog import parse_catalog
 from tests.support.procs import ADMIN, FAKE_BIN, Cluster, GatewayProc, serve_one
 from tests.test_ctl import ctl, one_line_error
 
@@ -184,3 +186,15 @@ def test_apply_checks_the_file_first_and_stops_at_the_first_error(
     assert "model: '/srv/elsewhere/r' is not under a model root" in said
     assert (status_of(gw, "p"), status_of(gw, "r"), status_of(gw, "s")) == (200, 404, 404)
     ok(gw, "model", "delete", "p")
+
+
+def test_apply_is_not_held_to_the_seeds_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """A seed is one transaction (127 models at most); apply puts one model
+    at a time, so a bigger file is valid for it, and still checked."""
+    many = {"models": {f"m{i}": {"model": f"acme/m{i}", "gpus": 1} for i in range(130)}}
+    assert len(parse_catalog(many, "big.yaml")) == 130
+    many["models"]["m7"]["gpus"] = 99
+    with pytest.raises(typer.Exit):
+        parse_catalog(many, "big.yaml")
+    said = capsys.readouterr().err
+    assert said.startswith("llmgw ctl: big.yaml: models.m7.gpus: ") and "130 models" not in said
