@@ -27,14 +27,15 @@ from tests.support.procs import (
 )
 
 
-def ctl(*args: str, gateway: str | None = None, token: str = ADMIN,
+def ctl(*args: str, gateway: str | None = None, token: str = ADMIN, stdin: str | None = None,
         **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
     base |= {"LLMGW_ADMIN_TOKEN": token, "COLUMNS": "200", **env}
     if gateway is not None:
         base["LLMGW_GATEWAY"] = gateway
     return subprocess.run([sys.executable, "-m", "app.cli", "ctl", *args], cwd=ROOT, env=base,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          input=stdin if stdin is not None else "")
 
 
 def ok_json(*args: str, gateway: str) -> Any:

@@ -6,7 +6,9 @@ all-in-one data directory's `admin-token` file). Tables for people;
 `--json` prints the gateway's answer as it is, for scripts. A failure is
 one line on stderr ("llmgw ctl: ...") and exit status 1; a usage error 2.
 
-The commands live in fleet.py (nodes, models, ...) and keys.py (`keys
+The commands live in fleet.py (nodes, models, ...: reads, mostly),
+catalog.py (`model put|delete`, `catalog export|apply`), nodeops.py (`node
+cordon|uncordon|drain|conf`, `quota list|set|delete`) and keys.py (`keys
 ...`); this module only names them, in the order `--help` lists them.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import typer
 
-from app.ctl import fleet, keys
+from app.ctl import catalog, fleet, keys, nodeops
 
 # No locals in tracebacks: they would print the admin token.
 app = typer.Typer(name="llmgw ctl", no_args_is_help=True, add_completion=False,
@@ -30,6 +32,10 @@ app.command("fabric-test")(fleet.fabric_test)
 app.command()(fleet.upgrade)
 app.command("engine-build")(fleet.engine_build)
 app.command("node-token")(fleet.node_token_cmd)
+app.add_typer(catalog.model_app, name="model")
+app.add_typer(catalog.catalog_app, name="catalog")
+app.add_typer(nodeops.node_app, name="node")
+app.add_typer(nodeops.quota_app, name="quota")
 app.add_typer(keys.app, name="keys")
 
 

@@ -44,34 +44,58 @@ def _admin_token() -> str:
     return token
 
 
-def request(gateway: str, method: str, path: str, body: Any = None,
-            params: dict[str, str] | None = None, timeout: float = TIMEOUT) -> Any:
-    """One admin API call; fails with the gateway's problem detail."""
+def send(gateway: str, method: str, path: str, body: Any = None,
+         params: dict[str, str] | None = None, timeout: float = TIMEOUT,
+         accept: str | None = None, about: str = "") -> tuple[int, bytes]:
+    """One admin API call: its status and raw body. Fails with the gateway's
+    problem detail (each field named when the body did not match the schema),
+    after `about` ("model m: ") when given."""
     url = gateway.rstrip("/") + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"})
+    headers = {"Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"}
+    if accept is not None:
+        headers["Accept"] = accept
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
+            return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            problem = json.loads(raw)
-        except ValueError:
-            problem = None
-        if isinstance(problem, dict):
-            said = problem.get("title", "")
-            if problem.get("detail"):
-                said = f"{said}: {problem['detail']}" if said else str(problem["detail"])
-        else:
-            said = raw.decode(errors="replace").strip()[:200]
+        said = _problem_said(exc.read())
         if exc.code == 401:
             said += " (check LLMGW_ADMIN_TOKEN)"
-        fail(f"{gateway} answered {exc.code}: {said}")
+        fail(f"{about}{gateway} answered {exc.code}: {said}")
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        fail(f"cannot reach the gateway at {gateway}: {reason}")
+        fail(f"{about}cannot reach the gateway at {gateway}: {reason}")
+
+
+def _problem_said(raw: bytes) -> str:
+    try:
+        problem = json.loads(raw)
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        return " ".join(raw.decode(errors="replace")[:200].split())
+    said = str(problem.get("title", ""))
+    detail = problem.get("detail")
+    errors = problem.get("errors")
+    if isinstance(errors, list) and detail == _SCHEMA_MISMATCH:
+        # The schema's 422 says only that the body did not match: name each field.
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg', '')}"
+            for e in errors if isinstance(e, dict)) or detail
+    if detail:
+        said = f"{said}: {detail}" if said else str(detail)
+    return " ".join(said.split())  # one line, whatever the gateway wrote
+
+
+_SCHEMA_MISMATCH = "the body does not match the schema"  # app/api/errors.py
+
+
+def request(gateway: str, method: str, path: str, body: Any = None,
+            params: dict[str, str] | None = None, timeout: float = TIMEOUT) -> Any:
+    """One admin API call, its JSON answer; fails with the gateway's problem detail."""
+    return json.loads(send(gateway, method, path, body, params, timeout)[1] or b"null")
 
 
 def console() -> Console:

@@ -1,0 +1,182 @@
+"""`llmgw ctl model put|delete` and `llmgw ctl catalog export|apply`: the
+catalog written over PUT and DELETE /admin/models/{name} and read from GET
+/admin/catalog (app/api/admin.py). Registered by app/ctl/__init__.py.
+
+`model put` sends a spec as written and the gateway checks it (its 422
+names the field). `catalog apply` checks the whole file here first, with the
+gateway's own rules (app/control/catalog.py), so that a bad file changes
+nothing; only the gateway's model roots are left to the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.parse
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from app.control import catalog as rules
+from app.control import state as s
+from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, fail, out, request, send
+
+model_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                        pretty_exceptions_show_locals=False,
+                        help="One model in the catalog: put (create or replace its spec), "
+                        "delete.")
+catalog_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                          pretty_exceptions_show_locals=False,
+                          help="The whole catalog: export it (LLMGW_CATALOG_FILE's form), "
+                          "apply such a file.")
+
+ModelName = Annotated[str, typer.Argument(help="the model's name, as clients ask for it")]
+DocFile = Annotated[str, typer.Argument(help="a YAML or JSON file; - for stdin")]
+
+# Any absolute path is under "/": whether weights on a path are allowed is
+# the gateways' LLMGW_MODEL_ROOTS, which only they know.
+_ANY_ROOT = ("/",)
+
+
+def model_path(name: str) -> str:
+    # "/" stays: model names may hold it and the route takes it ({name:path}).
+    return "/admin/models/" + urllib.parse.quote(name, safe="/")
+
+
+def read_document(path: str) -> Any:
+    """A YAML or JSON document from `path` (`-`: stdin); one line on failure."""
+    where = "stdin" if path == "-" else path
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    except UnicodeDecodeError:
+        fail(f"{where} is not text (UTF-8)")
+    as_json = path.endswith(".json")
+    try:
+        return json.loads(text) if as_json else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        fail(f"{where} is not valid {'JSON' if as_json else 'YAML or JSON'}: "
+             + " ".join(str(exc).split()))
+
+
+def status_line(m: dict[str, Any]) -> str:
+    """How a model's replicas stand (GET /admin/models/{name}'s status), in a line."""
+    st = m.get("status") or {}
+    health = st.get("health") or {}
+    line = (f"{m.get('name', '?')}: {st.get('ready', 0)}/{st.get('wanted', 0)} ready, "
+            f"{st.get('replicas', 0)} placed, health {health.get('state', '?')}")
+    if health.get("detail"):
+        line += f" ({health['detail']})"
+    if st.get("unplaced"):
+        line += f"; not placed: {st['unplaced']}"
+    failed = [f"{f.get('id')} on {f.get('node')}" for f in st.get("failed") or []]
+    if failed:
+        line += f"; failed: {', '.join(failed)}"
+    return " ".join(line.split())
+
+
+@model_app.command("put")
+def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
+        as_json: AsJson = False) -> None:
+    """Create or replace NAME's spec from FILE (fields as PUT /admin/models/NAME takes)."""
+    where = "stdin" if file == "-" else file
+    spec = read_document(file)
+    if not isinstance(spec, dict):
+        fail(f"{where}: expected a model's spec, a mapping of fields (model, gpus, ...)")
+    if set(spec) == {"models"}:
+        fail(f"{where} is a catalog ({{models: ...}}): give it to `llmgw ctl catalog apply`")
+    try:
+        json.dumps(spec)
+    except (TypeError, ValueError) as exc:  # YAML reads dates and sets too
+        fail(f"{where}: a value JSON cannot carry: {exc}")
+    status, _ = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ")
+    result = "created" if status == 201 else "updated"
+    data = request(gateway, "GET", model_path(name))
+    if as_json:
+        out({"result": result, "model": data}, True)
+        return
+    sys.stdout.write(f"model {name} {result}\n{status_line(data)}\n")
+
+
+@model_app.command("delete")
+def delete(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY) -> None:
+    """Remove NAME from the catalog; the leader stops its replicas."""
+    send(gateway, "DELETE", model_path(name), about=f"model {name}: ")  # 204, no body
+    sys.stdout.write(f"model {name} deleted\n")
+
+
+@catalog_app.command("export")
+def export(
+    as_yaml: Annotated[bool, typer.Option("--yaml", help="YAML instead of JSON")] = False,
+    gateway: Gateway = DEFAULT_GATEWAY,
+) -> None:
+    """Print the catalog in LLMGW_CATALOG_FILE's form (save it, edit it, `apply` it)."""
+    _, body = send(gateway, "GET", "/admin/catalog",
+                   accept="application/yaml" if as_yaml else "application/json")
+    text = body.decode()
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def parse_catalog(data: Any, where: str) -> dict[str, s.ModelSpec]:
+    """The file's specs, checked as the gateway checks them (but for model
+    roots); every error in one line otherwise."""
+    try:
+        return rules.parse_catalog(data, _ANY_ROOT)
+    except rules.CatalogError as exc:
+        # A seed is one transaction of at most MAX_SEEDED_MODELS; apply puts
+        # one model at a time, so that limit is not apply's.
+        errors = [e for e in exc.errors if e.loc != ("models",)]
+        if errors:
+            fail(f"{where}: {rules.CatalogError(errors)}")
+        return {str(n): s.ModelSpec.model_validate(raw or {})
+                for n, raw in data["models"].items()}
+
+
+def current_catalog(gateway: str) -> dict[str, dict[str, Any]]:
+    """The gateway's catalog, as export gives it: name -> spec as written."""
+    models = request(gateway, "GET", "/admin/catalog").get("models")
+    return dict(models) if isinstance(models, dict) else {}
+
+
+@catalog_app.command("apply")
+def apply(
+    file: DocFile,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="check FILE and say what would be put; change nothing")] = False,
+    prune: Annotated[bool, typer.Option(
+        "--prune", help="also delete the models that FILE does not name")] = False,
+    gateway: Gateway = DEFAULT_GATEWAY,
+) -> None:
+    """Put each model of FILE (`catalog export`'s form: {models: {NAME: spec}})."""
+    where = "stdin" if file == "-" else file
+    specs = parse_catalog(read_document(file), where)
+    if dry_run:
+        # Checked here only; the gateway is asked only what --prune would delete.
+        for name in specs:
+            sys.stdout.write(f"model {name}: would be put\n")
+        if prune:
+            for name in sorted(set(current_catalog(gateway)) - set(specs)):
+                sys.stdout.write(f"model {name}: would be deleted\n")
+        sys.stdout.write(f"{where}: {len(specs)} models, valid (dry run: nothing changed)\n")
+        return
+    current = current_catalog(gateway)
+    for name, spec in specs.items():
+        body = spec.spec_dump()
+        if current.get(name) == body:
+            # Not written again: a write would bump the catalog's serial and
+            # wake every gateway's mirror for nothing.
+            result = "unchanged"
+        else:
+            status, _ = send(gateway, "PUT", model_path(name), body=body,
+                             about=f"model {name}: ")
+            result = "created" if status == 201 else "updated"
+        sys.stdout.write(f"model {name} {result}\n")
+    for name in sorted(set(current) - set(specs)):
+        if prune:
+            send(gateway, "DELETE", model_path(name), about=f"model {name}: ")
+            sys.stdout.write(f"model {name} deleted\n")
+        else:
+            sys.stdout.write(f"model {name} kept: not in {where} (--prune deletes it)\n")

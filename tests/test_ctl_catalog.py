@@ -1,0 +1,200 @@
+"""`llmgw ctl model put|delete` and `llmgw ctl catalog export|apply` against
+a real all-in-one gateway serving model "m" on the fake vLLM, run as an
+operator runs them; the catalog checked over the admin API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import yaml
+
+from app.ctl.catalog import parse_catalog
+from tests.support.procs import ADMIN, FAKE_BIN, Cluster, GatewayProc, serve_one
+from tests.test_ctl import ctl, one_line_error
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    """One gateway for the module, its one GPU held by model "m"."""
+    c = Cluster(tmp_path_factory.mktemp("ctl-catalog"), None, "")
+    try:
+        gw = c.gateway("gw-cat", local_node="gpu-1", local_gpus="1",
+                       vllm_bin=str(FAKE_BIN / "vllm"))
+        serve_one(gw)
+        yield gw
+    finally:
+        c.close()
+
+
+def run(gw: GatewayProc, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    done = ctl(*args, gateway=gw.url, stdin=stdin)
+    assert ADMIN not in done.stdout + done.stderr
+    return done
+
+
+def ok(gw: GatewayProc, *args: str, stdin: str | None = None) -> list[str]:
+    done = run(gw, *args, stdin=stdin)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    return done.stdout.splitlines()
+
+
+def get(gw: GatewayProc, path: str) -> Any:
+    with gw.admin() as admin:
+        r = admin.get(path)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def status_of(gw: GatewayProc, name: str) -> int:
+    with gw.admin() as admin:
+        return admin.get(f"/admin/models/{name}").status_code
+
+
+def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Path) -> None:
+    spec = tmp_path / "a.yaml"
+    spec.write_text("model: acme/a\ngpus: 1\naliases: [a-small]\n"
+                    "replicas: {min: 0, max: 0}  # kept, never run\n")
+    said = ok(gw, "model", "put", "a", str(spec))
+    assert said == ["model a created", "a: 0/0 ready, 0 placed, health ok"], said
+    stored = get(gw, "/admin/models/a")
+    assert (stored["model"], stored["gpus"], stored["aliases"], stored["replicas"]) == (
+        "acme/a", 1, ["a-small"], {"min": 0, "max": 0})
+
+    # JSON on stdin; its one GPU is m's, so the status line says why it waits.
+    said = ok(gw, "model", "put", "org/b", "-",
+              stdin=json.dumps({"model": "acme/b", "gpus": 1}))
+    assert said[0] == "model org/b created" and len(said) == 2, said
+    assert said[1].startswith("org/b: 0/1 ready, 0 placed, health unplaceable (0 of 1 "
+                              "replicas placed; no node fits); not placed: gpu-1: "), said
+    assert get(gw, "/admin/models/org/b")["status"]["unplaced"] in said[1]
+
+    spec.write_text("model: acme/a\ngpus: 1\naliases: [a-big]\nreplicas: {min: 0, max: 0}\n")
+    assert ok(gw, "model", "put", "a", str(spec))[0] == "model a updated"
+    assert get(gw, "/admin/models/a")["aliases"] == ["a-big"]
+    answer = json.loads("\n".join(ok(gw, "model", "put", "a", str(spec), "--json")))
+    assert answer["result"] == "updated" and answer["model"]["status"]["wanted"] == 0
+
+    assert ok(gw, "model", "delete", "org/b") == ["model org/b deleted"]
+    assert ok(gw, "model", "delete", "a") == ["model a deleted"]
+    assert status_of(gw, "a") == status_of(gw, "org/b") == 404
+    said_again = one_line_error(run(gw, "model", "delete", "a"))
+    assert "404" in said_again and "model 'a' is not in the catalog" in said_again
+
+
+def test_a_bad_spec_is_one_line_naming_the_field(gw: GatewayProc, tmp_path: Path) -> None:
+    # The gateway's rules across fields (app/control/catalog.py).
+    said = one_line_error(run(gw, "model", "put", "c", "-",
+                              stdin="model: acme/c\nreplicas: {min: 0, max: 2}\n"))
+    assert said.startswith("llmgw ctl: model c: ") and " answered 422: " in said, said
+    assert "idle_timeout: replicas.min 0 needs an idle_timeout" in said
+    # The schema's 422 names the field too, not only "does not match the schema".
+    said = one_line_error(run(gw, "model", "put", "c", "-", stdin='{"model": "x", "gpu": 1}'))
+    assert "422" in said and "gpu: Extra inputs are not permitted" in said, said
+    said = one_line_error(run(gw, "model", "put", "c", "-", stdin="model: x\ngpus: many\n"))
+    assert "gpus: Input should be a valid integer" in said, said
+
+    broken = tmp_path / "c.yaml"
+    broken.write_text("model: [acme/c\n")
+    said = one_line_error(run(gw, "model", "put", "c", str(broken)))
+    assert f"{broken} is not valid YAML or JSON" in said
+    said = one_line_error(run(gw, "model", "put", "c", "-", stdin="just text"))
+    assert "stdin: expected a model's spec" in said
+    said = one_line_error(run(gw, "model", "put", "c", "-", stdin="models: {c: {model: x}}"))
+    assert "llmgw ctl catalog apply" in said
+    said = one_line_error(run(gw, "model", "put", "c", str(tmp_path / "none.yaml")))
+    assert "cannot read" in said and "none.yaml" in said
+    assert status_of(gw, "c") == 404
+
+
+def test_export_apply_and_prune(gw: GatewayProc, tmp_path: Path) -> None:
+    ok(gw, "model", "put", "x", "-", stdin="model: acme/x\ngpus: 1\nreplicas: {min: 0, max: 0}")
+    ok(gw, "model", "put", "y", "-", stdin='{"model": "acme/y", "gpus": 1, "aliases": ["why"],'
+                                           ' "replicas": {"min": 0, "max": 0}}')
+    before = get(gw, "/admin/catalog")
+    assert sorted(before["models"]) == ["m", "x", "y"]
+    created = {m["name"]: m["created"] for m in get(gw, "/admin/models")}
+
+    exported = "\n".join(ok(gw, "catalog", "export"))
+    assert json.loads(exported) == before
+    as_yaml = tmp_path / "catalog.yaml"
+    as_yaml.write_text("\n".join(ok(gw, "catalog", "export", "--yaml")) + "\n")
+    assert yaml.safe_load(as_yaml.read_text()) == before
+
+    # The export applied to the catalog it came from changes nothing.
+    assert ok(gw, "catalog", "apply", str(as_yaml)) == [
+        "model m unchanged", "model x unchanged", "model y unchanged"]
+    assert ok(gw, "catalog", "apply", "-", stdin=exported) == [
+        "model m unchanged", "model x unchanged", "model y unchanged"]
+    assert get(gw, "/admin/catalog") == before
+    assert {m["name"]: m["created"] for m in get(gw, "/admin/models")} == created
+
+    # Edited: x changed, y left out, z new.
+    edited: dict[str, Any] = yaml.safe_load(as_yaml.read_text())
+    edited["models"]["x"]["aliases"] = ["ex"]
+    del edited["models"]["y"]
+    edited["models"]["z"] = {"model": "acme/z", "gpus": 1, "replicas": {"min": 0, "max": 0}}
+    as_yaml.write_text(yaml.safe_dump(edited))
+    dry = ok(gw, "catalog", "apply", str(as_yaml), "--dry-run", "--prune")
+    assert dry == ["model m: would be put", "model x: would be put", "model z: would be put",
+                   "model y: would be deleted",
+                   f"{as_yaml}: 3 models, valid (dry run: nothing changed)"], dry
+    assert get(gw, "/admin/catalog") == before
+
+    assert ok(gw, "catalog", "apply", str(as_yaml)) == [
+        "model m unchanged", "model x updated", "model z created",
+        f"model y kept: not in {as_yaml} (--prune deletes it)"]
+    assert sorted(get(gw, "/admin/catalog")["models"]) == ["m", "x", "y", "z"]
+    assert get(gw, "/admin/models/x")["aliases"] == ["ex"]
+
+    assert ok(gw, "catalog", "apply", str(as_yaml), "--prune") == [
+        "model m unchanged", "model x unchanged", "model z unchanged", "model y deleted"]
+    assert get(gw, "/admin/catalog") == edited
+    assert status_of(gw, "y") == 404
+
+
+def test_apply_checks_the_file_first_and_stops_at_the_first_error(
+        gw: GatewayProc, tmp_path: Path) -> None:
+    before = get(gw, "/admin/catalog")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"models": {"p": {"model": "acme/p", "gpus": 1},
+                                          "q": {"model": "acme/q", "engine": "llamacpp",
+                                                "gpus": 1}}}))
+    for args in ([str(bad)], [str(bad), "--dry-run"]):
+        said = one_line_error(run(gw, "catalog", "apply", *args))
+        assert f"{bad}: models.q.gpus: engine llamacpp runs on CPU nodes" in said, said
+    said = one_line_error(run(gw, "catalog", "apply", "-", stdin="m: {model: acme/m}"))
+    assert "stdin: " in said and "expected a mapping {models:" in said, said
+    assert get(gw, "/admin/catalog") == before  # nothing was put
+
+    # Valid here, refused by the gateway (its model roots): p is put, r is
+    # not, s is never tried.
+    stops = tmp_path / "stops.yaml"
+    stops.write_text(yaml.safe_dump({"models": {
+        "p": {"model": "acme/p", "gpus": 1, "replicas": {"min": 0, "max": 0}},
+        "r": {"model": "/srv/elsewhere/r", "gpus": 1},
+        "s": {"model": "acme/s", "gpus": 1}}}, sort_keys=False))
+    done = run(gw, "catalog", "apply", str(stops))
+    said = one_line_error(done)
+    assert done.stdout.splitlines() == ["model p created"]
+    assert said.startswith("llmgw ctl: model r: ") and "422" in said, said
+    assert "model: '/srv/elsewhere/r' is not under a model root" in said
+    assert (status_of(gw, "p"), status_of(gw, "r"), status_of(gw, "s")) == (200, 404, 404)
+    ok(gw, "model", "delete", "p")
+
+
+def test_apply_is_not_held_to_the_seeds_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """A seed is one transaction (127 models at most); apply puts one model
+    at a time, so a bigger file is valid for it, and still checked."""
+    many = {"models": {f"m{i}": {"model": f"acme/m{i}", "gpus": 1} for i in range(130)}}
+    assert len(parse_catalog(many, "big.yaml")) == 130
+    many["models"]["m7"]["gpus"] = 99
+    with pytest.raises(typer.Exit):
+        parse_catalog(many, "big.yaml")
+    said = capsys.readouterr().err
+    assert said.startswith("llmgw ctl: big.yaml: models.m7.gpus: ") and "130 models" not in said
