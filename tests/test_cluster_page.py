@@ -78,6 +78,7 @@ def test_the_page_shows_the_fleet_and_follows_it(gw: GatewayProc, page: Page) ->
     expect(model.locator(".badge")).to_have_text("ok")
     node = page.locator("#nodes tbody tr", has_text="gpu-1")
     expect(node.locator(".gpu")).to_have_count(2)
+    expect(node.locator(".badge")).to_have_text("schedulable")
     expect(page.locator("#gateways tbody tr", has_text="gw-page").locator(".badge")
            ).to_have_text("leader")
     expect(page.locator("#where")).to_contain_text("gateway gw-page")

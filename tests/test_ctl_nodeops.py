@@ -77,6 +77,11 @@ def test_cordon_drain_uncordon(gw: GatewayProc) -> None:
     assert ok(gw, "node", "cordon", "gpu-1") == (
         "node gpu-1: cordoned, pool default, labels none, engine build auto\n")
     assert (conf(gw)["cordoned"], conf(gw)["draining"]) == (True, False)
+    # The node's listing says so too (the agent's report alone does not).
+    (listed,) = get(gw, "/admin/nodes")
+    assert listed["conf"]["cordoned"] is True and listed["conf"]["pool"] == "default"
+    row = next(ln for ln in ok(gw, "nodes").splitlines() if "gpu-1" in ln)
+    assert "cordoned" in row, row
     # Placement sees it: a new model's replica has nowhere to go.
     put_model(gw, "w", {"model": "acme/w", "gpus": 1})
     assert get(gw, "/admin/models/w")["status"]["unplaced"] == "gpu-1: cordoned"

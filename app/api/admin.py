@@ -190,11 +190,16 @@ def routes(gw: Gateway) -> APIRouter:
 
     @r.get("/nodes")
     async def nodes() -> list[dict[str, Any]]:
+        """What each live node's agent reports, its replicas, and the
+        operator's choices for it (`conf`: cordoned, draining, pool, labels,
+        engine build), which outlive its agent."""
         replicas = gw.mirror.replicas()
+        confs = gw.mirror.nodeconfs()
         out = []
         for node in gw.mirror.nodes().values():
             mine = sorted(rid for rid, rep in replicas.items() if rep.node == node.name)
-            out.append(node.model_dump() | {"replicas": mine})
+            conf = confs.get(node.name) or s.NodeConf()
+            out.append(node.model_dump() | {"replicas": mine, "conf": conf.model_dump()})
         return out
 
     @r.get("/routes")

@@ -45,10 +45,20 @@ def _gpus(node: dict[str, Any]) -> str:
     return text
 
 
+def _state(conf: dict[str, Any]) -> str:
+    """The operator's choices for a node, in a few words."""
+    words = ["draining" if conf.get("draining") else
+             "cordoned" if conf.get("cordoned") else "schedulable"]
+    if conf.get("pool", "default") != "default":
+        words.append(f"pool {conf['pool']}")
+    words += [f"{k}={v}" for k, v in sorted((conf.get("labels") or {}).items())]
+    return ", ".join(words)
+
+
 def nodes(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
     """Nodes: GPUs, versions, host and replicas."""
     data = request(gateway, "GET", "/admin/nodes")
-    table = Table("NODE", "ADDRESS", "GPUS", "VERSIONS", "HOST", "REPLICAS")
+    table = Table("NODE", "ADDRESS", "GPUS", "VERSIONS", "HOST", "STATE", "REPLICAS")
     for n in data:
         versions = f"llmgw {n.get('version') or '?'}"
         if n.get("driver_version"):
@@ -59,7 +69,7 @@ def nodes(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
             versions += f", vLLM build {n['vllm_build'] or 'none usable'}"
         host = f"{n.get('cpus') or '?'} CPUs, {_gib(n.get('memory_mib') or 0)}"
         table.add_row(n["name"], n.get("address", ""), _gpus(n), versions, host,
-                      ", ".join(n.get("replicas", [])))
+                      _state(n.get("conf") or {}), ", ".join(n.get("replicas", [])))
     out(data, as_json, table)
 
 

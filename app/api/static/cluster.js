@@ -74,6 +74,15 @@ function gpus(node) {
   return td;
 }
 
+function nodeState(conf) {
+  const words = [];
+  if (conf.pool && conf.pool !== "default") words.push("pool " + conf.pool);
+  for (const [k, v] of Object.entries(conf.labels || {}).sort()) words.push(k + "=" + v);
+  const td = badge(conf.draining ? "draining" : conf.cordoned ? "cordoned" : "schedulable");
+  if (words.length) td.appendChild(document.createTextNode(" " + words.join(", ")));
+  return td;
+}
+
 function num(v) {
   return el("td", v, "num");
 }
@@ -98,7 +107,7 @@ function render(data) {
     badge(r.phase), num(r.inflight), r.url, el("td", r.detail, "detail")])));
   const nodes = [...data.nodes].sort((a, b) => a.name.localeCompare(b.name));
   fill("nodes", nodes.map((n) => row([n.name, n.address, gpus(n), (n.engines || []).join(", "),
-    n.version, (n.replicas || []).join(", ")])));
+    n.version, nodeState(n.conf || {}), (n.replicas || []).join(", ")])));
   const leader = data.leader.leader;
   const gateways = [...data.gateways].sort((a, b) => a.id.localeCompare(b.id));
   fill("gateways", gateways.map((g) => row([g.id, g.url, g.version, age(g.started),
