@@ -80,6 +80,17 @@ def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Pa
     answer = json.loads("\n".join(ok(gw, "model", "put", "a", str(spec), "--json")))
     assert answer["result"] == "updated" and answer["model"]["status"]["wanted"] == 0
 
+    # show prints what put takes back: the round trip changes nothing.
+    shown = ok(gw, "model", "show", "a")
+    assert shown[0] == "# a: 0/0 ready, 0 placed, health ok", shown
+    assert yaml.safe_load("\n".join(shown)) == {
+        "model": "acme/a", "aliases": ["a-big"], "gpus": 1, "replicas": {"min": 0, "max": 0}}
+    before = get(gw, "/admin/models/a")
+    assert ok(gw, "model", "put", "a", "-", stdin="\n".join(shown))[0] == "model a updated"
+    after = get(gw, "/admin/models/a")
+    assert {k: v for k, v in after.items() if k != "status"} == {
+        k: v for k, v in before.items() if k != "status"}
+
     assert ok(gw, "model", "delete", "org/b") == ["model org/b deleted"]
     assert ok(gw, "model", "delete", "a") == ["model a deleted"]
     assert status_of(gw, "a") == status_of(gw, "org/b") == 404

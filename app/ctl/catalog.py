@@ -25,8 +25,8 @@ from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, fail, out, request,
 
 model_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         pretty_exceptions_show_locals=False,
-                        help="One model in the catalog: put (create or replace its spec), "
-                        "delete.")
+                        help="One model in the catalog: show, put (create or replace its "
+                        "spec), delete.")
 catalog_app = typer.Typer(no_args_is_help=True, add_completion=False,
                           pretty_exceptions_show_locals=False,
                           help="The whole catalog: export it (LLMGW_CATALOG_FILE's form), "
@@ -99,6 +99,18 @@ def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
         out({"result": result, "model": data}, True)
         return
     sys.stdout.write(f"model {name} {result}\n{status_line(data)}\n")
+
+
+@model_app.command("show")
+def show(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
+    """NAME's spec as YAML that `model put` takes back, then how its replicas stand."""
+    data = request(gateway, "GET", model_path(name))
+    if as_json:
+        out(data, True)
+        return
+    spec = {k: v for k, v in data.items() if k not in ("name", "created", "status")}
+    sys.stdout.write(f"# {status_line(data)}\n"
+                     + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
 
 
 @model_app.command("delete")
