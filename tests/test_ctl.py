@@ -20,6 +20,7 @@ from tests.support.procs import (
     ROOT,
     SECRET,
     Cluster,
+    GatewayProc,
     free_port,
     put_model,
     wait_for,
@@ -36,6 +37,29 @@ def ctl(*args: str, gateway: str | None = None, token: str = ADMIN, stdin: str |
     return subprocess.run([sys.executable, "-m", "app.cli", "ctl", *args], cwd=ROOT, env=base,
                           capture_output=True, text=True, timeout=60,
                           input=stdin if stdin is not None else "")
+
+
+def run_on(gw: GatewayProc, *args: str, stdin: str | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    """`llmgw ctl ARGS` against `gw`. The admin token is never printed,
+    whatever the command and its outcome."""
+    done = ctl(*args, gateway=gw.url, stdin=stdin)
+    assert ADMIN not in done.stdout + done.stderr
+    return done
+
+
+def ok_on(gw: GatewayProc, *args: str, stdin: str | None = None) -> str:
+    """What `llmgw ctl ARGS` printed, having succeeded."""
+    done = run_on(gw, *args, stdin=stdin)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    return done.stdout
+
+
+def admin_get(gw: GatewayProc, path: str) -> Any:
+    with gw.admin() as admin:
+        r = admin.get(path)
+        assert r.status_code == 200, r.text
+        return r.json()
 
 
 def ok_json(*args: str, gateway: str) -> Any:

@@ -5,7 +5,6 @@ operator runs them; the catalog checked over the admin API."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ import typer
 import yaml
 
 from app.ctl.catalog import parse_catalog
-from tests.support.procs import ADMIN, FAKE_BIN, Cluster, GatewayProc, serve_one
-from tests.test_ctl import ctl, one_line_error
+from tests.support.procs import FAKE_BIN, Cluster, GatewayProc, serve_one
+from tests.test_ctl import admin_get, ok_on, one_line_error, run_on
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +31,12 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
         c.close()
 
 
-def run(gw: GatewayProc, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    done = ctl(*args, gateway=gw.url, stdin=stdin)
-    assert ADMIN not in done.stdout + done.stderr
-    return done
+run = run_on
+get = admin_get
 
 
 def ok(gw: GatewayProc, *args: str, stdin: str | None = None) -> list[str]:
-    done = run(gw, *args, stdin=stdin)
-    assert done.returncode == 0, (done.stdout, done.stderr)
-    return done.stdout.splitlines()
-
-
-def get(gw: GatewayProc, path: str) -> Any:
-    with gw.admin() as admin:
-        r = admin.get(path)
-        assert r.status_code == 200, r.text
-        return r.json()
+    return ok_on(gw, *args, stdin=stdin).splitlines()
 
 
 def status_of(gw: GatewayProc, name: str) -> int:

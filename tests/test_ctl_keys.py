@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from app.ctl.keys import parse_duration
-from tests.support.procs import ADMIN, FAKE_BIN, Cluster, GatewayProc, serve_one, wait_for
-from tests.test_ctl import ctl, one_line_error
+from tests.support.procs import FAKE_BIN, Cluster, GatewayProc, serve_one, wait_for
+from tests.test_ctl import ok_on, one_line_error, run_on
 
 KEY = re.compile(r"sk-llmgw-[A-Za-z0-9_-]{20,}")
 
@@ -36,16 +36,11 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
 
 
 def run(gw: GatewayProc, *args: str) -> subprocess.CompletedProcess[str]:
-    done = ctl("keys", *args, gateway=gw.url)
-    # The admin token is never printed, whatever the command and its outcome.
-    assert ADMIN not in done.stdout + done.stderr
-    return done
+    return run_on(gw, "keys", *args)
 
 
 def ok(gw: GatewayProc, *args: str) -> str:
-    done = run(gw, *args)
-    assert done.returncode == 0, (done.stdout, done.stderr)
-    return done.stdout
+    return ok_on(gw, "keys", *args)
 
 
 def client(gw: GatewayProc, key: str) -> openai.OpenAI:

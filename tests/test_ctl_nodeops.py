@@ -5,14 +5,13 @@ effect read over the admin API and in placement (a model's status)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.support.procs import ADMIN, FAKE_BIN, Cluster, GatewayProc, put_model, wait_for
-from tests.test_ctl import ctl, one_line_error
+from tests.support.procs import FAKE_BIN, Cluster, GatewayProc, put_model, wait_for
+from tests.test_ctl import admin_get, ok_on, one_line_error, run_on
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +27,9 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
         c.close()
 
 
-def run(gw: GatewayProc, *args: str) -> subprocess.CompletedProcess[str]:
-    done = ctl(*args, gateway=gw.url)
-    assert ADMIN not in done.stdout + done.stderr
-    return done
-
-
-def ok(gw: GatewayProc, *args: str) -> str:
-    done = run(gw, *args)
-    assert done.returncode == 0, (done.stdout, done.stderr)
-    return done.stdout
-
-
-def get(gw: GatewayProc, path: str) -> Any:
-    with gw.admin() as admin:
-        r = admin.get(path)
-        assert r.status_code == 200, r.text
-        return r.json()
+run = run_on
+ok = ok_on
+get = admin_get
 
 
 def delete_model(gw: GatewayProc, name: str) -> None:

@@ -14,14 +14,10 @@ cordon|uncordon|drain|conf`, `quota list|set|delete`) and keys.py (`keys
 
 from __future__ import annotations
 
-import typer
-
 from app.ctl import catalog, fleet, keys, nodeops
+from app.ctl.common import sub_app
 
-# No locals in tracebacks: they would print the admin token.
-app = typer.Typer(name="llmgw ctl", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_show_locals=False,
-                  help="Operator commands, over a gateway's admin API.")
+app = sub_app("Operator commands, over a gateway's admin API.")
 
 app.command()(fleet.nodes)
 app.command()(fleet.models)

@@ -21,16 +21,12 @@ import yaml
 
 from app.control import catalog as rules
 from app.control import state as s
-from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, fail, out, request, send
+from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, fail, out, request, send, sub_app
 
-model_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                        pretty_exceptions_show_locals=False,
-                        help="One model in the catalog: show, put (create or replace its "
-                        "spec), delete.")
-catalog_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                          pretty_exceptions_show_locals=False,
-                          help="The whole catalog: export it (LLMGW_CATALOG_FILE's form), "
-                          "apply such a file.")
+model_app = sub_app("One model in the catalog: show, put (create or replace its "
+                    "spec), delete.")
+catalog_app = sub_app("The whole catalog: export it (LLMGW_CATALOG_FILE's form), "
+                      "apply such a file.")
 
 ModelName = Annotated[str, typer.Argument(help="the model's name, as clients ask for it")]
 DocFile = Annotated[str, typer.Argument(help="a YAML or JSON file; - for stdin")]

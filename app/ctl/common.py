@@ -98,6 +98,13 @@ def request(gateway: str, method: str, path: str, body: Any = None,
     return json.loads(send(gateway, method, path, body, params, timeout)[1] or b"null")
 
 
+def sub_app(help_text: str) -> typer.Typer:
+    """A group of commands (`llmgw ctl keys ...`), as the root is made: no
+    completion, no locals in tracebacks (they would print the admin token)."""
+    return typer.Typer(no_args_is_help=True, add_completion=False,
+                       pretty_exceptions_show_locals=False, help=help_text)
+
+
 def console() -> Console:
     """Where tables go. No rich markup: cells hold what engines and
     operators wrote ("[rank0]: ...", a key named "[/x]"), shown as written.

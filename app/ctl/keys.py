@@ -17,12 +17,10 @@ import typer
 from rich.table import Column, Table
 from rich.text import Text
 
-from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, request, when
+from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, request, sub_app, when
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_show_locals=False,
-                  help="Client API keys: create (the key is shown once), list, show, "
-                  "revoke, usage.")
+app = sub_app("Client API keys: create (the key is shown once), list, show, "
+              "revoke, usage.")
 
 KeyId = Annotated[str, typer.Argument(help="the key's id (from `llmgw ctl keys list`)")]
 

@@ -13,15 +13,11 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from app.control.state import check_labels, check_name
-from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, request, send
+from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, request, send, sub_app
 
-node_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                       pretty_exceptions_show_locals=False,
-                       help="A node's placement: cordon, uncordon, drain; its pool and labels "
-                       "(conf).")
-quota_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                        pretty_exceptions_show_locals=False,
-                        help="Capacity quotas: the most GPUs the models naming a scope hold.")
+node_app = sub_app("A node's placement: cordon, uncordon, drain; its pool and labels "
+                   "(conf).")
+quota_app = sub_app("Capacity quotas: the most GPUs the models naming a scope hold.")
 
 NodeName = Annotated[str, typer.Argument(help="node name (from `llmgw ctl nodes`)")]
 Scope = Annotated[str, typer.Argument(help="the quota scope (a model spec's `quota`)")]
