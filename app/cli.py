@@ -64,7 +64,10 @@ def serve(args: argparse.Namespace) -> None:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5,
+                            # Checked at start (Settings): both or neither.
+                            ssl_certfile=settings.tls_cert_file,
+                            ssl_keyfile=settings.tls_key_file)
     Server(config).run()
 
 
@@ -83,6 +86,15 @@ def agent(args: argparse.Namespace) -> None:
         print("llmgw agent: set LLMGW_AGENT_TOKEN (from `llmgw ctl node-token NODE`)",
               file=sys.stderr)
         raise SystemExit(2)
+    from app.tls import client_context
+
+    try:
+        # The gateways are verified against this PEM bundle (default: the
+        # system's CAs); there is no way to turn verification off.
+        gateway_tls = client_context(os.environ.get("LLMGW_CA_FILE") or None)
+    except ValueError as exc:
+        print(f"llmgw agent: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     vllm_env = os.environ.get("LLMGW_VLLM_BIN", "")
     # Before the event loop runs: discovery blocks (NVML, nvidia-smi).
     hw = declared_hardware(args.gpus) if args.gpus is not None else probe()
@@ -96,7 +108,7 @@ def agent(args: argparse.Namespace) -> None:
         # LLMGW_VLLM_BIN, or a vllm on PATH, is the operator's own build:
         # used as it is, never installed over (docs/architecture.md).
         install_builds=not (vllm_env or shutil.which("vllm")),
-        stop_engines_on_exit=args.stop_engines_on_exit,
+        stop_engines_on_exit=args.stop_engines_on_exit, gateway_tls=gateway_tls,
         ops=NodeOpsConfig(
             hardware=hw, rediscover=probe if args.gpus is None else None,
             api_port=args.api_port, builds=builds_config(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,6 +38,7 @@ from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
+from app.tls import pinned_context
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +188,11 @@ class Gateway:
         """All-in-one mode: an agent in this process, reaching us over loopback."""
         st = self.settings
         host = "127.0.0.1" if st.host in ("0.0.0.0", "::", "") else st.host
-        url = f"http://{host}:{st.port}"
-        await _wait_http(url + "/healthz")
+        url = f"{st.scheme}://{host}:{st.port}"
+        # With TLS on, this agent trusts our own certificate and nothing else
+        # (pinned: app/tls.py); it need not know the CA that signed it.
+        tls = pinned_context(st.tls_cert_file) if st.tls_cert_file is not None else None
+        await _wait_http(url + "/healthz", tls)
         # NVML or nvidia-smi can take seconds: not on the event loop.
         hw = (declared_hardware(st.local_gpus) if st.local_gpus is not None
               else await asyncio.to_thread(probe))
@@ -201,7 +206,7 @@ class Gateway:
             # data_dir adopts them (work_dir/engines.json), so a restart or
             # upgrade reloads no model. The leader keeps their replicas over
             # the restart for node_grace seconds.
-            stop_engines_on_exit=st.stop_engines_on_exit,
+            stop_engines_on_exit=st.stop_engines_on_exit, gateway_tls=tls,
             ops=NodeOpsConfig(hardware=hw,
                               rediscover=probe if st.local_gpus is None else None),
         ))
@@ -231,10 +236,10 @@ class Gateway:
         logger.info("gateway %s stopped", self.settings.gateway_id)
 
 
-async def _wait_http(url: str, timeout: float = 30.0) -> None:
+async def _wait_http(url: str, tls: ssl.SSLContext | None, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls or True)) as session:
         while loop.time() < deadline:
             try:
                 async with session.get(url) as resp:

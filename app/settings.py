@@ -67,7 +67,18 @@ class Settings(BaseSettings):
     # Unique per gateway; default derived from host name and port.
     gateway_id: str = ""
     # The URL others use to reach this gateway (agents, the cluster page).
+    # Default: http://HOST:PORT, https with TLS on.
     public_url: str = ""
+    # TLS on this gateway's port (docs/architecture.md, "TLS"): a PEM
+    # certificate (chain) and its key, both or neither, checked at start.
+    # Set: clients, `llmgw ctl` and agents must reach it over https and
+    # verify it (their LLMGW_CA_FILE, or the system's CAs); nothing answers
+    # in clear on this port. Costs a handshake per new connection (agents
+    # and the router's clients keep theirs open) and the encryption's CPU.
+    # Unset: plain HTTP, for a gateway behind a TLS-terminating proxy or on a
+    # trusted network. Gateway -> engine and gateway -> agent API stay HTTP.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     # --- the leader's reconciler ------------------------------------------------
     # Seconds between reconcile passes when nothing changes; catalog and node
@@ -292,11 +303,18 @@ class Settings(BaseSettings):
         if self.uses_etcd and self.admin_token is None:
             raise ValueError("LLMGW_ADMIN_TOKEN is required when LLMGW_ETCD_ENDPOINTS is set")
         self._check_timings()
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("LLMGW_TLS_CERT_FILE and LLMGW_TLS_KEY_FILE go together: "
+                             "set both or neither")
+        if self.tls_cert_file is not None and self.tls_key_file is not None:
+            from app.tls import check_pair
+
+            check_pair(self.tls_cert_file, self.tls_key_file)  # ValueError, one line
         if not self.gateway_id:
             self.gateway_id = f"{socket.gethostname()}-{self.port}"
         if not self.public_url:
             host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-            self.public_url = f"http://{host}:{self.port}"
+            self.public_url = f"{self.scheme}://{host}:{self.port}"
         if self.local_agent is None:
             self.local_agent = not self.uses_etcd
         if not self.local_node:
@@ -320,6 +338,11 @@ class Settings(BaseSettings):
                 f"LLMGW_DRAIN_SECONDS ({self.drain_seconds} s) must exceed "
                 f"LLMGW_REQUEST_TIMEOUT ({self.request_timeout} s): the drain cap must not "
                 "cut a request the proxy would still let run")
+
+    @property
+    def scheme(self) -> str:
+        """What this gateway's port speaks."""
+        return "https" if self.tls_cert_file is not None else "http"
 
     @property
     def uses_etcd(self) -> bool:

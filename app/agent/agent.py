@@ -70,7 +70,8 @@ class Agent:
         self.cfg = cfg
         self._clock = clock
         self.host = cfg.advertise_host or advertise_address(cfg.gateways[0])
-        self.client: GatewayAPI = client or GatewayClient(cfg.gateways, cfg.node, cfg.token)
+        self.client: GatewayAPI = client or GatewayClient(
+            cfg.gateways, cfg.node, cfg.token, tls=cfg.gateway_tls)
         self.desired: dict[str, EngineSpec] = {}
         self.fingerprint = ""
         # The store revision of the last assignments applied: an older answer
@@ -142,7 +143,6 @@ class Agent:
         """Assigned or running engines (the node API's NodeView): their
         weights are not removed, their keys are masked in logs."""
         return [*self.desired.values(), *(e.proc.spec for e in self.running.values())]
-
 
     # --- steps -------------------------------------------------------------------
 
@@ -318,11 +318,17 @@ class Agent:
     async def _every(
         self, every: Callable[[], float], step: Callable[[], Any], what: str
     ) -> None:
+        failing = False
         while True:
             try:
                 await step()
+                if failing:
+                    logger.info("%s works again", what)
+                failing = False
             except (GatewayUnreachable, GatewayRefused, PermissionError) as exc:
-                logger.warning("%s failed: %s", what, exc)
+                # Once per streak: an hour's outage (or bad CA) is one line.
+                (logger.debug if failing else logger.warning)("%s failed: %s", what, exc)
+                failing = True
                 await asyncio.sleep(max(every(), 1.0))  # no busy loop on a dead gateway
             except Exception:
                 logger.exception("%s crashed", what)

@@ -3,6 +3,7 @@ the timings of its loops (the `llmgw agent` command line builds it)."""
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,5 +32,7 @@ class AgentConfig:
     poll_wait: float = 25.0
     # Per probe; a slow answer counts as a failed probe.
     probe_timeout: float = 2.0
+    # How https gateways are verified (app/tls.py); None: the system's CAs.
+    gateway_tls: ssl.SSLContext | None = None
     # Hardware refresh, the agent's API, log files (nodeops.py).
     ops: NodeOpsConfig = field(default_factory=NodeOpsConfig)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from app.tls import verify_message
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def advertise_address(gateway_url: str) -> str:
     host = parts.hostname or "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            sock.connect((host, parts.port or 80))
+            sock.connect((host, parts.port or (443 if parts.scheme == "https" else 80)))
             address = str(sock.getsockname()[0])
         except OSError as exc:
             logger.error(
@@ -93,18 +96,23 @@ def _loopback(host: str) -> bool:
 class GatewayClient:
     """HTTP to the gateways' /agent/v1 API, moving on when one fails."""
 
-    def __init__(self, urls: Sequence[str], node: str, token: str) -> None:
+    def __init__(self, urls: Sequence[str], node: str, token: str,
+                 tls: ssl.SSLContext | None = None) -> None:
         if not urls:
             raise ValueError("at least one gateway URL is needed")
         self._urls = [u.rstrip("/") for u in urls]
         self._current = 0
         self._node = node
         self._token = token
+        # How https gateways are verified (app/tls.py); None: the system's
+        # CAs. Never off: the token goes in every request.
+        self._tls = tls or ssl.create_default_context()
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self._token}"}
+            headers={"Authorization": f"Bearer {self._token}"},
+            connector=aiohttp.TCPConnector(ssl=self._tls),
         )
 
     async def close(self) -> None:
@@ -159,6 +167,11 @@ class GatewayClient:
                         self.move_on()
                         continue
                     return await resp.json()
+            except aiohttp.ClientConnectorCertificateError as exc:
+                # Said as such, not as an outage: a CA missing from
+                # LLMGW_CA_FILE would otherwise look like a dead gateway.
+                last = GatewayUnreachable(f"{base}: {verify_message(exc.certificate_error)}")
+                self.move_on()
             except (aiohttp.ClientError, TimeoutError, GatewayUnreachable) as exc:
                 last = exc
                 self.move_on()

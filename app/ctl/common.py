@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -16,6 +17,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from app.tls import client_context, verify_message
 
 TIMEOUT = 60.0  # the gateway waits up to LLMGW_NODE_API_TIMEOUT (30 s) on an agent
 
@@ -57,7 +60,7 @@ def send(gateway: str, method: str, path: str, body: Any = None,
         headers["Accept"] = accept
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=_tls()) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         said = _problem_said(exc.read())
@@ -66,7 +69,18 @@ def send(gateway: str, method: str, path: str, body: Any = None,
         fail(f"{about}{gateway} answered {exc.code}: {said}")
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            reason = verify_message(reason)
         fail(f"{about}cannot reach the gateway at {gateway}: {reason}")
+
+
+def _tls() -> ssl.SSLContext:
+    """How an https gateway is verified: LLMGW_CA_FILE (a PEM bundle), else
+    the system's CAs. Never off: the admin token goes in every request."""
+    try:
+        return client_context(os.environ.get("LLMGW_CA_FILE") or None)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def _problem_said(raw: bytes) -> str:

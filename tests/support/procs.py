@@ -13,6 +13,7 @@ import itertools
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -126,13 +127,16 @@ class Proc:
 class GatewayProc(Proc):
     port: int = 0
     gateway_id: str = ""
+    # "https" with LLMGW_TLS_CERT_FILE; `verify` then trusts the test CA.
+    scheme: str = "http"
+    verify: ssl.SSLContext | bool = True
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10,
+        return httpx.Client(base_url=self.url, timeout=10, verify=self.verify,
                             headers={"Authorization": f"Bearer {ADMIN}"})
 
     def leader(self) -> dict[str, Any]:
@@ -160,7 +164,9 @@ class Cluster:
         env["FAKE_VLLM_PYTHON"] = sys.executable  # the fake needs this venv's aiohttp
         return env
 
-    def gateway(self, name: str, **settings: str) -> GatewayProc:
+    def gateway(self, name: str, ca: str | None = None, **settings: str) -> GatewayProc:
+        """A gateway process, ready. With `tls_cert_file` (and `tls_key_file`)
+        among the settings it serves https, verified against `ca` (a PEM file)."""
         port = free_port()
         env = self.base_env()
         env.update({"LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": name,
@@ -169,11 +175,14 @@ class Cluster:
         if self.etcd:
             env.update({"LLMGW_ETCD_ENDPOINTS": self.etcd, "LLMGW_ETCD_PREFIX": self.prefix})
         env.update({f"LLMGW_{k.upper()}": v for k, v in settings.items()})
+        tls = "tls_cert_file" in settings
         gw = GatewayProc(name, ["serve"], env, self.tmp / f"{name}.log", port=port,
-                         gateway_id=name)
+                         gateway_id=name, scheme="https" if tls else "http",
+                         verify=ssl.create_default_context(cafile=ca) if tls and ca else True)
         gw.start()
         self.procs.append(gw)
-        wait_for(lambda: httpx.get(gw.url + "/readyz", timeout=1).status_code == 200,
+        wait_for(lambda: httpx.get(gw.url + "/readyz", timeout=1,
+                                   verify=gw.verify).status_code == 200,
                  20, f"gateway {name} ready")
         return gw
 
@@ -224,7 +233,7 @@ def wait_ready(gw: GatewayProc, timeout: float = 30) -> dict[str, Any]:
 
 def routes(gw: GatewayProc, key: str, model: str) -> bool:
     """Whether `gw` answers a chat completion for `model` (False on 503)."""
-    r = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=10, verify=gw.verify,
                    headers={"Authorization": f"Bearer {key}"},
                    json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
     if r.status_code == 503:
