@@ -25,7 +25,10 @@ def test_a_gateway_restarted_without_etcd_stops_and_restarts_no_engine(
     cluster = Cluster(tmp_path, own_etcd.endpoint, f"/llmgw-{uuid.uuid4().hex}/")
     try:
         gw = cluster.gateway("gw-a")
-        agent = cluster.agent("node-1", [gw], "--gpus", "1")
+        # Debug: an agent logs only the first failure of a streak as a
+        # warning, and this test counts every 503 it is told.
+        agent = cluster.agent("node-1", [gw], "--gpus", "1",
+                              env_extra={"LLMGW_LOG_LEVEL": "debug"})
         served = serve_one(gw)
         key, rep, pid = served.key, served.replica, served.pid
 
