@@ -104,6 +104,31 @@ async def test_connections_are_kept_alive_and_reused(client: UpstreamClient) -> 
         await srv.close()
 
 
+async def test_bytes_on_an_idle_connection_never_reach_the_next_answer(
+        client: UpstreamClient) -> None:
+    # A server that sends more after a whole answer (a stray response, a
+    # bug): the next request must get its own answer, not those bytes.
+    def chatty(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await srv.read_request(reader):
+                writer.write(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+                await writer.drain()
+        return handle
+
+    srv, url = await serve(chatty)
+    try:
+        for _ in range(3):
+            r = await client.post(url, "/v1/completions", b"{}", [])
+            assert await r.read() == b"{}"
+            r.close()
+            r.close()  # twice: still in the pool once at most
+            assert client.idle_count() <= 1
+            await asyncio.sleep(0.05)  # the stray bytes arrive on the idle connection
+        assert srv.connections == 3  # each chatty connection was dropped, not reused
+    finally:
+        await srv.close()
+
+
 async def test_a_kept_connection_the_server_closed_is_replaced_without_an_error(
         client: UpstreamClient) -> None:
     # The server answers once per connection, then closes it: as uvicorn does

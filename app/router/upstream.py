@@ -117,7 +117,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._paused = False
         self.idle_since = 0.0
-        self.reused = False  # carried a whole exchange before this one
+        self._busy = False  # an exchange is on: from send() to finish()
         self._reset()
 
     def _reset(self) -> None:
@@ -130,6 +130,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._until_eof = False  # no length, not chunked: the close ends it
         self.received = False  # any byte of the answer came
+        self._stray = False  # more came after the whole answer: never reused
         self._error: Exception | None = None
 
     # --- used by the client ------------------------------------------------------
@@ -140,6 +141,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, data: bytes) -> asyncio.Future[tuple[int, dict[str, str]]]:
         self._reset()
+        self._busy = True
         self._head = asyncio.get_running_loop().create_future()
         if self._transport is None or self._transport.is_closing():
             self._fail(UpstreamError("the server closed the connection"))
@@ -167,10 +169,13 @@ class _Connection(asyncio.Protocol):
         return data
 
     def finish(self) -> None:
-        """The exchange is over: back to the pool if whole and reusable, else closed."""
+        """The exchange is over: back to the pool if whole and reusable, else
+        closed. Once: a second call does nothing (the pool holds it once)."""
+        if not self._busy:
+            return
+        self._busy = False
         if (self._complete and not self._until_eof and self._error is None
-                and self._keep_alive and self.usable):
-            self.reused = True
+                and self._keep_alive and not self._stray and self.usable):
             self._pool.release(self._key, self)
         else:
             self.abort()
@@ -186,6 +191,11 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self._busy:
+            # Bytes nobody asked for, on an idle connection: whatever they
+            # are, they must not become the start of the next answer.
+            self.abort()
+            return
         self.received = True
         try:
             self._parser.feed_data(data)
@@ -204,10 +214,17 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks --------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._complete:  # a second message after the answer: not ours
+            self._stray = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_list.append((name, value))
+        if not self._stray:
+            self._header_list.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._stray:
+            return
         headers = {name.decode("latin-1").lower(): value.decode("latin-1")
                    for name, value in self._header_list}
         status = self._parser.get_status_code()
@@ -218,6 +235,8 @@ class _Connection(asyncio.Protocol):
             self._head.set_result((status, headers))
 
     def on_body(self, body: bytes) -> None:
+        if self._stray:
+            return
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
@@ -226,6 +245,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._stray:
+            return
         self._complete = True
         # Asked here: llhttp answers it only within the message's callbacks.
         self._keep_alive = self._parser.should_keep_alive()
