@@ -323,7 +323,11 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         ssl_arg: ssl.SSLContext | None = None
         if o.scheme == "https":
-            ssl_arg = self._ssl or ssl.create_default_context()
+            if self._ssl is None:
+                # Once: loading the system's CAs takes milliseconds, which
+                # the event loop must not spend on every new connection.
+                self._ssl = ssl.create_default_context()
+            ssl_arg = self._ssl
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
