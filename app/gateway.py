@@ -23,7 +23,7 @@ from app.agent.config import AgentConfig
 from app.agent.engines import available_engines, resolve_vllm
 from app.agent.gpus import declared_hardware, probe
 from app.agent.nodeops import NodeOpsConfig
-from app.control import catalog
+from app.control import catalog, storeid
 from app.control import state as s
 from app.control.agentversion import default_window
 from app.control.keys import hash_client_key, node_token
@@ -117,6 +117,8 @@ class Gateway:
         self._store = await self._store_factory(st)
         if st.catalog_file is not None:
             await self._seed(catalog.load_file(st.catalog_file, st.model_root_list))
+        # In the background: with the store down, start must not wait on it.
+        self._tasks.append(asyncio.create_task(self._claim_store_id(), name="store-id"))
         self._mirror = Mirror(self._store)
         publisher = Publisher(self._mirror, self.table, self.secret, self.agent_window)
         # Loads in the background, retrying while the store is unreachable;
@@ -173,6 +175,23 @@ class Gateway:
                         self.settings.catalog_file, self.settings.gateway_id)
         else:
             logger.info("catalog already in the store: %s not used", self.settings.catalog_file)
+
+    async def _claim_store_id(self) -> None:
+        """Creates the store's id if it has none (app/control/storeid.py),
+        retrying while the store is unreachable. Until the mirror has it,
+        agents are answered without one and compare revisions within their
+        run only, as with a gateway older than store ids."""
+        retry = 0.5
+        while True:
+            try:
+                found = await storeid.ensure(self.store, time.time())
+            except StoreUnavailable as exc:
+                logger.debug("store id deferred, store unavailable: %s", exc)
+                await asyncio.sleep(retry)
+                retry = min(2 * retry, 10.0)
+                continue
+            logger.info("store id %s", found)
+            return
 
     async def _every(self, step: Callable[[], Awaitable[None]], what: str) -> None:
         while True:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from app.control import state as s
+from app.control import storeid
 from app.control.keys import node_token
 from app.main import GatewayApp, create_app
 from app.settings import Settings
@@ -113,16 +114,27 @@ async def test_agent_api_answers_503_until_the_state_is_loaded(tmp_path: Path) -
 async def test_assignments_carry_the_revision_they_were_read_at(
     etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
 ) -> None:
-    async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(a, _)]:
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, _), (b, _)]:
         gw = a.state.gateway
         rep = s.Replica(id="m-1", model="m", node="n1", gpus=[0], weights="org/m")
         rev = await gw.store.put(s.REPLICAS + rep.id, rep.model_dump_json().encode())
-        await gw.mirror.wait_for(rev, 5)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a),
-                                     base_url="http://gw") as c:
-            body = (await c.get("/agent/v1/nodes/n1/assignments", headers=_node("n1"))).json()
-        assert [r["id"] for r in body["replicas"]] == ["m-1"]
-        assert body["revision"] >= rev
+        bodies = []
+        for app in (a, b):
+            await app.state.gateway.mirror.wait_for(rev, 5)
+            # Made at start, in the background (app/gateway.py).
+            await _until(app.state.gateway.mirror.store_id, "the store id mirrored")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gw") as c:
+                r = await c.get("/agent/v1/nodes/n1/assignments", headers=_node("n1"))
+            bodies.append(r.json())
+        for body in bodies:
+            assert [r["id"] for r in body["replicas"]] == ["m-1"]
+            assert body["revision"] >= rev
+        # ... and the store's id, the same from every gateway of the store:
+        # revisions compare only within one store (docs/architecture.md).
+        kept = await gw.store.get(s.STORE_ID)
+        assert kept is not None and len(storeid.parse(kept.value)) == 32
+        assert [body["store"] for body in bodies] == [storeid.parse(kept.value)] * 2
 
 
 async def test_a_late_status_report_does_not_resurrect_a_deleted_replica(

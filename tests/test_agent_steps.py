@@ -16,6 +16,7 @@ import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +45,18 @@ def replica(rid: str, gpus: list[int], model: str = "m") -> dict[str, Any]:
             "gpus": gpus, "key": "llmgw-" + hashlib.sha256(rid.encode()).hexdigest()[:40]}
 
 
-def answer(revision: int | None, *replicas: dict[str, Any]) -> dict[str, Any]:
-    """An assignments answer as the gateway builds it (revision None: an old gateway)."""
+def answer(revision: int | None, *replicas: dict[str, Any], store: str | None = None
+           ) -> dict[str, Any]:
+    """An assignments answer as the gateway builds it (revision None, store
+    None: gateways that predate them)."""
     shape = [[r["id"], r["model"], r["weights"], r["engine"], r["gpus"]] for r in replicas]
     out: dict[str, Any] = {
         "fingerprint": hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16],
         "replicas": list(replicas)}
     if revision is not None:
         out["revision"] = revision
+    if store is not None:
+        out["store"] = store
     return out
 
 
@@ -254,6 +259,80 @@ async def test_an_answer_older_than_the_one_applied_is_ignored(
     gw.answer = answer(6)
     assert await a.poll(0) == "changed"
     assert await a.converge() == ([], ["m-1"])
+
+
+@asynccontextmanager
+async def started(tmp_path: Path, gw: MemoryGateway, stop_engines: bool = True
+                  ) -> AsyncIterator[Agent]:
+    """One run of the agent on the test's work dir; the next run adopts
+    what this one leaves running (stop_engines False)."""
+    a = Agent(config(tmp_path), clock=Clock(), client=gw)
+    await a.start()
+    try:
+        yield a
+    finally:
+        await a.shutdown(stop_engines=stop_engines)
+
+
+async def test_a_restarted_agent_ignores_an_older_answer_of_the_same_store(
+    engines_env: str, tmp_path: Path,
+) -> None:
+    gw, one = MemoryGateway(), replica("m-1", [0])
+    async with started(tmp_path, gw, stop_engines=False) as first:
+        gw.answer = answer(5, one, store="s1")
+        assert await first.poll(0) == "changed"
+        assert await first.converge() == (["m-1"], [])
+        pid = first.running["m-1"].proc.pid
+
+    async with started(tmp_path, gw) as second:
+        assert second.running["m-1"].proc.pid == pid  # adopted
+        # Its first answer comes from a gateway whose mirror lags: loaded,
+        # but from before m-1 was placed. Taken, it would stop m-1's engine.
+        gw.answer = answer(4, store="s1")
+        assert await second.poll(0) == "stale"
+        assert gw.moved_on == 1
+        assert await second.converge() == ([], [])
+        gw.answer = answer(6, one, store="s1")
+        assert await second.poll(0) == "changed"
+        assert await second.converge() == ([], [])
+        engine = second.running["m-1"].proc
+        assert engine.pid == pid and engine.exit_code() is None
+
+
+async def test_an_answer_from_another_store_is_applied_whatever_its_revision(
+    tmp_path: Path,
+) -> None:
+    gw = MemoryGateway()
+    gw.answer = answer(5000, store="s1")
+    assert await Agent(config(tmp_path), client=gw).poll(0) == "changed"
+    # The store was replaced (a new etcd counts from 1 again): its first
+    # answer is taken, and is what the next run compares with.
+    gw.answer = answer(3, replica("m-1", [0]), store="s2")
+    assert await Agent(config(tmp_path), client=gw).poll(0) == "changed"
+    gw.answer = answer(2, store="s2")
+    assert await Agent(config(tmp_path), client=gw).poll(0) == "stale"
+    # A gateway that predates store ids: compared within the run only.
+    gw.answer = answer(1)
+    restarted = Agent(config(tmp_path), client=gw)
+    assert await restarted.poll(0) == "changed"
+    gw.answer = answer(0, replica("m-1", [0]))
+    assert await restarted.poll(0) == "stale"
+
+
+async def test_an_unreadable_kept_revision_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    kept = tmp_path / "agent" / "assignments.json"
+    kept.parent.mkdir(parents=True)
+    gw = MemoryGateway()
+    for junk in ('{"store": "s1", "rev', "[]", '{"store": "s1"}', "\xff"):
+        kept.write_bytes(junk.encode("latin-1"))
+        caplog.clear()
+        a = Agent(config(tmp_path), client=gw)
+        assert f"ignoring unreadable {kept}" in caplog.text, junk
+        gw.answer = answer(7, store="s1")
+        assert await a.poll(0) == "changed"
+        assert json.loads(kept.read_text()) == {"store": "s1", "revision": 7}
 
 
 async def test_a_gateway_that_cannot_answer_changes_nothing(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ from typing import Literal
 import pytest
 from etcd3aio import Etcd3Client
 
+from app.control import storeid
 from app.store.base import (
     Compare,
     Delete,
@@ -33,7 +35,7 @@ from app.store.base import (
 )
 from app.store.embedded import EmbeddedStore
 from app.store.etcd import EtcdStore
-from tests.support.etcd import EtcdServer, ExternalEtcd
+from tests.support.etcd import EtcdServer, ExternalEtcd, throwaway_etcd
 
 # Small enough that a test can outrun it with a few dozen writes.
 EMBEDDED_LOG_LIMIT = 50
@@ -125,6 +127,15 @@ async def case(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
         yield made
     finally:
         await made.store.close()
+
+
+# -- the store's id (app/control/storeid.py) ------------------------------------
+
+
+async def test_the_store_id_is_made_once_even_by_racing_callers(case: Case) -> None:
+    made = await asyncio.gather(*(storeid.ensure(case.store, 1.0) for _ in range(3)))
+    assert len(set(made)) == 1 and len(made[0]) == 32
+    assert await storeid.ensure(case.store, 2.0) == made[0]
 
 
 # -- keys ---------------------------------------------------------------------
@@ -440,7 +451,61 @@ async def test_embedded_expiry_loop_runs_by_itself(tmp_path: Path) -> None:
         await store.close()
 
 
+async def test_embedded_store_id_survives_reopen_and_a_new_database_has_another(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "store.db"
+    store = await EmbeddedStore.open(path, expiry_interval=None)
+    made = await storeid.ensure(store, 1.0)
+    await store.close()
+    reopened = await EmbeddedStore.open(path, expiry_interval=None)
+    try:
+        assert await storeid.ensure(reopened, 2.0) == made
+    finally:
+        await reopened.close()
+    other = await EmbeddedStore.open(tmp_path / "other.db", expiry_interval=None)
+    try:
+        assert await storeid.ensure(other, 1.0) not in ("", made)
+    finally:
+        await other.close()
+
+
 # -- etcd only ----------------------------------------------------------------------------
+
+
+async def _cluster_id(endpoint: str) -> int:
+    async with Etcd3Client([endpoint]) as raw:
+        assert raw.kv is not None
+        return int((await raw.kv.get(b"x")).header.cluster_id)
+
+
+async def test_etcd_store_id_is_one_per_etcd_even_one_bootstrapped_again(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> None:
+    async def ids(endpoint: str, clients: int = 1) -> list[str]:
+        stores = [await EtcdStore.open([endpoint], etcd_prefix, timeout=2.0)
+                  for _ in range(clients)]
+        try:
+            return [await storeid.ensure(one, 1.0) for one in stores]
+        finally:
+            for one in stores:
+                await one.close()
+
+    shared, again = await ids(etcd_server.endpoint, clients=2)
+    assert shared == again and len(shared) == 32
+    with throwaway_etcd(tmp_path) as own:
+        (first,) = await ids(own.endpoint)
+        assert first != shared
+        # Wiped and bootstrapped with the same flags: etcd's own cluster id
+        # is the same (a hash of the member's name and peer URL), but the
+        # revisions count from 1 again, so the store id must differ.
+        cluster = await _cluster_id(own.endpoint)
+        own.stop()
+        shutil.rmtree(own.data_dir)
+        own.start()
+        assert await _cluster_id(own.endpoint) == cluster
+        (second,) = await ids(own.endpoint)
+        assert second not in (first, shared)
 
 
 async def test_etcd_prefix_isolation(

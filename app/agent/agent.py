@@ -27,7 +27,7 @@ from typing import Any, Literal
 import aiohttp
 
 from app import __version__
-from app.agent import health
+from app.agent import applied, health
 from app.agent.config import AgentConfig
 from app.agent.engines import EngineProcess, EngineSpec, free_port
 from app.agent.gateway_client import (
@@ -74,9 +74,10 @@ class Agent:
             cfg.gateways, cfg.node, cfg.token, tls=cfg.gateway_tls)
         self.desired: dict[str, EngineSpec] = {}
         self.fingerprint = ""
-        # The store revision of the last assignments applied: an older answer
-        # (a gateway whose watch lags) must never undo a newer one.
-        self.revision = 0
+        # The store id and revision of the last assignments applied, kept
+        # across runs: an older answer (a gateway whose watch lags) must
+        # never undo a newer one, even the first answer after a restart.
+        self.applied = applied.Kept(cfg.work_dir / "assignments.json")
         self.running: dict[str, _Running] = {}
         self._reported: dict[str, tuple[Phase, str, str]] = {}
         self._last_full_report = float("-inf")
@@ -161,14 +162,13 @@ class Agent:
         503: its state not loaded) raises, and nothing changes: the agent
         never converges on a list it did not get."""
         answer = await self.client.assignments(self.fingerprint, wait)
-        # Missing from gateways older than this agent: 0, taken as before.
-        revision = int(answer.get("revision") or 0)
-        if revision < self.revision:
+        got, older = self.applied.older_than(answer)
+        if older is not None:
             logger.info("ignoring assignments at revision %d, older than the %d applied: "
-                        "that gateway lags; asking the next one", revision, self.revision)
+                        "that gateway lags; asking the next one", got.revision, older)
             self.client.move_on()
             return "stale"
-        self.revision = revision
+        self.applied.take(got)
         if not self.synced:
             self.ops.build_chosen.set()  # the build loop waited for the choice
         self.synced = True

@@ -147,8 +147,10 @@ def routes(gw: Gateway) -> APIRouter:
         node: str, request: Request, since: str = "", wait: float = 0.0
     ) -> dict[str, Any]:
         """This node's replicas. `revision` is the store revision they were
-        read at: an agent never applies an answer older than one it applied,
-        so failing over to a gateway whose watch lags cannot roll it back."""
+        read at and `store` the store's id ("" until created): an agent never
+        applies an answer older than one it applied from the same store, even
+        across its restarts, so failing over to a gateway whose watch lags
+        cannot roll it back."""
         authorize(request, node)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
@@ -157,8 +159,8 @@ def routes(gw: Gateway) -> APIRouter:
             fp, replicas, build = assignments(gw, node)
             left = deadline - loop.time()
             if fp != since or left <= 0 or gw.closing.is_set():
-                return {"fingerprint": fp, "revision": seen, "replicas": replicas,
-                        "engine_build": build}
+                return {"fingerprint": fp, "revision": seen, "store": gw.mirror.store_id(),
+                        "replicas": replicas, "engine_build": build}
             # Woken only by a change to this node's replicas or conf, not by
             # every change in the fleet (docs/architecture.md, Scale).
             await _first(gw.mirror.wait_node_past(node, seen, left), gw.closing.wait())

@@ -319,6 +319,11 @@ class Mirror:
     def leader(self) -> s.LeaderInfo | None:
         return self.one(s.LEADER, s.LeaderInfo)
 
+    def store_id(self) -> str:
+        """The store's id (app/control/storeid.py), "" until created."""
+        found = self.one(s.STORE_ID, s.StoreId)
+        return found.id if found is not None else ""
+
 
 def _node_of(value: bytes) -> str:
     """The `node` of a stored replica, "" when unreadable: only the

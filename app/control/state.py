@@ -35,6 +35,10 @@ from app.control.spec import (
 )
 
 LEADER = "leader"
+# This store's id: random, created once by the first gateway to start on it
+# (app/control/storeid.py). Revisions are compared only within one id: a new
+# etcd, even one bootstrapped with the same cluster id, counts from 1 again.
+STORE_ID = "store"
 GATEWAYS = "gateways/"
 MODELS = "catalog/models/"
 # Bumped by every catalog write, in the same transaction, which is conditioned
@@ -62,11 +66,12 @@ FABRIC = "fabric/"
 
 __all__ = [
     "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_USAGE", "LEADER", "MODELS", "NODECONF",
-    "NODES", "QUOTAS", "REPLICAS", "STATUS", "USAGE", "ClientKey", "Engine", "EngineArg",
-    "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyUsage", "LeaderInfo",
-    "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo", "Phase", "Profile", "Quota", "Replica",
-    "ReplicaRange", "ReplicaStatus", "StoredModel", "Usage", "check_address", "check_engine_arg",
-    "check_labels", "check_name", "check_weights", "engine_arg_name", "replica_phase",
+    "NODES", "QUOTAS", "REPLICAS", "STATUS", "STORE_ID", "USAGE", "ClientKey", "Engine",
+    "EngineArg", "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyUsage",
+    "LeaderInfo", "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo", "Phase", "Profile", "Quota",
+    "Replica", "ReplicaRange", "ReplicaStatus", "StoreId", "StoredModel", "Usage", "check_address",
+    "check_engine_arg", "check_labels", "check_name", "check_weights", "engine_arg_name",
+    "replica_phase",
 ]
 
 
@@ -321,6 +326,11 @@ class GatewayInfo(_Stored):
 class LeaderInfo(_Stored):
     id: str
     url: str
+
+
+class StoreId(_Stored):
+    id: str
+    created: float = 0.0
 
 
 def replica_phase(rep: Replica, status: ReplicaStatus | None, node_seen: bool = True) -> str:
