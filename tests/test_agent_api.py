@@ -65,6 +65,12 @@ def _inventory(node: str, address: str = "127.0.0.1") -> dict[str, Any]:
     return {"name": node, "gpus": [{"index": 0}], "engines": ["vllm"], "address": address}
 
 
+async def _join(c: httpx.AsyncClient, node: str = "n1") -> None:
+    """`node`'s agent reports in, as its heartbeat does."""
+    r = await c.put(f"/agent/v1/nodes/{node}", json=_inventory(node), headers=_node(node))
+    assert r.status_code == 200, r.text
+
+
 async def test_two_admins_racing_for_one_alias_cannot_both_win(
     etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
 ) -> None:
@@ -142,8 +148,7 @@ async def test_a_late_status_report_does_not_resurrect_a_deleted_replica(
 ) -> None:
     async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(a, c)]:
         gw = a.state.gateway
-        r = await c.put("/agent/v1/nodes/n1", json=_inventory("n1"), headers=_node("n1"))
-        assert r.status_code == 200, r.text
+        await _join(c)
         rep = s.Replica(id="m-1", model="m", node="n1", gpus=[0], weights="org/m")
         rev = await gw.store.put(s.REPLICAS + rep.id, rep.model_dump_json().encode())
         await gw.mirror.wait_for(rev, 5)
@@ -163,8 +168,7 @@ async def test_a_lagging_gateway_renews_the_lease_that_holds_the_node(
 ) -> None:
     async with gateways(etcd_server, etcd_prefix, tmp_path, 1, node_ttl=2) as [(a, c)]:
         gw = a.state.gateway
-        r = await c.put("/agent/v1/nodes/n1", json=_inventory("n1"), headers=_node("n1"))
-        assert r.status_code == 200, r.text
+        await _join(c)
         await _until(lambda: gw.mirror.get(s.NODES + "n1") is not None, "node mirrored")
         await gw.mirror.stop()  # from here on this gateway's view is stale
         # Another gateway bound the node to a lease of its own meanwhile.
@@ -251,8 +255,7 @@ async def test_replicas_of_a_node_not_heard_from_are_shown_unknown_not_ready(
     # must not show an operator their last "ready" either.
     async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(a, c)]:
         gw = a.state.gateway
-        r = await c.put("/agent/v1/nodes/n1", json=_inventory("n1"), headers=_node("n1"))
-        assert r.status_code == 200, r.text
+        await _join(c)
         r = await c.put("/admin/models/m", json={"model": "org/m", "engine": "vllm", "gpus": 1})
         assert r.status_code == 201, r.text
         await _until(lambda: gw.mirror.replicas(), "a replica placed")

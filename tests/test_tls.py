@@ -155,22 +155,17 @@ def test_an_agent_with_llmgw_ca_file_joins_the_https_gateway(
 
 async def test_the_agent_client_refuses_a_gateway_its_cas_do_not_vouch_for(
         gw: GatewayProc, pki: Pki) -> None:
-    # The system's CAs (no LLMGW_CA_FILE): the test CA is unknown.
-    client = GatewayClient([gw.url], "node-c", "token", tls=client_context(None))
-    await client.start()
-    try:
-        with pytest.raises(GatewayUnreachable, match=r"certificate verify failed.*LLMGW_CA_FILE"):
-            await client.heartbeat({})
-    finally:
-        await client.close()
-    # The default (no context given) is the same: never unverified.
-    client = GatewayClient([gw.url], "node-c", "token")
-    await client.start()
-    try:
-        with pytest.raises(GatewayUnreachable, match=r"certificate verify failed.*LLMGW_CA_FILE"):
-            await client.heartbeat({})
-    finally:
-        await client.close()
+    # The system's CAs (no LLMGW_CA_FILE): the test CA is unknown. The
+    # default (no context given) is the same: never unverified.
+    for client in (GatewayClient([gw.url], "node-c", "token", tls=client_context(None)),
+                   GatewayClient([gw.url], "node-c", "token")):
+        await client.start()
+        try:
+            with pytest.raises(GatewayUnreachable,
+                               match=r"certificate verify failed.*LLMGW_CA_FILE"):
+                await client.heartbeat({})
+        finally:
+            await client.close()
 
 
 class FailingGateway(MemoryGateway):
