@@ -46,9 +46,10 @@ logger = logging.getLogger(__name__)
 async def open_store(settings: Settings) -> Store:
     if settings.uses_etcd:
         from app.store.etcd import EtcdStore
+        from app.store.etcd_tls import from_settings
 
         return await EtcdStore.open(settings.endpoints, prefix=settings.etcd_prefix,
-                                    timeout=settings.etcd_timeout)
+                                    timeout=settings.etcd_timeout, tls=from_settings(settings))
     from app.store.embedded import EmbeddedStore
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,18 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LLMGW_", extra="ignore")
 
     # --- where the shared state lives -------------------------------------
-    # Comma-separated host:port of etcd members. Empty: the embedded store in
+    # Comma-separated host:port of etcd members, or https://host:port (all of
+    # them) for TLS, docs/architecture.md "TLS". Empty: the embedded store in
     # data_dir, one gateway alone (it is then always the leader).
     etcd_endpoints: str = ""
+    # With https: the PEM bundle of the CA(s) that signed etcd's certificates
+    # (unset: the system's CAs). Costs a handshake per kept-open connection
+    # and the encryption's CPU on every call.
+    etcd_ca_file: Path | None = None
+    # A client certificate (PEM chain) and its unencrypted key, both or neither,
+    # for etcd's --client-cert-auth; read at start (a renewed one: restart).
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
     # Every key lives under this prefix, so several llmgw installations (or
     # test runs) can share one etcd.
     etcd_prefix: str = "/llmgw/"
@@ -276,11 +285,10 @@ class Settings(BaseSettings):
     def _endpoints_shape(cls, v: str) -> str:
         # Checked here too (the store parses them again), so a typo stops
         # `llmgw serve` with one line naming the endpoint, not a traceback.
-        from app.store.etcd_endpoints import parse_endpoint
+        from app.store.etcd_endpoints import parse_endpoints
 
-        for part in v.split(","):
-            if part.strip():
-                parse_endpoint(part)
+        if parts := [part for part in v.split(",") if part.strip()]:
+            parse_endpoints(parts)  # also refuses http and https mixed
         return v
 
     @field_validator("catalog_file")
@@ -310,6 +318,9 @@ class Settings(BaseSettings):
             from app.tls import check_pair
 
             check_pair(self.tls_cert_file, self.tls_key_file)  # ValueError, one line
+        from app.store.etcd_tls import from_settings
+
+        from_settings(self)  # reads and checks the etcd TLS files: ValueError, one line
         if not self.gateway_id:
             self.gateway_id = f"{socket.gethostname()}-{self.port}"
         if not self.public_url:

@@ -10,10 +10,13 @@ import ssl
 from pathlib import Path
 
 
-def check_pair(cert_file: Path, key_file: Path) -> None:
+def check_pair(cert_file: Path, key_file: Path, settings: tuple[str, str] = (
+        "LLMGW_TLS_CERT_FILE", "LLMGW_TLS_KEY_FILE"), doing: str = "serve TLS") -> None:
     """Raises ValueError (one line) unless the certificate and key load and
-    match: found at start, not at the first client's handshake."""
-    for what, path in (("LLMGW_TLS_CERT_FILE", cert_file), ("LLMGW_TLS_KEY_FILE", key_file)):
+    match: found at start, not at the first client's handshake. `settings`
+    name the two files in the message (the gateway's own pair, or its
+    client certificate for etcd)."""
+    for what, path in zip(settings, (cert_file, key_file), strict=True):
         try:
             path.read_bytes()
         except OSError as exc:
@@ -25,7 +28,7 @@ def check_pair(cert_file: Path, key_file: Path) -> None:
         ctx.load_cert_chain(cert_file, key_file, password=_no_pass_phrase)
     except (ssl.SSLError, OSError, ValueError) as exc:
         raise ValueError(
-            f"cannot serve TLS with certificate {cert_file} and key {key_file} (a PEM "
+            f"cannot {doing} with certificate {cert_file} and key {key_file} (a PEM "
             f"certificate chain and its unencrypted private key are needed): {exc}") from None
 
 
@@ -33,13 +36,14 @@ def _no_pass_phrase() -> bytes:
     raise ValueError("the key is encrypted")
 
 
-def client_context(ca_file: str | None) -> ssl.SSLContext:
+def client_context(ca_file: str | None, setting: str = "LLMGW_CA_FILE") -> ssl.SSLContext:
     """Verifies the gateway against `ca_file` (a PEM bundle), or the
-    system's CAs when None. Raises ValueError (one line) for a bad file."""
+    system's CAs when None. Raises ValueError (one line, naming `setting`)
+    for a bad file."""
     try:
         return ssl.create_default_context(cafile=ca_file or None)
     except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"LLMGW_CA_FILE {ca_file}: {getattr(exc, 'strerror', None) or exc}"
+        raise ValueError(f"{setting} {ca_file}: {getattr(exc, 'strerror', None) or exc}"
                          ) from None
 
 

@@ -44,6 +44,8 @@ def port_of(server: EtcdServer | ExternalEtcd) -> int:
     ("[::1]:2379", EtcdEndpoint("::1", 2379)),
     ("[fd00::5]:12379", EtcdEndpoint("fd00::5", 12379)),
     (" http://etcd2:2379/ ", EtcdEndpoint("etcd2", 2379)),  # as etcdctl writes them
+    ("https://etcd2:2379", EtcdEndpoint("etcd2", 2379, tls=True)),
+    ("HTTPS://[::1]:2379/", EtcdEndpoint("::1", 2379, tls=True)),
 ])
 def test_endpoints_parse(text: str, expected: EtcdEndpoint) -> None:
     assert parse_endpoint(text) == expected
@@ -60,7 +62,6 @@ def test_endpoints_parse(text: str, expected: EtcdEndpoint) -> None:
     ("[etcd1]:2379", "not an IPv6 address"),
     ("999.1.1.1:2379", "not an IPv4 address"),
     ("etcd 1:2379", "not a host name"),
-    ("https://etcd1:2379", "TLS is not supported"),
     ("unix://etcd1:2379", "unknown scheme"),
 ])
 def test_a_bad_endpoint_is_refused_at_start_by_name(text: str, why: str) -> None:

@@ -41,6 +41,7 @@ from app.store.base import (
 )
 from app.store.etcd_channel import EtcdChannel, Resolver, Services, getaddrinfo
 from app.store.etcd_endpoints import parse_endpoints
+from app.store.etcd_tls import EtcdTls, explained
 from app.store.etcd_wire import pb_compare, pb_op, translated
 from app.store.health import HealthTracker
 
@@ -64,9 +65,19 @@ class EtcdStore:
         resolver: Resolver = getaddrinfo,
         resolve_interval: float = 1.0,
         page_size: int = 1000,
+        tls: EtcdTls | None = None,
     ) -> None:
         # Bad input stops the gateway at start, naming the endpoint.
         self._endpoints = parse_endpoints(endpoints)
+        # https endpoints: verified against `tls.ca` (None: the system's
+        # CAs). TLS files with plain endpoints would be silently unused.
+        if self._endpoints[0].tls:
+            self._tls: EtcdTls | None = tls or EtcdTls()
+        elif tls is not None:
+            raise ValueError("etcd TLS files are set but the etcd endpoints are not "
+                             "https://; write them as https://host:port")
+        else:
+            self._tls = None
         # "/llmgw" would also match "/llmgw2/...": a prefix names a folder.
         self._prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         self._timeout = timeout
@@ -87,8 +98,9 @@ class EtcdStore:
         self._health = HealthTracker("etcd at " + ",".join(map(str, self._endpoints)))
 
     @classmethod
-    async def open(cls, endpoints: Sequence[str], prefix: str, timeout: float = 5.0) -> EtcdStore:
-        store = cls(endpoints, prefix, timeout)
+    async def open(cls, endpoints: Sequence[str], prefix: str, timeout: float = 5.0,
+                   tls: EtcdTls | None = None) -> EtcdStore:
+        store = cls(endpoints, prefix, timeout, tls=tls)
         await store.connect()
         return store
 
@@ -97,7 +109,7 @@ class EtcdStore:
         lazily: a down etcd (or a name not resolving yet) is reported by the
         first call, not here, so a gateway can start while etcd restarts."""
         self._channel = EtcdChannel(self._endpoints, self._timeout, self._resolver,
-                                    resolve_interval=self._resolve_interval)
+                                    resolve_interval=self._resolve_interval, tls=self._tls)
         self._closed = False
 
     async def close(self) -> None:
@@ -135,7 +147,8 @@ class EtcdStore:
     def _lost(self, reason: str) -> None:
         if self._closed:
             return  # our own close, not an outage
-        self._health.failed(reason)
+        # gRPC's words for a failed handshake, said as what to fix.
+        self._health.failed(explained(reason) if self._tls else reason)
         if self._channel is not None:
             self._channel.failed()
 

@@ -8,7 +8,15 @@ address. Passing it resolved addresses would fix names but not IPv6, and it
 would never look the names up again. So this module resolves the names
 itself and builds the channel the way etcd3aio's `ConnectionManager` does
 (same options), then hangs etcd3aio's public KV and Lease services and the
-Watch stub on it. TLS and auth tokens are not supported (nor were they).
+Watch stub on it. Auth tokens are not supported (nor were they).
+
+With TLS (`https://` endpoints) each channel is verified against the host
+name the operator wrote, not the address we dialled: the channel option
+`grpc.ssl_target_name_override` carries it. That option is one per channel,
+so TLS gets one channel per distinct host (each on that host's addresses,
+round robin among them) and the store uses one at a time, moving to the
+next after a call failed on it (`failed()`). Plain connections keep one
+channel on every address.
 
 Names are resolved with `loop.getaddrinfo` (in a thread: never blocking the
 loop), lazily on the first call, and again after a call has failed with every
@@ -20,6 +28,7 @@ calls already on it end on their own deadline rather than being cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 import time
@@ -34,6 +43,7 @@ from etcd3aio.lease import LeaseService
 
 from app.store.base import StoreUnavailable
 from app.store.etcd_endpoints import EtcdEndpoint, grpc_target
+from app.store.etcd_tls import EtcdTls
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +79,15 @@ class Services:
     watch: Any  # etcd3aio's WatchStub: the raw bidirectional Watch call
 
 
+# The services the current task was last handed (`services()` is awaited in
+# the caller's task, so this is per caller): a failure moves to the next
+# host's channel only if it happened on the current one. Several calls that
+# fail together on one dead member must move once, not once each (with two
+# hosts, twice would be back on the dead one).
+_USED: contextvars.ContextVar[Services | None] = contextvars.ContextVar("etcd_services",
+                                                                         default=None)
+
+
 class EtcdChannel:
     """Resolves the endpoints and holds the channel built on them.
 
@@ -85,16 +104,20 @@ class EtcdChannel:
         *,
         resolve_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        tls: EtcdTls | None = None,
     ) -> None:
         self._endpoints = list(endpoints)
+        self._tls = tls
         self._timeout = timeout
         self._resolver = resolver
         self._resolve_interval = resolve_interval
         self._clock = clock
         self._has_names = any(e.is_name for e in self._endpoints)
         self._lock = asyncio.Lock()
-        self._channel: Any = None
-        self._services: Services | None = None
+        # One channel (plain), or one per host name (TLS); `_current` serves.
+        self._channels: list[Any] = []
+        self._all: list[Services] = []
+        self._current = 0
         self.target = ""
         self._stale = True
         self._resolved_at = float("-inf")
@@ -102,9 +125,16 @@ class EtcdChannel:
         # Old channels closing after their grace period (task -> channel).
         self._retiring: dict[asyncio.Task[None], Any] = {}
 
+    @property
+    def _services(self) -> Services | None:
+        return self._all[self._current] if self._all else None
+
     def failed(self) -> None:
-        """A call failed on every endpoint: look the names up again before the next."""
+        """A call failed on every endpoint: look the names up again before the
+        next; with TLS, the next call goes to the next host's channel."""
         self._stale = True
+        if self._all and _USED.get() is self._all[self._current]:
+            self._current = (self._current + 1) % len(self._all)
 
     async def services(self) -> Services:
         """The services on the current channel; resolves first when due.
@@ -116,9 +146,11 @@ class EtcdChannel:
             async with self._lock:  # also waits for a lookup already under way
                 if self._due():  # another caller may have refreshed meanwhile
                     await self._refresh()
-        if self._services is None:
+        services = self._services
+        if services is None:
             raise StoreUnavailable(self._last_error)  # looked up too recently to retry
-        return self._services
+        _USED.set(services)
+        return services
 
     def _due(self) -> bool:
         if self._services is not None and not (self._stale and self._has_names):
@@ -140,23 +172,47 @@ class EtcdChannel:
             # time every endpoint fails.
             logger.warning("etcd endpoints not resolved: %s", "; ".join(errors))
         self._stale = False
-        target = grpc_target(addresses)
+        plan = self._plan(found)
+        target = "; ".join(f"{host}={t}" if host else t for host, t in plan)
         if target == self.target:
             return
         if self.target:
             logger.info("etcd endpoints now resolve to %s (were %s)", target, self.target)
-        old = self._channel
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._services = Services(
-            KVService(self._channel, max_attempts=RPC_ATTEMPTS),
-            LeaseService(self._channel, max_attempts=RPC_ATTEMPTS),
-            WatchStub(self._channel),
-        )
+        old = self._channels
+        self._channels = [self._open(host, t) for host, t in plan]
+        self._all = [
+            Services(
+                KVService(ch, max_attempts=RPC_ATTEMPTS),
+                LeaseService(ch, max_attempts=RPC_ATTEMPTS),
+                WatchStub(ch),
+            )
+            for ch in self._channels
+        ]
+        self._current %= len(self._all)
         self.target = target
-        if old is not None:
-            task = asyncio.create_task(self._close_later(old), name="etcd-channel-retire")
-            self._retiring[task] = old
+        for channel in old:
+            task = asyncio.create_task(self._close_later(channel), name="etcd-channel-retire")
+            self._retiring[task] = channel
             task.add_done_callback(lambda t: self._retiring.pop(t, None))
+
+    def _plan(self, found: Sequence[list[tuple[str, int]] | str]) -> list[tuple[str, str]]:
+        """(host name to verify, gRPC target) per channel: one channel on
+        every address in clear (host ""), one per host with TLS."""
+        if self._tls is None:
+            return [("", grpc_target([a for r in found if not isinstance(r, str) for a in r]))]
+        by_host: dict[str, list[tuple[str, int]]] = {}
+        for ep, result in zip(self._endpoints, found, strict=True):
+            if not isinstance(result, str):
+                by_host.setdefault(ep.host, []).extend(result)
+        return [(host, grpc_target(addrs)) for host, addrs in by_host.items()]
+
+    def _open(self, host: str, target: str) -> Any:
+        if self._tls is None:
+            return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        # The certificate must name `host` as the operator wrote it (an IP
+        # endpoint: that IP), whatever address the target dials.
+        options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
+        return grpc.aio.secure_channel(target, self._tls.credentials(), options=options)
 
     async def _addresses(self, ep: EtcdEndpoint) -> list[tuple[str, int]] | str:
         """The endpoint's addresses, or why it has none."""
@@ -179,7 +235,6 @@ class EtcdChannel:
         for task in retiring:
             task.cancel()
         await asyncio.gather(*retiring, return_exceptions=True)
-        channel, self._channel, self._services = self._channel, None, None
-        for ch in [*retiring.values(), channel]:
-            if ch is not None:
-                await ch.close()
+        channels, self._channels, self._all = self._channels, [], []
+        for ch in [*retiring.values(), *channels]:
+            await ch.close()

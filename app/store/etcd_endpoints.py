@@ -5,6 +5,7 @@ IPv4 address or bracketed IPv6 address (`[::1]:2379`). gRPC's static
 `ipv4:`/`ipv6:` targets take addresses only, and its `dns:` target takes one
 name, so the names are resolved by us (app/store/etcd_channel.py) and the
 channel is built on the addresses (docs/architecture.md, "The store").
+`https://` endpoints are the same members over TLS, all or none of them.
 
 Everything here is pure: parsing refuses bad input at start with a message
 naming the endpoint, and `grpc_target` is a function of the addresses.
@@ -25,17 +26,21 @@ _EXAMPLE = "host:port, e.g. etcd1:2379, 10.0.0.5:2379 or [::1]:2379"
 
 @dataclass(frozen=True, slots=True)
 class EtcdEndpoint:
-    """One member's client address: `host` is a name or an IP (no brackets)."""
+    """One member's client address: `host` is a name or an IP (no brackets);
+    `tls` for an `https://` endpoint (its certificate is checked against
+    `host`, as the operator wrote it: app/store/etcd_tls.py)."""
 
     host: str
     port: int
+    tls: bool = False
 
     @property
     def is_name(self) -> bool:
         return ip_version(self.host) is None
 
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return "https://" + address if self.tls else address
 
 
 def ip_version(host: str) -> int | None:
@@ -47,7 +52,8 @@ def ip_version(host: str) -> int | None:
 
 
 def parse_endpoint(text: str) -> EtcdEndpoint:
-    """`host:port`, `[ipv6]:port`, optionally written as `http://...`.
+    """`host:port`, `[ipv6]:port`, optionally written as `http://...`;
+    `https://...` is the same member over TLS.
 
     Raises ValueError naming the endpoint and what is wrong with it.
     """
@@ -57,12 +63,12 @@ def parse_endpoint(text: str) -> EtcdEndpoint:
         return ValueError(f"etcd endpoint {text!r}: {why} (want {_EXAMPLE})")
 
     rest = raw
+    tls = False
     if "://" in rest:
         scheme, rest = rest.split("://", 1)
-        if scheme.lower() == "https":
-            raise bad("TLS is not supported; use an http:// (plain) client URL")
-        if scheme.lower() != "http":
+        if scheme.lower() not in ("http", "https"):
             raise bad(f"unknown scheme {scheme!r}")
+        tls = scheme.lower() == "https"
         rest = rest.rstrip("/")
     if not rest:
         raise bad("empty")
@@ -84,13 +90,20 @@ def parse_endpoint(text: str) -> EtcdEndpoint:
             raise bad(f"{host!r} is not a host name or an IP address")
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise bad(f"port {port_text!r} is not a number from 1 to 65535")
-    return EtcdEndpoint(host, int(port_text))
+    return EtcdEndpoint(host, int(port_text), tls)
 
 
 def parse_endpoints(texts: Sequence[str]) -> list[EtcdEndpoint]:
+    """Every endpoint, all of one scheme: one gateway speaks TLS to all of
+    etcd or to none of it (a member in clear would carry the same keys)."""
     if not texts:
         raise ValueError("EtcdStore needs at least one endpoint")
-    return [parse_endpoint(t) for t in texts]
+    endpoints = [parse_endpoint(t) for t in texts]
+    if len({ep.tls for ep in endpoints}) > 1:
+        raise ValueError(
+            "etcd endpoints mix https:// and plain (http:// or no scheme) members: "
+            f"{', '.join(t.strip() for t in texts)}; all must use one scheme")
+    return endpoints
 
 
 def grpc_target(addresses: Sequence[tuple[str, int]]) -> str:

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -26,6 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -57,18 +59,48 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class EtcdTlsFiles:
+    """PEM files for an etcd serving its clients over TLS: its own `cert`
+    and `key`, and `ca`, the only issuer of client certificates it accepts
+    (--client-cert-auth). `client_cert`/`client_key` are what the health
+    probe presents."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+    def flags(self) -> list[str]:
+        return ["--cert-file", str(self.cert), "--key-file", str(self.key),
+                "--trusted-ca-file", str(self.ca), "--client-cert-auth"]
+
+    def probe_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(self.client_cert, self.client_key)
+        # The probe only waits for etcd to be up, dialling its address; a
+        # test may give it a certificate for another name on purpose.
+        ctx.check_hostname = False
+        return ctx
+
+
 class EtcdServer:
     """One etcd member on a loopback `host` ("127.0.0.1" or "::1").
-    `endpoint` is "127.0.0.1:P" (or "[::1]:P") for the store's client."""
+    `endpoint` is "127.0.0.1:P" (or "[::1]:P") for the store's client, or
+    "https://127.0.0.1:P" when it serves clients over TLS (`tls`)."""
 
-    def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1",
+                 tls: EtcdTlsFiles | None = None) -> None:
         self.binary = binary
         self.data_dir = data_dir
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self.name = f"llmgw-test-{self.client_port}"
         self._host = f"[{host}]" if ":" in host else host
-        self.endpoint = f"{self._host}:{self.client_port}"
+        self.tls = tls
+        self._client_url = f"{'https' if tls else 'http'}://{self._host}:{self.client_port}"
+        self.endpoint = self._client_url if tls else f"{self._host}:{self.client_port}"
         self.external = False
         # Set by EtcdCluster for a member of several; alone, a cluster of one.
         self.initial_cluster = f"{self.name}=http://{self._host}:{self.peer_port}"
@@ -76,7 +108,7 @@ class EtcdServer:
         self._log_path = data_dir.parent / f"{self.name}.log"
 
     def _command(self) -> list[str]:
-        client = f"http://{self._host}:{self.client_port}"
+        client = self._client_url
         peer = f"http://{self._host}:{self.peer_port}"
         return [
             self.binary,
@@ -89,6 +121,7 @@ class EtcdServer:
             "--initial-cluster", self.initial_cluster,
             # Tests do not survive power loss; fsync would only slow them.
             "--unsafe-no-fsync",
+            *(self.tls.flags() if self.tls else []),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -111,13 +144,14 @@ class EtcdServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        url = f"http://{self.endpoint}/health"
+        url = f"{self._client_url}/health"
+        context = self.tls.probe_context() if self.tls else None
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self._proc.returncode}: {self.log_tail()}")
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                     if resp.status == 200 and b'"true"' in resp.read():
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -287,10 +321,13 @@ class EtcdFixture:
 
 
 @contextmanager
-def throwaway_etcd(root: Path, host: str = "127.0.0.1") -> Iterator[EtcdServer]:
+def throwaway_etcd(root: Path, host: str = "127.0.0.1",
+                   tls: EtcdTlsFiles | None = None) -> Iterator[EtcdServer]:
     """An etcd of the caller's own under `root`, stopped on exit: for tests
-    that stop, pause or kill it (never the session's shared one)."""
-    server = EtcdServer(etcd_binary(), root / f"etcd-{host.replace(':', '_')}" / "data", host)
+    that stop, pause or kill it (never the session's shared one), or that
+    need it to serve TLS."""
+    server = EtcdServer(etcd_binary(), root / f"etcd-{host.replace(':', '_')}" / "data", host,
+                        tls)
     server.start()
     try:
         yield server
