@@ -38,7 +38,7 @@ def _free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["FAKE_VLLM_PYTHON"] = sys.executable
-    for k in ("FAKE_VLLM_TOKEN_DELAY", "FAKE_VLLM_STARTUP_DELAY"):
+    for k in ("FAKE_VLLM_TOKEN_DELAY", "FAKE_VLLM_STARTUP_DELAY", "FAKE_VLLM_HOLD_DIR"):
         env.pop(k, None)
     env.update(extra)
     return env
@@ -185,6 +185,31 @@ def test_unknown_flag_exits_2(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "error: unrecognized arguments: --bogus-flag x --gpu-memory 0.5" in r.stderr
+
+
+def test_hold_file_keeps_the_port_unbound_until_removed(tmp_path: Path) -> None:
+    """FAKE_VLLM_HOLD_DIR: an engine whose served name has a file there
+    loads until the file goes; one whose name has none starts at once."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "held").touch()
+    env = _env(FAKE_VLLM_HOLD_DIR=str(hold))
+    held = _spawn(tmp_path, ["--served-model-name", "held"], env)
+    free = _spawn(tmp_path, ["--served-model-name", "free"], env)
+    try:
+        _wait_healthy(free)
+        deadline = time.monotonic() + 10
+        while "FAKE_VLLM_HOLD_DIR" not in held.stderr():
+            assert time.monotonic() < deadline, held.stderr()
+            time.sleep(0.02)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", held.port), timeout=1).close()
+        (hold / "held").unlink()
+        _wait_healthy(held)
+        assert "released" in held.stderr()
+    finally:
+        _stop(held)
+        _stop(free)
 
 
 def test_shim_found_on_path(tmp_path: Path) -> None:

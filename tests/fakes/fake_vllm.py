@@ -31,6 +31,10 @@ Environment:
   next turn of a conversation on the same engine prefills only its new messages.
 * ``FAKE_VLLM_STARTUP_DELAY`` seconds to wait before binding the port (default 0),
   like vLLM loading weights; ``/health`` is unreachable until then.
+* ``FAKE_VLLM_HOLD_DIR``      a folder: while a file there is named after one of the engine's
+  served model names, it waits (port unbound, as still loading weights) until the file
+  is removed. One engine of an agent held while its others start: a test can kill
+  the agent while that engine runs but is not ready.
 * ``VLLM_API_KEY``            the key ``/v1`` demands when ``--api-key`` is not given,
   as real vLLM reads it (``args.api_key or envs.VLLM_API_KEY``).
 * ``FAKE_VLLM_DIE_ON_CHAT``   a signal name (``SIGILL``): the engine kills itself with
@@ -92,6 +96,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -776,6 +781,19 @@ async def serve(args: argparse.Namespace) -> int:
             return 0
         except TimeoutError:
             pass
+
+    hold = os.environ.get("FAKE_VLLM_HOLD_DIR", "")
+    held = [Path(hold) / name for name in args.served_model_name] if hold else []
+    if any(p.exists() for p in held):
+        _log(f"held until {', '.join(map(str, held))} is removed (FAKE_VLLM_HOLD_DIR)")
+        while any(p.exists() for p in held):
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.05)
+                _log("received signal while held; exiting")
+                return 0
+            except TimeoutError:
+                pass
+        _log("released")
 
     if args.tensor_parallel_size > 1:
         _log(f"started tensor-parallel workers: {_start_workers(args.tensor_parallel_size)}")
