@@ -28,6 +28,17 @@ def _node_name(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive(value: str) -> float:
+    """Seconds, > 0 (argparse applies it to an environment default too)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
+    return seconds
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -109,6 +120,7 @@ def agent(args: argparse.Namespace) -> None:
         # used as it is, never installed over (docs/architecture.md).
         install_builds=not (vllm_env or shutil.which("vllm")),
         stop_engines_on_exit=args.stop_engines_on_exit, gateway_tls=gateway_tls,
+        start_timeout=args.start_timeout,
         ops=NodeOpsConfig(
             hardware=hw, rediscover=probe if args.gpus is None else None,
             api_port=args.api_port, builds=builds_config(),
@@ -210,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--upgrade-timeout", type=float,
                     default=float(os.environ.get("LLMGW_AGENT_UPGRADE_TIMEOUT", "300")),
                     help="seconds the installer may run (default: %(default)s)")
+    ap.add_argument("--start-timeout", type=_positive,
+                    default=os.environ.get("LLMGW_ENGINE_START_TIMEOUT", "1800"),
+                    help="seconds an engine may load before it is stopped and counted as "
+                    "a death (default: %(default)s; large weights download and load slowly)")
     ap.set_defaults(func=agent)
 
     cp = sub.add_parser("ctl", help="operator commands (`llmgw ctl --help`)", add_help=False)

@@ -227,6 +227,7 @@ class Gateway:
             # upgrade reloads no model. The leader keeps their replicas over
             # the restart for node_grace seconds.
             stop_engines_on_exit=st.stop_engines_on_exit, gateway_tls=tls,
+            start_timeout=st.engine_start_timeout,
             ops=NodeOpsConfig(hardware=hw,
                               rediscover=probe if st.local_gpus is None else None),
         ))

@@ -141,6 +141,11 @@ class Settings(BaseSettings):
     local_node: str = ""
     # GPUs the in-process agent declares; unset: discovered with nvidia-smi.
     local_gpus: int | None = None
+    # Seconds an engine may stay `starting` before its agent stops it and
+    # counts a death (3 in 10 min leave it failed). Also read by `llmgw
+    # agent`. Generous: large weights download and load slowly; shorter
+    # kills slow but healthy loads, longer holds the GPUs of a hung one.
+    engine_start_timeout: float = Field(1800.0, gt=0)
 
     # --- restarts and handovers ---------------------------------------------------
     # Seconds the leader keeps the replicas of a node it has not heard from

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +398,112 @@ async def test_an_engine_that_keeps_dying_is_left_failed_and_says_why(
     assert await a.poll(0) == "changed"
     assert await a.converge() == (["m-1"], ["m-1"])
     assert phase(a, "m-1") == "starting"
+
+
+async def test_an_engine_never_ready_is_stopped_at_the_start_timeout_until_left_failed(
+    engines_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Like a vLLM hung in its load: it runs, but never binds its port.
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "m").touch()
+    monkeypatch.setenv("FAKE_VLLM_HOLD_DIR", str(hold))
+    gw, clock = MemoryGateway(), Clock()
+    a = Agent(replace(config(tmp_path), start_timeout=30.0), clock=clock, client=gw)
+    await a.start()
+    try:
+        r = replica("m-1", [0])
+        gw.answer = answer(1, r)
+        await a.poll(0)
+        for death in range(1, health.CRASH_LOOP_DEATHS + 1):
+            assert await a.converge() == (["m-1"], [])
+            entry = a.running["m-1"]
+            pid = entry.proc.pid
+            assert pid is not None
+            assert await wait_for_log(entry.proc.log_path, "held until")
+            clock.now += 29.9  # not before the timeout
+            await a.observe()
+            assert phase(a, "m-1") == "starting" and alive(pid)
+            clock.now += 0.1
+            await a.observe()
+            assert phase(a, "m-1") == "failed" and not alive(pid)
+            detail = entry.detail
+            assert detail.startswith("not ready within 30 s of its start; stopped")
+            assert "held until" in detail  # the last log lines say where it hung
+            await a.report()
+            assert gw.reports[-1][0]["phase"] == "failed"
+            assert gw.reports[-1][0]["detail"] == detail
+            if death < health.CRASH_LOOP_DEATHS:
+                assert f"({death} of {health.CRASH_LOOP_DEATHS} deaths allowed" in detail
+                assert not gw.reports[-1][0]["given_up"]
+                assert await a.converge() == ([], [])  # backoff first
+                clock.now += health.backoff(death)
+        assert f"{health.CRASH_LOOP_DEATHS} deaths within 10 min" in detail
+        assert gw.reports[-1][0]["given_up"]
+        clock.now += 3600
+        assert await a.converge() == ([], [])
+        assert phase(a, "m-1") == "failed"
+
+        # Once the load can finish, a new assignment starts it, and being
+        # ready ends the clock: later observes never stop it.
+        (hold / "m").unlink()
+        gw.answer = answer(2, replica("m-1", [1]))
+        await a.poll(0)
+        assert await a.converge() == (["m-1"], ["m-1"])
+        await observe_until(a, lambda: phase(a, "m-1") == "ready", "ready once released")
+        clock.now += 3600
+        await a.observe()
+        assert phase(a, "m-1") == "ready"
+    finally:
+        await a.shutdown(stop_engines=True)
+
+
+async def test_an_adopted_engine_gets_the_start_timeout_from_its_adoption(
+    engines_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "m").touch()
+    monkeypatch.setenv("FAKE_VLLM_HOLD_DIR", str(hold))
+    gw = MemoryGateway()
+    gw.answer = answer(1, replica("m-1", [0]))
+    async with started(tmp_path, gw, stop_engines=False) as first:
+        await first.poll(0)
+        await first.converge()
+        pid = first.running["m-1"].proc.pid
+        assert pid is not None
+        assert await wait_for_log(first.running["m-1"].proc.log_path, "held until")
+
+    clock = Clock()
+    second = Agent(replace(config(tmp_path), start_timeout=30.0), clock=clock, client=gw)
+    await second.start()
+    try:
+        assert second.running["m-1"].proc.pid == pid  # adopted, still loading
+        await second.poll(0)
+        assert await second.converge() == ([], [])
+        clock.now += 29.9
+        await second.observe()
+        assert phase(second, "m-1") == "starting" and alive(pid)
+        clock.now += 0.1
+        await second.observe()
+        assert phase(second, "m-1") == "failed" and not alive(pid)
+        assert second.running["m-1"].detail.startswith("not ready within 30 s")
+        assert json.loads((tmp_path / "agent" / "engines.json").read_text()) == []
+    finally:
+        await second.shutdown(stop_engines=True)
+
+
+def logged(path: Path, text: str) -> bool:
+    return path.exists() and text in path.read_text(errors="replace")
+
+
+async def wait_for_log(path: Path, text: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not logged(path, text):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def test_a_ready_replica_survives_failed_liveness_probes_up_to_the_threshold(

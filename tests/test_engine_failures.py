@@ -4,6 +4,9 @@ first real request) is not reported ready again and again: its replica ends
 
 from __future__ import annotations
 
+import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +14,16 @@ import openai
 import pytest
 
 from app.control.keys import engine_key
-from tests.support.procs import SECRET, Cluster, make_key, put_model, replicas, wait_for
+from tests.support.procs import (
+    SECRET,
+    Cluster,
+    engine_pids,
+    make_key,
+    put_model,
+    replicas,
+    routes,
+    wait_for,
+)
 
 
 def test_an_engine_dying_by_a_signal_ends_failed_and_every_answer_says_why(
@@ -105,3 +117,37 @@ def test_a_replica_that_keeps_dying_on_one_node_is_placed_on_another(
     (rep,) = [r for r in replicas(gw) if r["node"] == "node-2"]
     assert chat.headers["x-llmgw-replica"] == rep["id"]
     assert len(tried) == 3  # it died three times on node-1 before moving
+
+
+def test_an_engine_that_never_loads_is_stopped_at_the_start_timeout(
+    cluster: Cluster, tmp_path: Path,
+) -> None:
+    """A vLLM hung in its load (held before it binds its port) is stopped
+    once the agent's start timeout passes, says so, and is restarted: loading
+    normally this time, it serves."""
+    name = f"hung-{uuid.uuid4().hex[:8]}"  # engines are found by it
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / name).touch()
+    gw = cluster.gateway("gw-a")
+    cluster.agent("node-1", [gw], "--gpus", "1", env_extra={
+        "FAKE_VLLM_HOLD_DIR": str(hold), "LLMGW_ENGINE_START_TIMEOUT": "2"})
+    key = make_key(gw)
+    put_model(gw, name, {"model": "acme/m", "gpus": 1})
+    pid = wait_for(lambda: engine_pids("--served-model-name", name), 20, "the engine started")[0]
+    started = time.monotonic()
+
+    def timed_out() -> dict[str, Any] | None:
+        reps = [r for r in replicas(gw) if "not ready within" in r["detail"]]
+        return reps[0] if reps else None
+
+    rep = wait_for(timed_out, 15, "the start timeout in the replica's detail")
+    assert time.monotonic() - started >= 1.5  # not stopped before the timeout
+    assert rep["detail"].startswith("not ready within 2 s of its start; stopped"), rep["detail"]
+    assert "held until" in rep["detail"]  # the engine's last log lines
+    assert engine_key(SECRET, rep["id"]) not in rep["detail"]
+    assert pid not in engine_pids("--served-model-name", name)
+
+    (hold / name).unlink()  # the next load finishes
+    wait_for(lambda: routes(gw, key, name), 20, "routing to the restarted engine")
+    assert engine_pids("--served-model-name", name) not in ([], [pid])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import aiohttp
 from app import __version__
 from app.agent import applied, health
 from app.agent.config import AgentConfig
-from app.agent.engines import EngineProcess, EngineSpec, free_port
+from app.agent.engines import EngineProcess, EngineSpec, free_port, load_records, save_records
 from app.agent.gateway_client import (
     GatewayAPI,
     GatewayClient,
@@ -60,6 +59,9 @@ class _Running:
     # Ready once since it started: liveness probes from then on, not readiness.
     was_ready: bool = False
     probe_failures: int = 0
+    # Clock time of its start (or adoption: the clocks of two runs differ);
+    # None once ready. Bounds how long it may stay `starting`.
+    started_at: float | None = None
 
 
 class Agent:
@@ -105,20 +107,13 @@ class Agent:
 
     def adopt(self) -> list[str]:
         """Takes over the engines an earlier run of this agent left running."""
-        try:
-            records = json.loads(self._state_path.read_text())
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring unreadable %s: %s", self._state_path, exc)
-            return []
         adopted = []
-        for rec in records:
+        for rec in load_records(self._state_path):
             proc = EngineProcess.adopt(rec)
             if proc is None:
                 logger.info("engine of %s is gone; not adopted", rec.get("replica_id"))
                 continue
-            self.running[proc.spec.replica_id] = _Running(proc)
+            self.running[proc.spec.replica_id] = _Running(proc, started_at=self._clock())
             adopted.append(proc.spec.replica_id)
             logger.info("adopted engine of %s (pid %s, %s)",
                         proc.spec.replica_id, proc.pid, proc.url)
@@ -126,12 +121,7 @@ class Agent:
 
     def _save(self) -> None:
         """Records the running engines (no keys) for a later run to adopt."""
-        records = [e.proc.record() for e in self.running.values()
-                   if e.proc.exit_code() is None]
-        self._state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(records))
-        tmp.replace(self._state_path)
+        save_records(self._state_path, [e.proc for e in self.running.values()])
 
     def inventory(self) -> NodeInfo:
         return NodeInfo(
@@ -222,6 +212,7 @@ class Agent:
                     entry.detail = "restarted after: " + (entry.detail.splitlines() or [""])[0]
                 entry.proc, entry.phase, entry.was_ready, entry.probe_failures = (
                     proc, "starting", False, 0)
+                entry.started_at = now
                 started.append(rid)
                 # Recorded before the next engine starts: an agent killed
                 # between two starts leaves no engine it would not adopt.
@@ -242,19 +233,11 @@ class Agent:
         again and again, left failed (health.CRASH_LOOP_*)."""
         now = self._clock()
         entry.deaths = [*health.recent(entry.deaths, now), now]
-        entry.phase = "failed"
-        n, minutes = len(entry.deaths), health.CRASH_LOOP_WINDOW / 60
-        tail = entry.proc.log_tail()
-        if health.crash_looping(entry.deaths):
-            entry.given_up = True
-            entry.detail = (f"{reason}; {n} deaths within {minutes:.0f} min: not restarted "
-                            f"until its assignment changes; last log lines:\n{tail}")
-        else:
-            delay = health.backoff(n)
-            entry.retry_at = now + delay
-            entry.detail = (f"{reason} ({n} of {health.CRASH_LOOP_DEATHS} deaths allowed "
-                            f"within {minutes:.0f} min); restarting in {delay:.0f} s; "
-                            f"last log lines:\n{tail}")
+        entry.phase, entry.given_up = "failed", health.crash_looping(entry.deaths)
+        delay = None if entry.given_up else health.backoff(len(entry.deaths))
+        entry.retry_at = now + (delay or 0.0)
+        entry.detail = health.death_detail(reason, len(entry.deaths), delay,
+                                           entry.proc.log_tail())
 
     async def observe(self) -> None:
         """Updates each engine's phase from its process and its API."""
@@ -279,7 +262,16 @@ class Agent:
                                          proc.spec.model, timeout):
                 logger.info("replica %s is ready at %s", rid, proc.url)
                 entry.phase, entry.detail, entry.was_ready = "ready", "", True
-                entry.probe_failures = 0
+                entry.probe_failures, entry.started_at = 0, None
+            elif health.start_overdue(entry.started_at, self._clock(), self.cfg.start_timeout):
+                # Failed first (the backoff set): neither a concurrent check
+                # nor converge acts on it while it stops. Then the group goes.
+                limit = self.cfg.start_timeout
+                self._died(entry, f"not ready within {limit:.0f} s of its start; stopped")
+                logger.warning("replica %s not ready within %.0f s of its start; stopping "
+                               "it%s", rid, limit, "; not restarted" if entry.given_up else "")
+                await proc.stop()
+                self._save()
             return
         if await health.answers(self._health, proc.url, proc.spec.engine, timeout):
             entry.probe_failures = 0

@@ -32,6 +32,13 @@ class AgentConfig:
     poll_wait: float = 25.0
     # Per probe; a slow answer counts as a failed probe.
     probe_timeout: float = 2.0
+    # Seconds an engine may stay `starting` (never ready since its start, or
+    # since its adoption) before it is stopped and counted as a death
+    # (health.start_overdue). Generous: a large model's weights download and
+    # load for many minutes (tens of GB at a few hundred MB/s, then CUDA
+    # graphs); a shorter one kills slow but healthy loads again and again.
+    # Set by `llmgw agent --start-timeout` / LLMGW_ENGINE_START_TIMEOUT.
+    start_timeout: float = 1800.0
     # How https gateways are verified (app/tls.py); None: the system's CAs.
     gateway_tls: ssl.SSLContext | None = None
     # Hardware refresh, the agent's API, log files (nodeops.py).

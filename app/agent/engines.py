@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ import signal
 import socket
 import sys
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,6 +307,27 @@ class EngineProcess:
                 await asyncio.sleep(0.1)
         logger.error("adopted engine of %s (pid %d) would not stop",
                      self.spec.replica_id, pid)
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The engines an earlier run recorded (EngineProcess.record), if readable."""
+    try:
+        records = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring unreadable %s: %s", path, exc)
+        return []
+    return list(records)
+
+
+def save_records(path: Path, procs: Iterable[EngineProcess]) -> None:
+    """Records the engines still running (no keys), atomically."""
+    records = [p.record() for p in procs if p.exit_code() is None]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records))
+    tmp.replace(path)
 
 
 def open_log(path: Path) -> int:

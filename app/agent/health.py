@@ -45,9 +45,28 @@ CRASH_LOOP_DEATHS = 3
 CRASH_LOOP_WINDOW = 600.0
 
 
+def start_overdue(started: float | None, now: float, timeout: float) -> bool:
+    """Whether an engine still not ready `timeout` s after it was started (or
+    adopted) is overdue: a vLLM hung in its load (an NCCL hang, a stuck
+    download, a wedged GPU) would otherwise stay `starting` holding its GPUs
+    for ever. None: ready once since its start, so no start is running."""
+    return started is not None and now - started >= timeout
+
+
 def backoff(deaths: int) -> float:
     """Seconds before restarting an engine that died `deaths` times lately."""
     return min(60.0, 2.0 * 2.0**deaths)
+
+
+def death_detail(reason: str, deaths: int, delay: float | None, tail: str) -> str:
+    """A dead replica's status detail: why, what happens next (a restart in
+    `delay` s, or None: left failed), and the engine's last log lines."""
+    minutes = CRASH_LOOP_WINDOW / 60
+    if delay is None:
+        return (f"{reason}; {deaths} deaths within {minutes:.0f} min: not restarted "
+                f"until its assignment changes; last log lines:\n{tail}")
+    return (f"{reason} ({deaths} of {CRASH_LOOP_DEATHS} deaths allowed within "
+            f"{minutes:.0f} min); restarting in {delay:.0f} s; last log lines:\n{tail}")
 
 
 def describe_exit(code: int) -> str:
