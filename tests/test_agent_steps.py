@@ -400,14 +400,21 @@ async def test_an_engine_that_keeps_dying_is_left_failed_and_says_why(
     assert phase(a, "m-1") == "starting"
 
 
-async def test_an_engine_never_ready_is_stopped_at_the_start_timeout_until_left_failed(
-    engines_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Like a vLLM hung in its load: it runs, but never binds its port.
+def _hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake vLLM serving "m" waits before it binds its port until the
+    returned folder's file "m" is removed (FAKE_VLLM_HOLD_DIR)."""
     hold = tmp_path / "hold"
     hold.mkdir()
     (hold / "m").touch()
     monkeypatch.setenv("FAKE_VLLM_HOLD_DIR", str(hold))
+    return hold
+
+
+async def test_an_engine_never_ready_is_stopped_at_the_start_timeout_until_left_failed(
+    engines_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Like a vLLM hung in its load: it runs, but never binds its port.
+    hold = _hold(tmp_path, monkeypatch)
     gw, clock = MemoryGateway(), Clock()
     a = Agent(replace(config(tmp_path), start_timeout=30.0), clock=clock, client=gw)
     await a.start()
@@ -461,10 +468,7 @@ async def test_an_engine_never_ready_is_stopped_at_the_start_timeout_until_left_
 async def test_an_adopted_engine_gets_the_start_timeout_from_its_adoption(
     engines_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    (hold / "m").touch()
-    monkeypatch.setenv("FAKE_VLLM_HOLD_DIR", str(hold))
+    _hold(tmp_path, monkeypatch)  # held for good: it only ever times out
     gw = MemoryGateway()
     gw.answer = answer(1, replica("m-1", [0]))
     async with started(tmp_path, gw, stop_engines=False) as first:
