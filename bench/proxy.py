@@ -226,59 +226,16 @@ def set_up(gw: Gateway) -> tuple[Target, Target]:
 # ------------------------------------------------------------------ reference
 
 
-def reference_app(upstream: str, key: str) -> Any:
-    """A bare ASGI proxy (no framework, no auth, no routing): the floor for a
-    Python proxy on this machine, to tell llmgw's own cost from the stack's."""
-    session: aiohttp.ClientSession | None = None
-    auth = f"Bearer {key}"
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        nonlocal session
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    if session is not None:
-                        await session.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if session is None:
-            session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        async with session.post(upstream + scope["path"], data=body, headers={
-                "Authorization": auth, "Content-Type": "application/json"}) as up:
-            await send({"type": "http.response.start", "status": up.status, "headers": [
-                (b"content-type", up.headers.get("Content-Type", "").encode())]})
-            async for chunk in up.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    return app
-
-
-def serve_reference(port: int, upstream: str, key: str) -> None:
-    import uvicorn
-
-    uvicorn.run(reference_app(upstream, key), host="127.0.0.1", port=port,
-                log_level="warning", access_log=False, loop="uvloop", http="httptools")
-
-
 class Reference:
     def __init__(self, upstream: Target) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The Python floor of bench/router_overhead.py (bench/floor.py): a
+        # bare ASGI + aiohttp proxy, no framework, no auth, no routing.
         self.popen = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_reference", str(self.port),
-             upstream.url],
-            env={**os.environ, "BENCH_ENGINE_KEY": upstream.key}, cwd=ROOT,
+            [sys.executable, str(Path(__file__).resolve().parent / "floor.py"),
+             str(self.port), upstream.url],
+            env={**os.environ, "FLOOR_ENGINE_KEY": upstream.key}, cwd=ROOT,
             stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_ready(self, gw: Gateway) -> None:
@@ -583,7 +540,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["_reference"]:
-        serve_reference(int(sys.argv[2]), sys.argv[3], os.environ["BENCH_ENGINE_KEY"])
-        sys.exit(0)
     sys.exit(main())
