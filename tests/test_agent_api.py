@@ -20,6 +20,7 @@ from app.main import GatewayApp, create_app
 from app.settings import Settings
 from app.store.base import Put
 from tests.support.etcd import EtcdServer, ExternalEtcd
+from tests.support.procs import until
 
 SECRET = "agent-api-secret-0123456789"
 ADMIN = "agent-api-admin-0123456789"
@@ -40,21 +41,13 @@ async def gateways(
                for app in apps]
     try:
         for app in apps:
-            await _until(lambda a=app: a.state.gateway.ready, "mirror loaded")
+            await until(lambda a=app: a.state.gateway.ready, "mirror loaded")
         yield list(zip(apps, clients, strict=True))
     finally:
         for c in clients:
             await c.aclose()
         for app in apps:
             await app.state.gateway.stop()
-
-
-async def _until(pred: Any, what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def _node(node: str) -> dict[str, str]:
@@ -128,7 +121,7 @@ async def test_assignments_carry_the_revision_they_were_read_at(
         for app in (a, b):
             await app.state.gateway.mirror.wait_for(rev, 5)
             # Made at start, in the background (app/gateway.py).
-            await _until(app.state.gateway.mirror.store_id, "the store id mirrored")
+            await until(app.state.gateway.mirror.store_id, "the store id mirrored")
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as c:
                 r = await c.get("/agent/v1/nodes/n1/assignments", headers=_node("n1"))
@@ -169,7 +162,7 @@ async def test_a_lagging_gateway_renews_the_lease_that_holds_the_node(
     async with gateways(etcd_server, etcd_prefix, tmp_path, 1, node_ttl=2) as [(a, c)]:
         gw = a.state.gateway
         await _join(c)
-        await _until(lambda: gw.mirror.get(s.NODES + "n1") is not None, "node mirrored")
+        await until(lambda: gw.mirror.get(s.NODES + "n1") is not None, "node mirrored")
         await gw.mirror.stop()  # from here on this gateway's view is stale
         # Another gateway bound the node to a lease of its own meanwhile.
         fresh = await gw.store.grant(2)
@@ -177,8 +170,8 @@ async def test_a_lagging_gateway_renews_the_lease_that_holds_the_node(
         await gw.store.txn([], [Put(s.NODES + "n1", body, lease=fresh)])
         # The agent beats through the lagging gateway for longer than the TTL.
         loop = asyncio.get_running_loop()
-        until = loop.time() + 3.5
-        while loop.time() < until:
+        end = loop.time() + 3.5
+        while loop.time() < end:
             r = await c.put("/agent/v1/nodes/n1", json=_inventory("n1"), headers=_node("n1"))
             assert r.status_code == 200, r.text
             await asyncio.sleep(0.4)
@@ -197,7 +190,7 @@ async def test_engine_urls_must_be_plain_http_on_the_nodes_own_address(
         rep = s.Replica(id="m-1", model="m", node="n1", gpus=[0], weights="org/m")
         rev = await gw.store.put(s.REPLICAS + rep.id, rep.model_dump_json().encode())
         await gw.mirror.wait_for(rev, 5)
-        await _until(lambda: gw.mirror.get(s.NODES + "n1") is not None, "node mirrored")
+        await until(lambda: gw.mirror.get(s.NODES + "n1") is not None, "node mirrored")
         for url in ("http://10.9.9.9:8000", "https://127.0.0.2:8000", "http://127.0.0.2:80/x",
                     "http://user@127.0.0.2:8000", "http://127.0.0.2", "ftp://127.0.0.2:21",
                     "http://169.254.169.254:80"):
@@ -258,13 +251,13 @@ async def test_replicas_of_a_node_not_heard_from_are_shown_unknown_not_ready(
         await _join(c)
         r = await c.put("/admin/models/m", json={"model": "org/m", "engine": "vllm", "gpus": 1})
         assert r.status_code == 201, r.text
-        await _until(lambda: gw.mirror.replicas(), "a replica placed")
+        await until(lambda: gw.mirror.replicas(), "a replica placed")
         (rid,) = gw.mirror.replicas()
         report = {"replicas": [{"id": rid, "node": "n1", "phase": "ready",
                                 "url": "http://127.0.0.1:8123"}]}
         r = await c.put("/agent/v1/nodes/n1/status", json=report, headers=_node("n1"))
         assert r.json() == {"written": 1}
-        await _until(lambda: rid in gw.mirror.statuses(), "the status mirrored")
+        await until(lambda: rid in gw.mirror.statuses(), "the status mirrored")
 
         async def shown() -> tuple[str, str, int, str]:
             (rep,) = (await c.get("/admin/replicas")).json()
@@ -276,7 +269,7 @@ async def test_replicas_of_a_node_not_heard_from_are_shown_unknown_not_ready(
         assert await shown() == ("ready", "", 1, 'llmgw_replicas{model="m",phase="ready"} 1.0')
         # The node's key expires (its agent or the node died).
         assert await gw.store.delete(s.NODES + "n1")
-        await _until(lambda: "n1" not in gw.mirror.nodes(), "the node gone from the mirror")
+        await until(lambda: "n1" not in gw.mirror.nodes(), "the node gone from the mirror")
         assert await shown() == ("unknown", "node n1 not heard from; last reported ready", 0,
                                  'llmgw_replicas{model="m",phase="unknown"} 1.0')
 

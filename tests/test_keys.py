@@ -30,6 +30,7 @@ from app.store.etcd import EtcdStore
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args
 from tests.support.etcd import EtcdServer, ExternalEtcd
+from tests.support.procs import until
 
 SECRET = "client-keys-secret-0123456789"
 ADMIN = "client-keys-admin-0123456789"
@@ -56,14 +57,6 @@ class Gw:
             http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app)))
 
 
-async def _until(pred: Any, what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 @asynccontextmanager
 async def stand_in(tmp: Path) -> AsyncIterator[tuple[FakeVLLM, dict[str, Any]]]:
     """The vLLM stand-in serving "m", and the spec of an external model at it."""
@@ -83,11 +76,11 @@ async def stand_in(tmp: Path) -> AsyncIterator[tuple[FakeVLLM, dict[str, Any]]]:
 
 async def _serve_m(gws: list[Gw], spec: dict[str, Any]) -> None:
     for g in gws:
-        await _until(lambda g=g: g.gw.ready, "mirror loaded")
+        await until(lambda g=g: g.gw.ready, "mirror loaded")
     r = await gws[0].admin.put("/admin/models/m", json=spec)
     assert r.status_code == 201, r.text
     for g in gws:
-        await _until(lambda g=g: g.gw.table.endpoints("m"), "m routed")
+        await until(lambda g=g: g.gw.table.endpoints("m"), "m routed")
 
 
 @asynccontextmanager
@@ -124,7 +117,7 @@ async def _both_see(a: Gw, b: Gw, key: str, gateways: int = 2) -> None:
     """Each gateway's router has the key, shared among `gateways`."""
     digest = hash_client_key(key)
     for g in (a, b):
-        await _until(lambda g=g: (grant := g.gw.table.grant(digest)) is not None
+        await until(lambda g=g: (grant := g.gw.table.grant(digest)) is not None
                      and grant.gateways == gateways, "the key's grant")
 
 
@@ -164,7 +157,7 @@ async def test_requests_per_minute_hold_across_two_gateways(
         prompt = sum(c.usage.prompt_tokens for c in ok if c.usage)
         completion = sum(c.usage.completion_tokens for c in ok if c.usage)
         assert prompt > 0 and completion > 0
-        await _until(lambda: len(b.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage)) == 2,
+        await until(lambda: len(b.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage)) == 2,
                      "both gateways' usage")
         usage = await _usage(b, key["id"])
         expected = {"requests": 4, "prompt_tokens": prompt, "completion_tokens": completion,
@@ -183,7 +176,7 @@ async def test_concurrency_is_shared_and_freed_when_an_answer_ends(
         fake.token_delay = 0.1  # a few words: long enough to be held open
         held = asyncio.create_task(ca.chat.completions.create(
             model="m", messages=MESSAGES))  # type: ignore[arg-type]
-        await _until(lambda: a.gw.proxy.limits.inflight(key["id"]) == 1, "one in flight")
+        await until(lambda: a.gw.proxy.limits.inflight(key["id"]) == 1, "one in flight")
         with pytest.raises(openai.RateLimitError) as over:
             await ca.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
         assert "concurrent" in over.value.message
@@ -225,7 +218,7 @@ async def test_streamed_usage_is_counted_and_shown_only_to_a_client_that_asked(
             model="m", messages=MESSAGES)  # type: ignore[arg-type]
         assert plain.usage is not None
         assert await a.usage.flush() == 1 and await b.usage.flush() == 1
-        await _until(lambda: len(a.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage)) == 2,
+        await until(lambda: len(a.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage)) == 2,
                      "both gateways' usage")
         usage = await _usage(a, key["id"])
         # Every token the stand-in generated or read, and nothing else.
@@ -273,7 +266,7 @@ async def test_keys_are_shown_once_listed_by_prefix_expire_and_are_revoked(
         # Revoked through gateway A: gateway B refuses it by watch.
         assert (await a.admin.delete(f"/admin/keys/{key['id']}")).status_code == 204
         digest = hash_client_key(key["key"])
-        await _until(lambda: a.gw.table.grant(digest) is None
+        await until(lambda: a.gw.table.grant(digest) is None
                      and b.gw.table.grant(digest) is None, "the key revoked")
         with pytest.raises(openai.AuthenticationError):
             await a.client(key["key"]).chat.completions.create(
@@ -351,10 +344,10 @@ async def test_a_gateway_writes_its_usage_every_interval_and_when_it_stops(
             g = Gw(app)
             await _serve_m([g], spec)
             key = await _new_key(g)
-            await _until(lambda: g.gw.table.grant(hash_client_key(key["key"])), "the key")
+            await until(lambda: g.gw.table.grant(hash_client_key(key["key"])), "the key")
             client = g.client(key["key"])
             await client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
-            await _until(lambda: g.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage), "usage written")
+            await until(lambda: g.gw.mirror.parsed(s.KEY_USAGE, s.KeyUsage), "usage written")
             assert (await _usage(g, key["id"]))["total"]["requests"] == 1
             # Counted just before the stop: written by the stop itself.
             g.gw.proxy.limits.admit(key["id"], "m", Limits()).release()

@@ -8,6 +8,7 @@ their environment, inherited from the agent or gateway that started them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -66,6 +67,15 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
             last = exc
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+async def until(pred: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    """`wait_for` for in-process tests: polls `pred` on the running loop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 @dataclass
