@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.agent.engines import write_json
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,10 +59,7 @@ def load(path: Path) -> Applied:
 def save(path: Path, applied: Applied) -> None:
     """Written whole or not at all: a crash mid-write leaves the old file."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"store": applied.store, "revision": applied.revision}))
-        tmp.replace(path)
+        write_json(path, {"store": applied.store, "revision": applied.revision})
     except OSError as exc:
         # Still compared in this run; only a restart would forget it.
         logger.warning("could not keep the applied revision in %s: %s", path, exc)

@@ -323,10 +323,15 @@ def load_records(path: Path) -> list[dict[str, Any]]:
 
 def save_records(path: Path, procs: Iterable[EngineProcess]) -> None:
     """Records the engines still running (no keys), atomically."""
-    records = [p.record() for p in procs if p.exit_code() is None]
+    write_json(path, [p.record() for p in procs if p.exit_code() is None])
+
+
+def write_json(path: Path, value: Any) -> None:
+    """`value` as JSON in `path`, whole or not at all: a crash mid-write
+    leaves the old file (a temporary file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(records))
+    tmp.write_text(json.dumps(value))
     tmp.replace(path)
 
 
