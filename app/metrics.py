@@ -107,11 +107,15 @@ class _FleetCollector(Collector):
         usages = mirror.usages()
         settings = gw.settings
         now = time.time()
+        # One pass over the replicas, not one per model.
+        serving: dict[str, list[Replica]] = {}
+        for rep in replicas.values():
+            if rep.draining_since is None:
+                serving.setdefault(rep.model, []).append(rep)
         for name, spec in sorted(models.items()):
-            mine = [r for r in replicas.values() if r.model == name and r.draining_since is None]
             wanted.add_metric([name], wanted_now(
-                spec, mine, usages, now, settings.usage_refresh + settings.usage_interval,
-                settings.default_load_target))
+                spec, serving.get(name, []), usages, now,
+                settings.usage_refresh + settings.usage_interval, settings.default_load_target))
 
         nodes = mirror.nodes()
         gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports",
