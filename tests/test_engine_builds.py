@@ -23,8 +23,8 @@ from app.agent.nodeops import NodeOpsConfig
 from app.control import state as s
 from app.control.placement import Fit, NoFit, place
 from tests.support.etcd import EtcdServer, ExternalEtcd
-from tests.support.procs import FAKE_BIN
-from tests.test_agent_api import _node, _until, gateways
+from tests.support.procs import FAKE_BIN, until
+from tests.test_agent_api import _node, gateways
 
 # Counts its runs in its own directory, and leaves a vllm in the venv.
 INSTALLER = """#!/bin/sh
@@ -185,7 +185,7 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
 
         # Installed, checked, reported at once by the build step.
         await agent.build_step()
-        await _until(lambda: gw.mirror.nodes()["h1"].vllm_build_check != "", "build reported")
+        await until(lambda: gw.mirror.nodes()["h1"].vllm_build_check != "", "build reported")
         info = gw.mirror.nodes()["h1"]
         spec = s.StoredModel(name="m", model="org/m")
         fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())

@@ -17,7 +17,8 @@ from app.main import create_app
 from app.settings import Settings
 from app.store.base import TxnResult
 from tests.support.etcd import EtcdServer, ExternalEtcd
-from tests.test_agent_api import ADMIN, SECRET, _until, gateways
+from tests.support.procs import until
+from tests.test_agent_api import ADMIN, SECRET, gateways
 
 
 async def _stored(gw: Any, key: str) -> dict[str, Any] | None:
@@ -125,7 +126,7 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
     async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, ca), (b, cb)]:
         ga, gb = a.state.gateway, b.state.gateway
         await _add_node(ga, "h1")
-        await _until(lambda: "h1" in gb.mirror.nodes(), "h1 on gateway b")
+        await until(lambda: "h1" in gb.mirror.nodes(), "h1 on gateway b")
         # B's watch lags: it has not seen A's cordon when it sets the pool.
         await gb.mirror.stop()
         assert (await ca.post("/admin/nodes/h1/cordon")).status_code == 200
@@ -139,7 +140,7 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
 
         gb.store.txn = txn
         put = asyncio.ensure_future(cb.put("/admin/nodes/h1/conf", json={"pool": "research"}))
-        await _until(lambda: outcomes, "b's first write")
+        await until(lambda: outcomes, "b's first write")
         gb.mirror.start()
         r = await put
         assert r.status_code == 200, r.text
