@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import httpx
 import openai
 import pytest
 
@@ -257,6 +258,55 @@ async def test_v1_requires_the_key(server: Proc) -> None:
     first = body["data"][0]
     assert first["object"] == "model" and first["owned_by"] == "vllm"
     assert first["root"] == MODEL and first["max_model_len"] == 8192
+
+
+async def test_paths_outside_v1_answer_without_the_key_as_in_vllm(server: Proc) -> None:
+    """vLLM's --api-key guards /v1 only (its security docs; vllm-project/vllm#58144)."""
+    chat = {"model": NAMES[0], "messages": [{"role": "user", "content": "no key"}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.base + "/invocations", json=chat) as r:
+            assert r.status == 200
+            assert "no key" in (await r.json())["choices"][0]["message"]["content"]
+        async with s.post(server.base + "/tokenize", json={"prompt": "a b c"}) as r:
+            assert r.status == 200 and (await r.json())["count"] == 3
+        for path in ("/detokenize", "/pooling", "/classify", "/score", "/rerank"):
+            async with s.post(server.base + path, json={"input": "x", "tokens": [1]}) as r:
+                assert r.status == 200, path
+
+
+def test_middleware_is_added_as_vllm_adds_it(tmp_path: Path) -> None:
+    """--middleware: a class through add_middleware, a coroutine function through
+    app.middleware("http"), the last given outermost, around vLLM's own check."""
+    site = Path(__file__).resolve().parents[1] / "app" / "agent" / "engine_site"
+    p = _spawn(tmp_path, ["--middleware", "llmgw_engine_guard.EngineKeyMiddleware",
+                          "--middleware", "fake_vllm_more.refuse_marked"],
+               _env(PYTHONPATH=str(site), VLLM_API_KEY=API_KEY))
+    try:
+        _wait_healthy(p)
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx_client(p) as c:
+            assert c.post("/tokenize", json={"prompt": "x"}).status_code == 401  # the class
+            assert c.post("/tokenize", json={"prompt": "x"}, headers=auth).status_code == 200
+            marked = {"x-refuse": "1"}
+            r = c.post("/tokenize", json={"prompt": "x"}, headers=marked)  # outermost
+            assert (r.status_code, r.json()) == (418, {"refused": "/tokenize"})
+            assert c.get("/v1/models", headers=auth).status_code == 200
+            assert c.get("/metrics").status_code == 200
+    finally:
+        _stop(p)
+
+
+def test_a_bad_middleware_stops_the_start(tmp_path: Path) -> None:
+    for path, why in (("fake_vllm_more.not_a_middleware", "ValueError: Invalid middleware"),
+                      ("no_such_module.Guard", "ModuleNotFoundError")):
+        r = subprocess.run([str(SHIM), "serve", MODEL, "--port", str(_free_port()),
+                            "--middleware", path], cwd=tmp_path, env=_env(),
+                           capture_output=True, text=True, timeout=20)
+        assert r.returncode == 1 and why in r.stderr, r.stderr
+
+
+def httpx_client(p: Proc) -> httpx.Client:
+    return httpx.Client(base_url=p.base, timeout=5)
 
 
 def test_openai_client_wrong_key_is_authentication_error(server: Proc) -> None:

@@ -84,6 +84,18 @@ def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
     models = httpx.get(rep["url"] + "/v1/models", timeout=10,
                        headers={"Authorization": f"Bearer {ekey}"})
     assert models.status_code == 200
+    # Every route of llama-cpp-python's server wants the key, its extras too;
+    # FastAPI's API docs stay open (docs/architecture.md, "The engine's port").
+    for path in ("/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"):
+        body = {"input": "hello", "tokens": [1]}
+        assert httpx.post(rep["url"] + path, json=body, timeout=10).status_code == 401, path
+        assert httpx.post(rep["url"] + path, json=body, timeout=10,
+                          headers={"Authorization": f"Bearer {ekey}"}).status_code == 200, path
+    spec = httpx.get(rep["url"] + "/openapi.json", timeout=10).json()
+    assert set(spec["paths"]) == {
+        "/v1/completions", "/v1/embeddings", "/v1/chat/completions", "/v1/models",
+        "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"}
+    assert httpx.get(rep["url"] + "/docs", timeout=10).status_code == 200
     log = solo.tmp / "aio" / "agent" / "logs" / f"{rep['id']}.log"
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
 

@@ -1,10 +1,12 @@
 """Engine processes: the command line for each engine, and one running engine.
 
 vLLM is started with its real command line (`vllm serve MODEL --port P
---served-model-name NAME`), llama.cpp through llama-cpp-python's OpenAI
-server (`python -m llama_cpp.server`). Each engine demands its replica's
-key, so a request that did not come through a gateway (or a key taken from
-another node) is refused by the engine itself.
+--served-model-name NAME --middleware ...`), llama.cpp through
+llama-cpp-python's OpenAI server (`python -m llama_cpp.server`). Each engine
+demands its replica's key, so a request that did not come through a gateway
+(or a key taken from another node) is refused by the engine itself: vLLM's
+own key guards `/v1` only, so llmgw's middleware (engine_site/) guards its
+other paths; llama-cpp-python guards every route but its API docs.
 
 The key reaches the engine through its environment (`VLLM_API_KEY`, read by
 vLLM; `API_KEY`, read by llama-cpp-python's settings), never its command
@@ -48,6 +50,11 @@ _STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 # model about 1 GiB at 8192). 8192 is SmolLM2's and Llama 3's trained length.
 LLAMACPP_N_CTX = 8192
 
+# vLLM's --middleware: a stdlib-only module in ENGINE_SITE, put on the engine's
+# PYTHONPATH (the engine's own venv does not have llmgw).
+ENGINE_SITE = Path(__file__).resolve().parent / "engine_site"
+GUARD_MIDDLEWARE = "llmgw_engine_guard.EngineKeyMiddleware"
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -77,6 +84,9 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
             vllm_bin, "serve", spec.weights,
             "--host", host, "--port", str(port),
             "--served-model-name", spec.model,
+            # The key on every path, not /v1 alone (docs/architecture.md,
+            # "The engine's port"); importable through ENGINE_SITE.
+            "--middleware", GUARD_MIDDLEWARE,
         ]
         if spec.weights_revision:
             cmd += ["--revision", spec.weights_revision]
@@ -105,6 +115,9 @@ def environment(spec: EngineSpec) -> dict[str, str]:
     if spec.engine == "vllm":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
         env["VLLM_API_KEY"] = spec.key
+        # The guard middleware's folder, first: it holds nothing but that module.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ENGINE_SITE), env.get("PYTHONPATH", "")) if p)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
         # llama-cpp-python reads its settings from the environment too, and

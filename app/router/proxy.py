@@ -49,10 +49,11 @@ Send = Callable[[Message], Awaitable[None]]
 # Largest request body accepted. Chat requests with long contexts and images
 # as data URLs run to a few MiB; more than this is a mistake or an attack.
 MAX_BODY = 32 * 1024 * 1024
-# The only engine paths reachable through us. vLLM's --api-key guards paths
-# under /v1 only, and even there it serves what clients must not reach
-# (/v1/load_lora_adapter with runtime LoRA updates on); its /metrics,
-# /health, /tokenize, /pooling, /start_profile... are never forwarded.
+# The only engine paths reachable through us. We send the engine's key, so
+# its guard (docs/architecture.md, "The engine's port") does not keep a
+# client off what it must not reach: /v1/load_lora_adapter (runtime LoRA
+# updates on), /metrics, /tokenize, /pooling, /invocations, /start_profile...
+# are never forwarded.
 _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 

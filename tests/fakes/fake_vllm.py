@@ -11,6 +11,10 @@ to:
 * ``GET /metrics`` (Prometheus text, vLLM's metric names, live values)
 * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``POST /v1/embeddings``
+* outside ``/v1``, without the key as vLLM does: ``POST /invocations``,
+  ``/tokenize``, ``/detokenize``, ``/pooling``, ``/classify``, ``/score``,
+  ``/rerank`` (fake_vllm_more.py), and ``--middleware IMPORT.PATH`` as vLLM
+  adds it (a class or a coroutine function; fake_vllm_more.py says how).
 
 The reply is deterministic: ``fake-vllm <served-name> echo: <last user
 message>`` (or ``<prompt>`` for text completions), streamed one word per chunk.
@@ -179,6 +183,7 @@ _TYPES: dict[str, dict[str, Any]] = {
     "json?": {"type": _optional(json.loads)},
     "list": {"nargs": "+", "type": _optional(str)},
     "bool": {"action": argparse.BooleanOptionalAction},
+    "append": {"action": "append", "type": str},
     "store_true": {"action": "store_true"},
 }
 
@@ -406,7 +411,15 @@ class FakeVLLM:
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
             return await self.auth_middleware(request, handler)
 
-        app = web.Application(middlewares=[auth])
+        if __package__:
+            from tests.fakes import fake_vllm_more as more
+        else:  # run as a script: its folder is on sys.path
+            import fake_vllm_more as more  # type: ignore[no-redef]
+
+        # vLLM adds --middleware after its own key check: they wrap it.
+        stack = more.middleware_stack(self.args.middleware)
+        app = web.Application(middlewares=[more.asgi_bridge(stack), auth])
+        more.add_unguarded_routes(app, self, fake_embedding)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_route("*", "/ping", self.health)
