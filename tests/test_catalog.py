@@ -106,6 +106,10 @@ INVALID: list[tuple[dict[str, Any], list[str | int], str]] = [
      "set by llmgw"),
     (profile(engine_args=["--tensor-parallel-size=4"]), ["profiles", 0, "engine_args", 0],
      "set by llmgw"),
+    # A middleware of the admin's would wrap llmgw's engine guard and could answer
+    # requests before the key is checked (docs/architecture.md, "The engine's port").
+    (profile(engine_args=["--middleware=x.Y"]), ["profiles", 0, "engine_args", 0],
+     "set by llmgw"),
     (profile(engine_args=["--hf-token=hf_x"]), ["profiles", 0, "engine_args", 0], "secret"),
     (profile(engine_args=["--serv=x"]), ["profiles", 0, "engine_args", 0], "abbreviates"),
     (profile(engine_args=["--max-model-len", "4096"]), ["profiles", 0, "engine_args", 1],

@@ -36,7 +36,7 @@ MAX_SEEDED_MODELS = 127
 # a second copy from the spec would override ours (argparse keeps the last).
 _SET_BY_US: dict[str, frozenset[str]] = {
     "vllm": frozenset({"model", "host", "port", "served-model-name", "api-key", "revision",
-                       "tensor-parallel-size"}),
+                       "tensor-parallel-size", "middleware"}),
     "llamacpp": frozenset({"model", "model-alias", "host", "port", "api-key",
                            "interrupt-requests"}),
 }
