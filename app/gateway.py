@@ -12,7 +12,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -26,7 +26,7 @@ from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog, storeid
 from app.control import state as s
 from app.control.agentversion import default_window
-from app.control.keys import hash_client_key, node_token
+from app.control.keys import SecretRing, hash_client_key, node_token
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
@@ -71,6 +71,10 @@ class Gateway:
         # The agent versions new replicas may go to (app/control/agentversion.py).
         self.agent_window = default_window(settings.min_agent_version)
         self.secret = settings.secret.get_secret_value()
+        # Every engine key and node token goes through it: during a rotation
+        # it derives from the previous secret too (keys.SecretRing).
+        prev = settings.previous_secret
+        self.secrets = SecretRing(self.secret, prev.get_secret_value() if prev else None)
         self.admin_token = settings.admin_token.get_secret_value()
         self._store_factory = store_factory
         self.table = RouteTable()
@@ -109,6 +113,17 @@ class Gateway:
         assert self._elector is not None, "gateway not started"
         return self._elector
 
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Runs `work` in the background until it ends or the gateway stops
+        (a route's follow-up that must outlive its answer)."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+
     @property
     def ready(self) -> bool:
         return self._mirror is not None and self._mirror.ready
@@ -121,12 +136,12 @@ class Gateway:
         # In the background: with the store down, start must not wait on it.
         self._tasks.append(asyncio.create_task(self._claim_store_id(), name="store-id"))
         self._mirror = Mirror(self._store)
-        publisher = Publisher(self._mirror, self.table, self.secret, self.agent_window)
+        publisher = Publisher(self._mirror, self.table, self.secrets, self.agent_window)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()
         info = s.GatewayInfo(id=st.gateway_id, url=st.public_url, version=__version__,
-                             started=time.time())
+                             started=time.time(), secret=self.secrets.current_id)
         self._elector = Elector(self._store, info, st.lease_ttl, mirror=self._mirror)
         reconciler = Reconciler(self._store, self._mirror, self._elector,
                                 drain_seconds=st.drain_seconds, interval=st.reconcile_interval,
@@ -134,7 +149,7 @@ class Gateway:
                                 idle_slack=st.usage_refresh + st.usage_interval,
                                 scale_down_window=st.scale_down_window,
                                 default_load_target=st.default_load_target,
-                                agent_window=self.agent_window)
+                                agent_window=self.agent_window, secrets=self.secrets)
         elector = self._elector
         usage = UsagePublisher(self._store, self._mirror,
                                RouterUsage(self.table, self.last_use, publisher),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from app.control import state as s
 from app.control.agentversion import Window
-from app.control.keys import engine_key
+from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
 from app.router.limits import Limits
@@ -39,12 +39,12 @@ _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
 
 
 class Publisher:
-    def __init__(self, mirror: Mirror, table: RouteTable, secret: str,
+    def __init__(self, mirror: Mirror, table: RouteTable, secrets: SecretRing,
                  agent_window: Window | None = None) -> None:
         self._agent_window = agent_window
         self._mirror = mirror
         self._table = table
-        self._secret = secret
+        self._secrets = secrets
         self._scheduled = False
         self._last: tuple[object, ...] = ()
         # Why each external model's key could not be read, as last logged.
@@ -137,7 +137,7 @@ class Publisher:
                 prof = next((p for p in models[rep.model].profile_list
                              if p.name == rep.profile), None)
                 endpoints.setdefault(rep.model, []).append(Endpoint(
-                    rid, st.url, engine_key(self._secret, rid),
+                    rid, st.url, self._secrets.engine_key(rid, rep.secret),
                     priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0))
         for name, spec in sorted(models.items()):
             ext = spec.external

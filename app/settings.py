@@ -51,6 +51,13 @@ class Settings(BaseSettings):
     # etcd, where every gateway must derive the same keys; generated and kept
     # in data_dir for the embedded store.
     secret: SecretStr | None = None
+    # During a rotation of `secret`, the secret it replaces: gateways still
+    # accept agents' node tokens of it and derive the engine keys of
+    # replicas placed under it, until the leader has replaced them all.
+    # Unset it once that is done and every agent has its new token (the
+    # procedure: docs/architecture.md, Security: Rotating the shared secret);
+    # while set, a node token taken before the rotation still opens.
+    previous_secret: SecretStr | None = None
     # Bearer token for /admin. Unset: generated into data_dir/admin-token.
     admin_token: SecretStr | None = None
 
@@ -276,7 +283,7 @@ class Settings(BaseSettings):
             parse(v)  # ValueError: "... is not a version"
         return v
 
-    @field_validator("secret", "admin_token")
+    @field_validator("secret", "previous_secret", "admin_token")
     @classmethod
     def _refuse_placeholders(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None:
@@ -315,6 +322,10 @@ class Settings(BaseSettings):
             raise ValueError("LLMGW_SECRET is required when LLMGW_ETCD_ENDPOINTS is set")
         if self.uses_etcd and self.admin_token is None:
             raise ValueError("LLMGW_ADMIN_TOKEN is required when LLMGW_ETCD_ENDPOINTS is set")
+        if self.previous_secret is not None and self.secret is not None and (
+                self.previous_secret.get_secret_value() == self.secret.get_secret_value()):
+            raise ValueError("LLMGW_PREVIOUS_SECRET is LLMGW_SECRET: set it to the secret "
+                             "being replaced, or unset it")
         self._check_timings()
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("LLMGW_TLS_CERT_FILE and LLMGW_TLS_KEY_FILE go together: "

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from app.control import state as s
+from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.gateway import Gateway
 from app.main import create_app
@@ -41,7 +42,7 @@ async def test_the_provider_key_is_read_at_each_publish(
     key_file.write_text("sk-provider-one\n")
     mirror = Mirror(store)
     table = RouteTable()
-    publisher = Publisher(mirror, table, SECRET)
+    publisher = Publisher(mirror, table, SecretRing(SECRET))
     mirror.start()
     try:
         spec = s.StoredModel(name="remote", aliases=["gpt"], external=s.External(
@@ -84,7 +85,7 @@ async def test_the_periodic_publish_picks_up_a_rotated_key(
     key_file.write_text("sk-one")
     mirror = Mirror(store)
     table = RouteTable()
-    publisher = Publisher(mirror, table, SECRET)
+    publisher = Publisher(mirror, table, SecretRing(SECRET))
     mirror.start()
     runner = asyncio.create_task(publisher.run(0.05))
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.control import state as s
-from app.control.keys import engine_key, hash_client_key
+from app.control.keys import SecretRing, engine_key, hash_client_key
 from app.control.mirror import Mirror
 from app.publish import Publisher
 from app.router.table import RouteTable
@@ -65,7 +65,7 @@ async def test_mirror_follows_and_catches_up_after_a_stop(store: EmbeddedStore) 
 async def test_publisher_routes_only_ready_non_draining_replicas(store: EmbeddedStore) -> None:
     mirror = Mirror(store)
     table = RouteTable()
-    Publisher(mirror, table, SECRET)
+    Publisher(mirror, table, SecretRing(SECRET))
     mirror.start()
 
     async def write(key: str, value: s.BaseModel) -> None:

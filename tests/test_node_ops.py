@@ -235,10 +235,11 @@ def test_weights_listed_and_removed_only_inside_the_cache_and_never_in_use(
 
 
 async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> None:
-    from app.agent.agent import Agent, _Running
+    from app.agent.agent import Agent
     from app.agent.config import AgentConfig
     from app.agent.engines import EngineProcess, EngineSpec
     from app.agent.nodeops import NodeOpsConfig
+    from app.agent.running import Running
 
     agent = Agent(AgentConfig(
         gateways=["http://127.0.0.1:9"], node="n", token="t", gpus=[], engines=["vllm"],
@@ -251,7 +252,7 @@ async def test_the_agent_rotates_engine_logs_past_the_cap(tmp_path: Path) -> Non
         logs[rid] = tmp_path / "logs" / f"{rid}.log"
         os.close(open_log(logs[rid]))
         logs[rid].write_bytes(b"x" * size)
-        agent.running[rid] = _Running(EngineProcess(spec, "127.0.0.1", 9, logs[rid]))
+        agent.running[rid] = Running(EngineProcess(spec, "127.0.0.1", 9, logs[rid]))
     rotated = await agent.ops.rotate(e.proc.log_path for e in agent.running.values())
     assert rotated == [logs["big"]]
     assert logs["big"].stat().st_size == 0

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from app.control import state as s
+from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.scaling import Scaler, desired
 from app.control.usage import UsagePublisher, replica_loads
@@ -41,7 +42,7 @@ async def test_the_snapshot_carries_fresh_engine_loads_and_a_change_is_written(
                                                  rep.model_dump_json().encode()), 2)
     clock = Clock(100.0)
     table = RouteTable(clock=clock)
-    source = RouterUsage(table, LastUse(), Publisher(mirror, table, "s" * 32))
+    source = RouterUsage(table, LastUse(), Publisher(mirror, table, SecretRing("s" * 32)))
     lease = await store.grant(10)
     pub = UsagePublisher(store, mirror, source, "gw", lambda: lease, refresh=30,
                          wall=Clock(1000.0))

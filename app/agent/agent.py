@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import aiohttp
@@ -37,31 +37,12 @@ from app.agent.gateway_client import (
     advertise_address,
 )
 from app.agent.nodeops import NodeOps
+from app.agent.running import Running
 from app.control.state import NodeInfo, Phase, ReplicaStatus
 
 logger = logging.getLogger(__name__)
 
 Polled = Literal["changed", "unchanged", "stale"]
-
-
-@dataclass
-class _Running:
-    """One assigned replica's engine and what the agent knows of it."""
-
-    proc: EngineProcess
-    phase: Phase = "starting"
-    detail: str = ""
-    # Clock times of this replica's recent engine deaths (see health.py).
-    deaths: list[float] = field(default_factory=list)
-    retry_at: float = 0.0
-    # Crash-looping: left failed, not restarted until its assignment changes.
-    given_up: bool = False
-    # Ready once since it started: liveness probes from then on, not readiness.
-    was_ready: bool = False
-    probe_failures: int = 0
-    # Clock time of its start (or adoption: the clocks of two runs differ);
-    # None once ready. Bounds how long it may stay `starting`.
-    started_at: float | None = None
 
 
 class Agent:
@@ -80,7 +61,7 @@ class Agent:
         # across runs: an older answer (a gateway whose watch lags) must
         # never undo a newer one, even the first answer after a restart.
         self.applied = applied.Kept(cfg.work_dir / "assignments.json")
-        self.running: dict[str, _Running] = {}
+        self.running: dict[str, Running] = {}
         self._reported: dict[str, tuple[Phase, str, str]] = {}
         self._last_full_report = float("-inf")
         self._converge_lock = asyncio.Lock()
@@ -113,7 +94,7 @@ class Agent:
             if proc is None:
                 logger.info("engine of %s is gone; not adopted", rec.get("replica_id"))
                 continue
-            self.running[proc.spec.replica_id] = _Running(proc, started_at=self._clock())
+            self.running[proc.spec.replica_id] = Running(proc, started_at=self._clock())
             adopted.append(proc.spec.replica_id)
             logger.info("adopted engine of %s (pid %s, %s)",
                         proc.spec.replica_id, proc.pid, proc.url)
@@ -196,12 +177,16 @@ class Agent:
             for rid, spec in self.desired.items():
                 cur = self.running.get(rid)
                 if cur is not None:
-                    cur.proc.spec = spec  # an adopted engine learns its key here
+                    # An adopted engine learns its key here; a new key for a
+                    # running engine (a secret rotation) is checked against it.
+                    if cur.proc.spec.key and cur.proc.spec.key != spec.key:
+                        cur.key_unchecked = True
+                    cur.proc.spec = spec
                     if cur.phase != "failed" or cur.given_up or now < cur.retry_at:
                         continue
                 proc = EngineProcess(spec, self.host, free_port(self.host),
                                      self.cfg.work_dir / "logs" / f"{rid}.log")
-                entry = cur or _Running(proc)
+                entry = cur or Running(proc)
                 self.running[rid] = entry
                 try:
                     await proc.start(self._vllm_bin(spec))
@@ -228,7 +213,7 @@ class Agent:
             raise OSError(f"no usable vLLM build on this node ({self.ops.builds.status()})")
         return found
 
-    def _died(self, entry: _Running, reason: str) -> None:
+    def _died(self, entry: Running, reason: str) -> None:
         """Marks the replica failed: restarted after a backoff, or, dying
         again and again, left failed (health.CRASH_LOOP_*)."""
         now = self._clock()
@@ -243,7 +228,7 @@ class Agent:
         """Updates each engine's phase from its process and its API."""
         await asyncio.gather(*(self._check(rid, e) for rid, e in list(self.running.items())))
 
-    async def _check(self, rid: str, entry: _Running) -> None:
+    async def _check(self, rid: str, entry: Running) -> None:
         assert self._health is not None
         if entry.phase == "failed":
             return
@@ -258,11 +243,16 @@ class Agent:
             return
         timeout = self.cfg.probe_timeout
         if not entry.was_ready:
-            if await health.serves_model(self._health, proc.url, proc.spec.key,
-                                         proc.spec.model, timeout):
+            ready = await health.serves_model(self._health, proc.url, proc.spec.key,
+                                              proc.spec.model, timeout)
+            entry.key_unchecked = False
+            if ready == "ready":
                 logger.info("replica %s is ready at %s", rid, proc.url)
                 entry.phase, entry.detail, entry.was_ready = "ready", "", True
                 entry.probe_failures, entry.started_at = 0, None
+            elif ready == "key refused" and entry.detail != health.KEY_REFUSED:
+                logger.warning("replica %s: its engine refuses its key", rid)
+                entry.detail = health.KEY_REFUSED
             elif health.start_overdue(entry.started_at, self._clock(), self.cfg.start_timeout):
                 # Failed first (the backoff set): neither a concurrent check
                 # nor converge acts on it while it stops. Then the group goes.
@@ -273,6 +263,15 @@ class Agent:
                 await proc.stop()
                 self._save()
             return
+        if entry.key_unchecked:
+            checked = await health.serves_model(self._health, proc.url, proc.spec.key,
+                                                proc.spec.model, timeout)
+            entry.key_unchecked = checked == "no"  # no verdict: asked again next time
+            if checked == "key refused":
+                logger.warning("replica %s: its engine refuses its new key; out of routing", rid)
+                entry.phase, entry.was_ready, entry.detail = (
+                    "starting", False, health.KEY_REFUSED)
+                return
         if await health.answers(self._health, proc.url, proc.spec.engine, timeout):
             entry.probe_failures = 0
             return

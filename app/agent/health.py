@@ -9,13 +9,17 @@ request that never queues behind a generation: llama-cpp-python's
 readiness probe during a long generation times out (and, with the server's
 default `interrupt_requests`, cut the generation short). One failed liveness
 probe is a busy moment, not a dead engine; only `LIVENESS_FAILURES` in a row
-take the replica out of routing.
+take the replica out of routing. The liveness paths take no key, so when the
+key the agent holds for a ready engine changes (a secret rotation's end),
+the readiness probe checks it again: an engine refusing it (401) leaves
+routing at once, not after three probes, since no retry will change it.
 """
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
+from typing import Literal
 
 import aiohttp
 
@@ -88,23 +92,41 @@ def crash_looping(deaths: Sequence[float]) -> bool:
     return len(deaths) >= CRASH_LOOP_DEATHS
 
 
+# Readiness's answers: the model is listed with our key; the engine refused
+# the key (401: it was started with another, e.g. of a secret since
+# rotated); or no (still loading, no answer, not listed).
+Readiness = Literal["ready", "key refused", "no"]
+
+# An engine's status detail while it refuses its key: the replica is out of
+# routing (a router would get the same 401, a 502 for its client).
+KEY_REFUSED = ("the engine refuses its key (HTTP 401): it was started with a key the "
+               "gateways no longer derive (LLMGW_SECRET rotated?); out of routing")
+
+
 async def serves_model(
     session: aiohttp.ClientSession, url: str, key: str, model: str, timeout: float
-) -> bool:
-    """Readiness: the engine lists `model` and accepts `key`."""
+) -> Readiness:
+    """Readiness: the engine lists `model` and accepts `key`. Also the key
+    check of a ready engine whose key changed: both engines check the key
+    before anything else (llama-cpp-python before taking its model lock), so
+    a refusal is answered at once even during a generation, while an
+    accepted key may wait for the lock and time out ("no": not a verdict)."""
     try:
         async with session.get(
             url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:
+            if resp.status == 401:
+                return "key refused"
             if resp.status != 200:
-                return False
+                return "no"
             body = await resp.json()
     except (aiohttp.ClientError, TimeoutError, ValueError):
-        return False
+        return "no"
     data = body.get("data") if isinstance(body, dict) else None
-    return isinstance(data, list) and any(
+    listed = isinstance(data, list) and any(
         isinstance(m, dict) and m.get("id") == model for m in data)
+    return "ready" if listed else "no"
 
 
 async def answers(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -24,11 +25,12 @@ from pydantic import BaseModel
 
 from app.api.errors import Problem
 from app.control import state as s
-from app.control.keys import check_node_token, engine_key
 from app.store.base import Compare, LeaseExpired, Put
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
+
+logger = logging.getLogger(__name__)
 
 _MAX_WAIT = 60.0
 
@@ -44,8 +46,12 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], str]
     mine = sorted((r for r in gw.mirror.replicas().values() if r.node == node),
                   key=lambda r: r.id)
     conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+    # The id of the secret each key derives from is in the fingerprint: a key
+    # that changes (a rotation's end) answers the long poll, so the agent
+    # checks its engine with the new key (docs/architecture.md, Agent).
     shape: list[Any] = [
-        [r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args]
+        [r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args,
+         gw.secrets.key_secret_id(r.secret)]
         for r in mine]
     if conf.engine_build != "auto":  # fingerprints of the default stay as they were
         shape.append(conf.engine_build)
@@ -53,7 +59,7 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], str]
     out = [{"id": r.id, "model": r.model, "weights": r.weights,
             "weights_revision": r.weights_revision, "engine_args": r.engine_args,
             "engine": r.engine,
-            "gpus": r.gpus, "key": engine_key(gw.secret, r.id)} for r in mine]
+            "gpus": r.gpus, "key": gw.secrets.engine_key(r.id, r.secret)} for r in mine]
     return fp, out, conf.engine_build
 
 
@@ -93,10 +99,24 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
 def routes(gw: Gateway) -> APIRouter:
     r = APIRouter(prefix="/agent/v1/nodes/{node}", tags=["agents"])
 
+    # Nodes seen with a token of the previous secret, logged once each: the
+    # rotation's window ends once no node is left here (docs/architecture.md,
+    # Security: Rotating the shared secret).
+    on_previous: set[str] = set()
+
     def authorize(request: Request, node: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not check_node_token(gw.secret, node, token.strip()):
+        which = gw.secrets.check_node_token(node, token.strip()) if (
+            scheme.lower() == "bearer") else None
+        if which is None:
             raise Problem(401, "Unauthorized", f"not a valid agent token for node {node!r}")
+        if which == "previous" and node not in on_previous:
+            on_previous.add(node)
+            logger.warning("node %s uses a token of LLMGW_PREVIOUS_SECRET: give its agent "
+                           "the token of the current secret (llmgw ctl node-token) before "
+                           "unsetting LLMGW_PREVIOUS_SECRET", node)
+        elif which == "current":
+            on_previous.discard(node)
         # Answer only from state we have (DESIGN invariant 9): a gateway whose
         # mirror has not loaded would hand an agent an empty assignment list,
         # and the agent would stop every engine on its node.

@@ -84,9 +84,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StoreUnavailable)
     async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
         logger.warning("write refused, store unavailable: %s", exc)
+        # "Not saved" would be a lie after a timeout: etcd may have applied a
+        # write whose answer was lost (docs/architecture.md, Security: Writes
+        # whose outcome is unknown). These writes are safe to send again.
         return problem(503, "State store unavailable",
-                       "the change was not saved: the store (etcd) cannot be reached; "
-                       "routing goes on from the last known state. Retry later.")
+                       "the store (etcd) did not answer: the change was not saved, or, if "
+                       "etcd timed out after receiving it, may have been; read it back or "
+                       "send it again once the store answers. Routing goes on from the last "
+                       "known state.")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -33,7 +33,6 @@ from app.agent.logfiles import mask
 from app.api.agent import check_engine_url
 from app.api.auth import admin_guard
 from app.api.errors import Problem
-from app.control.keys import engine_key, node_token
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -87,16 +86,24 @@ async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
     total = timeout_s or gw.settings.node_api_timeout
     timeout = aiohttp.ClientTimeout(total=total,
                                     sock_connect=gw.settings.node_api_connect_timeout)
-    headers = {"Authorization": f"Bearer {node_token(gw.secret, node)}"}
+    # During a rotation an agent may still hold the previous secret's token:
+    # a 401 to the current one is asked again with that (a refused request
+    # did nothing, so it is safe to send twice).
+    tokens = gw.secrets.node_tokens(node)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
-            method, url, params=params, json=body, headers=headers,
-        ) as resp:
-            try:
-                answer = await resp.json(content_type=None)
-            except ValueError:
-                answer = None
-            status = resp.status
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for i, token in enumerate(tokens):
+                async with session.request(
+                    method, url, params=params, json=body,
+                    headers={"Authorization": f"Bearer {token}"},
+                ) as resp:
+                    try:
+                        answer = await resp.json(content_type=None)
+                    except ValueError:
+                        answer = None
+                    status = resp.status
+                if status != 401 or i == len(tokens) - 1:
+                    break
     except aiohttp.ConnectionTimeoutError:
         raise Problem(504, "Agent unreachable",
                       f"node {node!r}'s agent at {api_url}: no connection within "
@@ -149,8 +156,8 @@ def routes(gw: Gateway) -> APIRouter:
                             params={"source": source, "lines": str(lines)})
         # The agent masks already; this gateway knows every key of the node's
         # replicas, so it masks again (DESIGN invariant 6).
-        keys = [engine_key(gw.secret, rid) for rid, rep in gw.mirror.replicas().items()
-                if rep.node == node]
+        keys = [key for rid, rep in gw.mirror.replicas().items() if rep.node == node
+                for key in gw.secrets.engine_keys(rid)]
         answer["lines"] = [mask(str(line), keys) for line in answer.get("lines", [])]
         return answer
 

@@ -43,13 +43,15 @@ class Plan:
         return not (self.create or self.drain or self.delete)
 
 
-def _matches(spec: s.StoredModel, r: s.Replica) -> bool:
+def _matches(spec: s.StoredModel, r: s.Replica, secret_id: str, unrecorded: str) -> bool:
     """Whether replica `r` still runs what the spec asks for: the engine,
     GPUs and flags of the profile it was placed with (by name; a replica of
     an unnamed or renamed profile is held to the first, so renaming the only
-    profile restarts no engine). A model turned external has no replicas."""
+    profile restarts no engine), with a key of the fleet's secret
+    (`secret_id`; `unrecorded` is what a replica recording none is of, see
+    keys.replica_secret_id). A model turned external has no replicas."""
     profiles = spec.profile_list
-    if not profiles:
+    if not profiles or (r.secret or unrecorded) != secret_id:
         return False
     prof = next((p for p in profiles if p.name == r.profile), profiles[0])
     return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
@@ -125,6 +127,8 @@ def plan(
     failed: Collection[str] = (),
     targets: Mapping[str, int] | None = None,
     loads: Mapping[str, float] | None = None,
+    secret_id: str = "",
+    unrecorded_secret_id: str = "",
 ) -> Plan:
     """One level-based pass: compares desired counts with `replicas/`.
 
@@ -161,6 +165,12 @@ def plan(
     `failed` names replicas their agent gave up on (they kept dying) and
     whose retry backoff is over (the reconciler keeps it): each is drained
     and its replacement placed on another node when one can take it.
+
+    `secret_id` is the id of the shared secret new replicas are placed
+    under (keys.SecretRing.fleet_secret_id); a replica of another secret
+    (one recording none counts as `unrecorded_secret_id`) rolls like one of
+    a changed spec, new before old, so a rotation of the secret fails no
+    request (docs/architecture.md, Security: Rotating the shared secret).
 
     `nodeconfs` and `quotas` go to place() (cordons, pools, quota scopes).
     A replica on a node being drained rolls like one of a changed spec: its
@@ -228,7 +238,9 @@ def plan(
         # that serve nothing, then the least loaded (their drains end first).
         by_use = sorted(mine, key=lambda rid: (
             not ready(rid), -load.get(rid, math.inf), rid))
-        current = [rid for rid in by_use if _matches(spec, live[rid]) and not moving(rid)
+        current = [rid for rid in by_use
+                   if _matches(spec, live[rid], secret_id, unrecorded_secret_id)
+                   and not moving(rid)
                    and rid not in failed]
         # Where this model kept dying: elsewhere first, if anywhere else fits.
         avoid = {live[rid].node for rid in mine if rid in failed}
@@ -259,7 +271,7 @@ def plan(
                 id=replica_id(name, new_suffix()), model=name, node=fit.node,
                 gpus=fit.gpus, engine=prof.engine, weights=spec.model,
                 weights_revision=spec.revision, profile=prof.name,
-                engine_args=prof.engine_flags,
+                engine_args=prof.engine_flags, secret=secret_id,
             )
             live[rep.id] = rep
             placer.add(rep)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from app.control import state as s
 from app.control import usage
 from app.control.agentversion import Window
+from app.control.keys import SecretRing
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
 from app.control.plan import Plan, plan, wanted
@@ -68,6 +69,7 @@ class Reconciler:
         scale_down_window: float = 300.0,
         default_load_target: int = 16,
         agent_window: Window | None = None,
+        secrets: SecretRing | None = None,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
@@ -76,6 +78,8 @@ class Reconciler:
         self._mirror = mirror
         self._elector = elector
         self._agent_window = agent_window
+        # None: replicas are not held to a secret (tests of other rules).
+        self._secrets = secrets
         self._drain_seconds = drain_seconds
         self._interval = interval
         self._node_grace = node_grace
@@ -148,6 +152,13 @@ class Reconciler:
         targets = self._scaler.step(models, replicas, loads, floors, self._clock())
         statuses = self._mirror.statuses()
         failed = self._failed_to_replace(replicas, statuses)
+        # The secret replicas are held to: the new one only once every live
+        # gateway derives with it (keys.SecretRing.fleet_secret_id).
+        secret_id = unrecorded = ""
+        if self._secrets is not None:
+            secret_id = self._secrets.fleet_secret_id(
+                g.secret for g in self._mirror.parsed(s.GATEWAYS, s.GatewayInfo).values())
+            unrecorded = self._secrets.replica_secret_id("")
         p = plan(
             models, nodes, replicas,
             now=now, drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
@@ -156,6 +167,7 @@ class Reconciler:
             inflight=inflight, last_used=last, idle_slack=self._idle_slack,
             nodeconfs=self._mirror.nodeconfs(), quotas=self._mirror.quotas(),
             targets=targets, loads=loads, agent_window=self._agent_window,
+            secret_id=secret_id, unrecorded_secret_id=unrecorded,
         )
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():

@@ -207,6 +207,11 @@ class Replica(_Stored):
     # checked by app/control/catalog.py), for the agent to pass to the engine.
     profile: str = ""
     engine_args: list[str] = Field(default_factory=list)
+    # The id (keys.secret_id, 8 hex digits, not secret) of the shared secret
+    # its engine key derives from; "" in replicas placed before it was
+    # recorded (keys.replica_secret_id says what those count as). A replica
+    # of another secret than the fleet's is rolled like a changed spec.
+    secret: str = ""
     # Why the leader drained it, when that is worth telling its model's
     # owner (displaced by a higher-priority model).
     drain_reason: str = ""
@@ -321,6 +326,9 @@ class GatewayInfo(_Stored):
     url: str
     version: str
     started: float
+    # The id of the shared secret it derives with (keys.secret_id): the
+    # leader rolls replicas onto a new secret only once every gateway has it.
+    secret: str = ""
 
 
 class LeaderInfo(_Stored):
