@@ -238,7 +238,7 @@ class Settings(BaseSettings):
     catalog_file: Path | None = None
     # Seconds between republishes of the router's tables when nothing
     # changes: the backstop that picks up a rotated external provider key
-    # (read from its api_key_file at each publish). Shorter: a rotated key is
+    # (its api_key_file is reread each interval). Shorter: a rotated key is
     # used sooner, for a pass over the mirrored replicas each time.
     publish_interval: float = Field(10.0, gt=0)
 
