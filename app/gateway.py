@@ -13,6 +13,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,7 @@ from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog, storeid
 from app.control import state as s
 from app.control.agentversion import default_window
+from app.control.keyfiles import ProviderKeys, own_files
 from app.control.keys import SecretRing, hash_client_key, node_token
 from app.control.leader import Elector
 from app.control.mirror import Mirror
@@ -77,6 +79,10 @@ class Gateway:
         self.secrets = SecretRing(self.secret, prev.get_secret_value() if prev else None)
         self.admin_token = settings.admin_token.get_secret_value()
         self._store_factory = store_factory
+        # External models' key files, read off the loop (docs/architecture.md,
+        # Security, "Files an admin names").
+        self.provider_keys = ProviderKeys(settings.provider_key_dir, own_files(
+            settings.data_dir, [v for _, v in settings if isinstance(v, Path)]))
         self.table = RouteTable()
         self.metrics = GatewayMetrics(self)
         # Notes each model's last use for the usage snapshots, then counts
@@ -132,11 +138,13 @@ class Gateway:
         st = self.settings
         self._store = await self._store_factory(st)
         if st.catalog_file is not None:
-            await self._seed(catalog.load_file(st.catalog_file, st.model_root_list))
+            await self._seed(catalog.load_file(st.catalog_file, st.model_root_list,
+                                               st.provider_key_dir))
         # In the background: with the store down, start must not wait on it.
         self._tasks.append(asyncio.create_task(self._claim_store_id(), name="store-id"))
         self._mirror = Mirror(self._store)
-        publisher = Publisher(self._mirror, self.table, self.secrets, self.agent_window)
+        publisher = Publisher(self._mirror, self.table, self.secrets, self.agent_window,
+                              self.provider_keys)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()

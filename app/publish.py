@@ -9,9 +9,10 @@ An unchanged endpoint list is not republished (its fingerprint is kept), so
 a heartbeat or a status rewrite costs the router nothing.
 
 External models become one endpoint each, at the provider's URL with the
-provider's key, read from its file at every publish: `run()` publishes
-every `interval` seconds besides on changes, so a key rotated on disk is
-used within that long, without a restart.
+provider's key, read from its file off the event loop (app/control/keyfiles.py):
+`run()` rereads every key file and publishes every `interval` seconds besides
+on changes, so a key rotated on disk is used within that long, without a
+restart. A key file that cannot be used withholds its model alone.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from app.control import state as s
 from app.control.agentversion import Window
+from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
@@ -40,52 +41,48 @@ _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
 
 class Publisher:
     def __init__(self, mirror: Mirror, table: RouteTable, secrets: SecretRing,
-                 agent_window: Window | None = None) -> None:
+                 agent_window: Window | None = None,
+                 keys: ProviderKeys | None = None) -> None:
         self._agent_window = agent_window
+        # Without a key folder, every key file is refused (say so, not hang).
+        self._keys = keys if keys is not None else ProviderKeys("")
+        self._keys.subscribe(self._schedule)
         self._mirror = mirror
         self._table = table
         self._secrets = secrets
         self._scheduled = False
         self._last: tuple[object, ...] = ()
-        # Why each external model's key could not be read, as last logged.
-        self._key_errors: dict[str, str] = {}
         # The mirror revision of the last publish: the router's tables hold
         # every change up to it (a drain included), whatever the fingerprint.
         self.published_revision = 0
         mirror.subscribe(self._on_change)
 
     async def run(self, interval: float) -> None:
-        """Publishes every `interval` seconds: the backstop that picks up a
-        rotated provider key, which no store change announces."""
+        """Every `interval` seconds: rereads the key files (a rotated
+        provider key, which no store change announces; a changed one
+        republishes when read) and publishes."""
         while True:
             await asyncio.sleep(interval)
             try:
+                self.reread_keys()
                 self.publish()
             except Exception:
                 logger.exception("publish failed")
 
-    def _provider_key(self, name: str, ext: s.External) -> str | None:
-        """The provider's key from its file ("" without a file), None if it
-        cannot be read. A few bytes from a local file: read on the loop."""
-        if ext.api_key_file is None:
-            return ""
-        try:
-            key = Path(ext.api_key_file).read_text().strip()
-            error = "" if key else "it is empty"
-        except OSError as exc:
-            key, error = "", exc.strerror or type(exc).__name__
-        if error != self._key_errors.get(name, ""):
-            if error:
-                logger.warning("external model %s not offered: its key file %s cannot be "
-                               "used: %s", name, ext.api_key_file, error)
-            else:
-                logger.info("external model %s: key file %s readable again",
-                            name, ext.api_key_file)
-        self._key_errors[name] = error
-        return None if error else key
+    def reread_keys(self) -> None:
+        """Starts a read of every external model's key file; each outcome
+        that differs from the last republishes once it is in."""
+        self._keys.refresh(
+            spec.external.api_key_file for spec in self._mirror.models().values()
+            if spec.external is not None and spec.external.api_key_file is not None)
 
     def _on_change(self, keys: set[str]) -> None:
-        if self._scheduled or not any(k.startswith(_RELEVANT) for k in keys):
+        if not any(k.startswith(_RELEVANT) for k in keys):
+            return
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._scheduled:
             return
         # Coalesce a burst of changes (a resync, a transaction) into one publish.
         self._scheduled = True
@@ -139,18 +136,25 @@ class Publisher:
                 endpoints.setdefault(rep.model, []).append(Endpoint(
                     rid, st.url, self._secrets.engine_key(rid, rep.secret),
                     priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0))
+        key_files: set[str] = set()
         for name, spec in sorted(models.items()):
             ext = spec.external
             if ext is None:
                 continue
-            key = self._provider_key(name, ext)
-            if key is None:
-                why[name] = [f"the key file of external model '{name}' cannot be read"]
-                continue
+            key = ""
+            if ext.api_key_file is not None:
+                key_files.add(ext.api_key_file)
+                got = self._keys.get(ext.api_key_file)  # None: being read, held meanwhile
+                if got is None or got.key is None:
+                    why[name] = [f"the key file of external model '{name}' " + (
+                        "is being read" if got is None else f"cannot be used: {got.error}")]
+                    if got is None:
+                        coming.add(name)
+                    continue
+                key = got.key
             endpoints[name] = [Endpoint(f"external:{name}", ext.url.rstrip("/"), key,
                                         upstream_model=ext.model)]
-        for gone in set(self._key_errors) - set(models):
-            del self._key_errors[gone]
+        self._keys.retain(key_files)
         unavailable = {
             name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints

@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.control.catalog import load_file
+from app.control.keyfiles import check_key_dir
 
 # Values a careless copy of an example file would leave in place.
 _PLACEHOLDERS = {"changeme", "change-me", "secret", "changethis", "password", "xxx"}
@@ -231,6 +232,11 @@ class Settings(BaseSettings):
     # /etc or another tenant's weights. Add the folders your nodes keep
     # weights in; hub ids ("org/name") need none.
     model_roots: str = "/models,/var/lib/llmgw/models"
+    # The folder (on every gateway host) an external model's api_key_file
+    # must lie in (docs/architecture.md, Security, "Files an admin names").
+    # Keep only provider keys there: an admin can have any file in it sent
+    # to a URL of its choosing. Empty: no key files at all. Never data_dir.
+    provider_key_dir: str = "/etc/llmgw/keys"
     # A catalog ({"models": {name: spec}}, YAML or JSON, the form
     # GET /admin/catalog exports) written to the store by the first gateway
     # to start while the store has no catalog; ignored once it has one (edit
@@ -239,7 +245,7 @@ class Settings(BaseSettings):
     catalog_file: Path | None = None
     # Seconds between republishes of the router's tables when nothing
     # changes: the backstop that picks up a rotated external provider key
-    # (read from its api_key_file at each publish). Shorter: a rotated key is
+    # (its api_key_file is reread each interval). Shorter: a rotated key is
     # used sooner, for a pass over the mirrored replicas each time.
     publish_interval: float = Field(10.0, gt=0)
 
@@ -308,7 +314,8 @@ class Settings(BaseSettings):
     def _catalog_file(cls, v: Path | None, info: ValidationInfo) -> Path | None:
         if v is not None:
             roots = _root_list(info.data.get("model_roots", ""))
-            load_file(v, roots)  # raises CatalogError (a ValueError) naming each field
+            # Raises CatalogError (a ValueError) naming each field.
+            load_file(v, roots, key_dir=info.data.get("provider_key_dir", ""))
         return v
 
     @field_validator("etcd_prefix")
@@ -327,6 +334,8 @@ class Settings(BaseSettings):
             raise ValueError("LLMGW_PREVIOUS_SECRET is LLMGW_SECRET: set it to the secret "
                              "being replaced, or unset it")
         self._check_timings()
+        check_key_dir(self.provider_key_dir, self.data_dir,  # ValueError, one line
+                      [v for _, v in self if isinstance(v, Path)])
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("LLMGW_TLS_CERT_FILE and LLMGW_TLS_KEY_FILE go together: "
                              "set both or neither")

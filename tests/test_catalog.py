@@ -191,7 +191,7 @@ FULL: dict[str, dict[str, Any]] = {
         "replicas": {"min": 0, "max": 2}, "idle_timeout": 300},
     "remote": {"aliases": ["gpt"], "external": {
         "url": "https://llm.example.com", "model": "gpt-x",
-        "api_key_file": "/etc/llmgw/provider.key"}},
+        "api_key_file": "/etc/llmgw/keys/provider.key"}},
 }
 
 
@@ -207,9 +207,12 @@ async def test_full_specs_are_stored_as_given_and_exported(
     assert got["profiles"] == FULL["profiled"]["profiles"]
     assert got["status"]["wanted"] == 0
     remote = (await c.get("/admin/models/remote")).json()
+    # Its key file is not on this host: withheld, and its status says why.
     assert remote["status"] == {"wanted": 0, "replicas": 0, "ready": 0, "failed": [],
-                                "unplaced": None,
-                                "health": {"state": "ok", "detail": "", "reasons": {}}}
+                                "unplaced": None, "health": {
+                                    "state": "unplaceable", "reasons": {}, "detail": (
+                                        "the key file of external model 'remote' cannot be "
+                                        "used: it does not exist")}}
     r = await c.get("/admin/catalog")
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {"models": FULL}

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from app.control import state as s
+from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.gateway import Gateway
@@ -22,7 +23,7 @@ from app.publish import Publisher
 from app.router.table import Endpoint, RouteTable
 from app.settings import Settings
 from app.store.embedded import EmbeddedStore
-from tests.support.procs import free_port
+from tests.support.procs import free_port, until
 
 ADMIN = "external-test-admin-token-0123"
 SECRET = "external-test-secret-0123456789"
@@ -38,12 +39,18 @@ async def store(tmp_path: Path) -> AsyncIterator[EmbeddedStore]:
 async def test_the_provider_key_is_read_at_each_publish(
     store: EmbeddedStore, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    key_file = tmp_path / "provider.key"
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    key_file = keys / "provider.key"
     key_file.write_text("sk-provider-one\n")
     mirror = Mirror(store)
     table = RouteTable()
-    publisher = Publisher(mirror, table, SecretRing(SECRET))
+    publisher = Publisher(mirror, table, SecretRing(SECRET), keys=ProviderKeys(str(keys)))
     mirror.start()
+
+    def key() -> list[str]:
+        return [e.key for e in table.endpoints("remote")]
+
     try:
         spec = s.StoredModel(name="remote", aliases=["gpt"], external=s.External(
             url="https://llm.example.com/", model="gpt-x", api_key_file=str(key_file)))
@@ -51,28 +58,34 @@ async def test_the_provider_key_is_read_at_each_publish(
             await store.put(s.MODELS + "remote", spec.model_dump_json().encode()), 2)
         publisher.publish()
         assert table.resolve("gpt") == "remote"
+        # Read off the loop: until it is in, a request is held (not a 503).
+        assert table.holdable("remote") and "is being read" in (table.unavailable("remote")
+                                                                or "")
+        await until(key, "the key read and published")
         assert table.endpoints("remote") == (Endpoint(
             "external:remote", "https://llm.example.com", "sk-provider-one",
             upstream_model="gpt-x"),)
         assert not publisher.publish()  # nothing changed: not republished
 
-        # Rotated on disk: the next publish uses it, no store change needed.
+        # Rotated on disk: the next reread uses it, no store change needed.
         key_file.write_text("sk-provider-two")
-        assert publisher.publish()
-        assert [e.key for e in table.endpoints("remote")] == ["sk-provider-two"]
+        publisher.reread_keys()
+        await until(lambda: key() == ["sk-provider-two"], "the rotated key")
 
         # Unreadable: not offered, and the 503 says why; logged once.
-        caplog.set_level(logging.INFO, logger="app.publish")
+        caplog.set_level(logging.INFO, logger="app.control.keyfiles")
         key_file.unlink()
-        assert publisher.publish()
-        publisher.publish()
-        assert table.endpoints("remote") == ()
-        assert "key file of external model 'remote' cannot be read" in (
+        publisher.reread_keys()
+        await until(lambda: not key(), "the model withheld")
+        publisher.reread_keys()
+        await asyncio.sleep(0.1)
+        assert not table.holdable("remote")
+        assert "key file of external model 'remote' cannot be used: it does not exist" in (
             table.unavailable("remote") or "")
-        assert len([r for r in caplog.records if "not offered" in r.getMessage()]) == 1
+        assert len([r for r in caplog.records if "cannot be used" in r.getMessage()]) == 1
         key_file.write_text("sk-provider-three")
-        assert publisher.publish()
-        assert [e.key for e in table.endpoints("remote")] == ["sk-provider-three"]
+        publisher.reread_keys()
+        await until(lambda: key() == ["sk-provider-three"], "the key back")
         assert "sk-provider" not in caplog.text
     finally:
         await mirror.stop()
@@ -81,11 +94,13 @@ async def test_the_provider_key_is_read_at_each_publish(
 async def test_the_periodic_publish_picks_up_a_rotated_key(
     store: EmbeddedStore, tmp_path: Path,
 ) -> None:
-    key_file = tmp_path / "provider.key"
+    (tmp_path / "keys").mkdir()
+    key_file = tmp_path / "keys" / "provider.key"
     key_file.write_text("sk-one")
     mirror = Mirror(store)
     table = RouteTable()
-    publisher = Publisher(mirror, table, SecretRing(SECRET))
+    publisher = Publisher(mirror, table, SecretRing(SECRET),
+                          keys=ProviderKeys(str(tmp_path / "keys")))
     mirror.start()
     runner = asyncio.create_task(publisher.run(0.05))
     try:
@@ -127,10 +142,11 @@ async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    key_file = tmp_path / "provider.key"
+    (tmp_path / "keys").mkdir()
+    key_file = tmp_path / "keys" / "provider.key"
     key_file.write_text("sk-provider-key\n")
     app = create_app(Settings(data_dir=tmp_path / "gw", admin_token=ADMIN, secret=SECRET,
-                              local_agent=False))
+                              local_agent=False, provider_key_dir=str(tmp_path / "keys")))
     gw: Gateway = app.state.gateway
     await gw.start()
     try:

@@ -65,7 +65,8 @@ async def stand_in(tmp: Path) -> AsyncIterator[tuple[FakeVLLM, dict[str, Any]]]:
                                 "--api-key", PROVIDER_KEY]))
     server = TestServer(fake.make_app(), host="127.0.0.1")
     await server.start_server()
-    key_file = tmp / "provider-key"
+    (tmp / "keys").mkdir(exist_ok=True)
+    key_file = tmp / "keys" / "provider-key"  # under LLMGW_PROVIDER_KEY_DIR, see key_dir
     key_file.write_text(PROVIDER_KEY)
     try:
         yield fake, {"external": {"url": str(server.make_url("")).rstrip("/"), "model": "m",
@@ -89,7 +90,8 @@ async def fleet(etcd: EtcdServer | ExternalEtcd, prefix: str, tmp: Path
     """Two gateways serving model "m", an external model at the stand-in."""
     apps = [create_app(Settings(
         etcd_endpoints=etcd.endpoint, etcd_prefix=prefix, secret=SECRET, admin_token=ADMIN,
-        gateway_id=f"gw{i}", port=19100 + i, data_dir=tmp / f"gw{i}", local_agent=False))
+        gateway_id=f"gw{i}", port=19100 + i, data_dir=tmp / f"gw{i}", local_agent=False,
+        provider_key_dir=str(tmp / "keys")))
         for i in range(2)]
     gws: list[Gw] = []
     async with stand_in(tmp) as (fake, spec):
@@ -337,7 +339,8 @@ async def test_a_gateway_writes_its_usage_every_interval_and_when_it_stops(
 ) -> None:
     """main.py's wiring, through the app's own lifespan, on the embedded store."""
     settings = Settings(secret=SECRET, admin_token=ADMIN, gateway_id="solo",
-                        data_dir=tmp_path / "gw", local_agent=False, key_usage_interval=0.1)
+                        data_dir=tmp_path / "gw", local_agent=False, key_usage_interval=0.1,
+                        provider_key_dir=str(tmp_path / "keys"))
     app = create_app(settings)
     async with stand_in(tmp_path) as (fake, spec):
         async with app.router.lifespan_context(app):

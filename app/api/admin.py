@@ -81,12 +81,17 @@ def routes(gw: Gateway) -> APIRouter:
                         nodeconfs=gw.mirror.nodeconfs(), quotas=gw.mirror.quotas(),
                         models=gw.mirror.models(), agent_versions=gw.agent_window)
             nofit = fit if isinstance(fit, NoFit) else None
+        health = fleet.model_health(model, mine, nofit, displaced={
+            r.id: r.drain_reason for r in replicas.values()
+            if r.model == model.name and r.drain_reason})
+        if model.external is not None and not gw.table.endpoints(model.name):
+            # Withheld by this gateway's router (its key file): say why.
+            health = fleet.Health("unplaceable", gw.table.unavailable(model.name)
+                                  or "not published yet")
         return stored_view(model) | {"status": {
             "wanted": wanted, "replicas": len(mine), "ready": ready,
             "failed": failed, "unplaced": str(nofit) if nofit is not None else None,
-            "health": fleet.model_health(model, mine, nofit, displaced={
-                r.id: r.drain_reason for r in replicas.values()
-                if r.model == model.name and r.drain_reason}).as_dict()}}
+            "health": health.as_dict()}}
 
     def stored_view(model: s.StoredModel) -> dict[str, Any]:
         """The spec as given (fields left out stay out), its name and creation."""
@@ -119,8 +124,18 @@ def routes(gw: Gateway) -> APIRouter:
                             media_type="application/yaml")
         return Response(json.dumps(body, indent=2), media_type="application/json")
 
-    def check_spec(spec: s.ModelSpec) -> None:
-        errors = catalog.check_spec(spec, gw.settings.model_root_list)
+    async def check_spec(spec: s.ModelSpec) -> None:
+        errors = catalog.check_spec(spec, gw.settings.model_root_list,
+                                    gw.settings.provider_key_dir)
+        key_file = spec.external.api_key_file if spec.external is not None else None
+        if not errors and key_file is not None:
+            # The file as this gateway finds it, off the loop: one the policy
+            # refuses (a FIFO, outside the folder once resolved) is a 422; one
+            # missing or unreadable here may be fixed on disk, and the model's
+            # status says why meanwhile.
+            got = await gw.provider_keys.read_now(key_file)
+            if got.refused:
+                errors = [catalog.FieldError(("external", "api_key_file"), got.error)]
         if errors:
             raise Problem(422, "Invalid request body", "; ".join(
                 f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors),
@@ -153,7 +168,7 @@ def routes(gw: Gateway) -> APIRouter:
             s.check_name(name, "model name")
         except ValueError as exc:
             raise Problem(400, "Invalid model name", str(exc)) from None
-        check_spec(spec)
+        await check_spec(spec)
         result: dict[str, Any] = {}
 
         def decide() -> list[Op]:

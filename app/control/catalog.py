@@ -24,6 +24,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.control import state as s
+from app.control.keyfiles import path_problem
 from app.store.base import Compare, Put, Store
 
 Loc = tuple[str | int, ...]
@@ -169,14 +170,25 @@ _NOT_EXTERNAL = ("model", "revision", "engine", "gpus", "profiles", "replicas", 
                  "idle_timeout", "quota")
 
 
-def check_spec(spec: s.ModelSpec, model_roots: Sequence[str]) -> list[FieldError]:
-    """Every rule across `spec`'s fields it breaks, each naming its field."""
+def check_spec(spec: s.ModelSpec, model_roots: Sequence[str],
+               key_dir: str | None = None) -> list[FieldError]:
+    """Every rule across `spec`'s fields it breaks, each naming its field.
+
+    `key_dir`: the gateways' provider key folder, which an `api_key_file`
+    must lie under as written (app/control/keyfiles.py; the file itself is
+    checked where it is read); None: not checked (`llmgw ctl`, which does
+    not know the gateways' setting)."""
     out: list[FieldError] = []
     if spec.external is not None:
         try:
             check_external_url(spec.external.url)
         except ValueError as exc:
             out.append(FieldError(("external", "url"), str(exc)))
+        key_file = spec.external.api_key_file
+        if key_dir is not None and key_file is not None:
+            problem = path_problem(key_file, key_dir)
+            if problem is not None:
+                out.append(FieldError(("external", "api_key_file"), problem))
         for f in _NOT_EXTERNAL:
             if getattr(spec, f) is not None:
                 out.append(FieldError((f,), "an external model is served by its provider, "
@@ -214,8 +226,8 @@ def check_spec(spec: s.ModelSpec, model_roots: Sequence[str]) -> list[FieldError
     return out
 
 
-def check_catalog(models: Mapping[str, s.ModelSpec],
-                  model_roots: Sequence[str]) -> list[FieldError]:
+def check_catalog(models: Mapping[str, s.ModelSpec], model_roots: Sequence[str],
+                  key_dir: str | None = None) -> list[FieldError]:
     """Each model's rules, and names and aliases unique across the catalog."""
     out: list[FieldError] = []
     if len(models) > MAX_SEEDED_MODELS:
@@ -227,7 +239,7 @@ def check_catalog(models: Mapping[str, s.ModelSpec],
         except ValueError as exc:
             out.append(FieldError(("models", name), str(exc)))
         out += [FieldError(("models", name, *e.loc), e.msg)
-                for e in check_spec(models[name], model_roots)]
+                for e in check_spec(models[name], model_roots, key_dir)]
     taken = {n: n for n in models}
     for name in sorted(models):
         for i, alias in enumerate(models[name].aliases):
@@ -238,7 +250,8 @@ def check_catalog(models: Mapping[str, s.ModelSpec],
     return out
 
 
-def parse_catalog(data: object, model_roots: Sequence[str]) -> dict[str, s.ModelSpec]:
+def parse_catalog(data: object, model_roots: Sequence[str],
+                  key_dir: str | None = None) -> dict[str, s.ModelSpec]:
     """`{"models": {name: spec, ...}}` (export's form) as specs; CatalogError
     naming every field in error otherwise."""
     if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
@@ -254,13 +267,14 @@ def parse_catalog(data: object, model_roots: Sequence[str]) -> dict[str, s.Model
         except ValidationError as exc:
             errors += [FieldError(("models", str(name), *e["loc"]), e["msg"])
                        for e in exc.errors()]
-    errors += check_catalog(specs, model_roots)
+    errors += check_catalog(specs, model_roots, key_dir)
     if errors:
         raise CatalogError(errors)
     return specs
 
 
-def load_file(path: Path, model_roots: Sequence[str]) -> dict[str, s.ModelSpec]:
+def load_file(path: Path, model_roots: Sequence[str],
+              key_dir: str | None = None) -> dict[str, s.ModelSpec]:
     """The catalog file: YAML, or JSON (which YAML reads too)."""
     try:
         text = path.read_text()
@@ -272,7 +286,7 @@ def load_file(path: Path, model_roots: Sequence[str]) -> dict[str, s.ModelSpec]:
         raise CatalogError([FieldError((), f"{path} is not valid "
                                            f"{'JSON' if path.suffix == '.json' else 'YAML'}: "
                                            f"{exc}")]) from None
-    return parse_catalog(data, model_roots)
+    return parse_catalog(data, model_roots, key_dir)
 
 
 def stored_value(name: str, created: float, spec: s.ModelSpec) -> bytes:

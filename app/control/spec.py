@@ -149,8 +149,10 @@ class External(BaseModel):
                        description="the model's name at the provider")
     api_key_file: str | None = Field(
         default=None, max_length=512,
-        description="absolute path, on every gateway, of a file holding the provider's key; "
-                    "read at each publish, so a rotated key is used without a restart")
+        description="absolute path, on every gateway and under its LLMGW_PROVIDER_KEY_DIR, "
+                    "of a regular file holding the provider's key (one line, at most 4 KiB); "
+                    "reread every LLMGW_PUBLISH_INTERVAL, so a rotated key is used without a "
+                    "restart")
 
     @field_validator("api_key_file")
     @classmethod

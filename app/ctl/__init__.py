@@ -3,8 +3,12 @@
 The gateway comes from `--gateway` or LLMGW_GATEWAY (default
 http://127.0.0.1:8080), the admin token from LLMGW_ADMIN_TOKEN (else the
 all-in-one data directory's `admin-token` file). Tables for people;
-`--json` prints the gateway's answer as it is, for scripts. A failure is
-one line on stderr ("llmgw ctl: ...") and exit status 1; a usage error 2.
+`--json` prints the gateway's answer as it is, for scripts. Both are
+global options, as with kubectl and gh: before the command
+(`llmgw ctl --gateway URL nodes`) or after it; one after it wins. A failure
+is one line on stderr ("llmgw ctl: ...") and exit status 1; a usage error 2.
+A gateway URL is never printed with its credentials (user:password@), nor
+used with them.
 
 The commands live in fleet.py (nodes, models, ...: reads, mostly),
 catalog.py (`model put|delete`, `catalog export|apply`), nodeops.py (`node
@@ -13,6 +17,10 @@ cordon|uncordon|drain|conf`, `quota list|set|delete`) and keys.py (`keys
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import typer
 
 from app.ctl import catalog, fleet, keys, nodeops
 from app.ctl.common import sub_app
@@ -35,6 +43,49 @@ app.add_typer(nodeops.quota_app, name="quota")
 app.add_typer(keys.app, name="keys")
 
 
+# Options every command that talks to a gateway takes (app/ctl/common.py),
+# and whether each takes a value.
+GLOBAL_OPTIONS = {"--gateway": True, "--json": False}
+
+
+def hoist_globals(argv: list[str], root: Any) -> list[str]:
+    """`argv` with the global options given before the command (or between
+    a group and its command: `keys --gateway URL list`) moved after it,
+    where click parses a command's options. Left where they stand: options
+    after the command (they come later, so they win), and everything after
+    `--`. A command without the option (`node-token`) talks to no gateway:
+    the option is dropped for it. `root`: typer's click command tree (a
+    group has `commands`; typer vendors its own click, hence no types)."""
+    cmd, i, path, moved = root, 0, [], []
+    while i < len(argv) and hasattr(cmd, "commands"):
+        tok = argv[i]
+        name, eq, _ = tok.partition("=")
+        if name in GLOBAL_OPTIONS:
+            takes_value = GLOBAL_OPTIONS[name] and not eq
+            if takes_value and i + 1 >= len(argv):
+                return argv  # click says the value is missing
+            moved += argv[i:i + 1 + takes_value]
+            i += 1 + takes_value
+            continue
+        sub = cmd.commands.get(tok)
+        if sub is None:
+            break  # --help, a typo: click answers it
+        path.append(tok)
+        cmd, i = sub, i + 1
+    if hasattr(cmd, "commands"):
+        return path + argv[i:]  # no command named: the group's help or error
+    taken = {o for p in cmd.params for o in p.opts}
+    kept: list[str] = []
+    j = 0
+    while j < len(moved):
+        name = moved[j].partition("=")[0]
+        width = 2 if GLOBAL_OPTIONS[name] and "=" not in moved[j] else 1
+        if name in taken:
+            kept += moved[j:j + width]
+        j += width
+    return path + kept + argv[i:]
+
+
 def run(argv: list[str]) -> None:
     """Runs `llmgw ctl ARGV` and exits with its status."""
-    app(args=argv, prog_name="llmgw ctl")
+    app(args=hoist_globals(argv, typer.main.get_command(app)), prog_name="llmgw ctl")

@@ -53,6 +53,9 @@ def send(gateway: str, method: str, path: str, body: Any = None,
     """One admin API call: its status and raw body. Fails with the gateway's
     problem detail (each field named when the body did not match the schema),
     after `about` ("model m: ") when given."""
+    if shown(gateway) != gateway:
+        fail(f"the gateway URL {shown(gateway)} holds credentials (user:password@), which "
+             "llmgw ctl neither sends nor prints: the admin token goes in LLMGW_ADMIN_TOKEN")
     url = gateway.rstrip("/") + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"}
@@ -72,6 +75,20 @@ def send(gateway: str, method: str, path: str, body: Any = None,
         if isinstance(reason, ssl.SSLCertVerificationError):
             reason = verify_message(reason)
         fail(f"{about}cannot reach the gateway at {gateway}: {reason}")
+
+
+def shown(url: str) -> str:
+    """`url` as it may be printed: any user:password@ replaced by ***@.
+    Everything up to the last "@" counts (a password may hold "@", ":" or
+    an unencoded "/"; a gateway's URL has no "@" of its own), so that no
+    part of a credential is ever printed."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    at = rest.rfind("@")
+    if at < 0:
+        return url
+    return f"{scheme}{sep}***@{rest[at + 1:]}"
 
 
 def _tls() -> ssl.SSLContext:
