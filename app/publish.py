@@ -138,7 +138,8 @@ class Publisher:
                              if p.name == rep.profile), None)
                 endpoints.setdefault(rep.model, []).append(Endpoint(
                     rid, st.url, engine_key(self._secret, rid),
-                    priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0))
+                    priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0,
+                    engine=rep.engine))
         for name, spec in sorted(models.items()):
             ext = spec.external
             if ext is None:

@@ -57,7 +57,7 @@ class Upstreams:
         self.client = client
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                      accept_encoding: bytes, stream: bool, send: Send,
+                      stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
@@ -79,7 +79,7 @@ class Upstreams:
                         return CLIENT_GONE
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
-            return await self._attempts(watch, model, url_tail, body, accept_encoding, stream,
+            return await self._attempts(watch, model, url_tail, body, stream,
                                         send, affinity, meter, started[0])
         except Reply as r:
             if not started[0]:
@@ -122,7 +122,7 @@ class Upstreams:
                 await asyncio.gather(keepalive, return_exceptions=True)
 
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                        accept_encoding: bytes, stream: bool, send: Send,
+                        stream: bool, send: Send,
                         affinity: str | None, meter: Ticket | None, started: bool) -> int:
         payload = json.dumps(body).encode()
         tried: set[str] = set()
@@ -142,9 +142,12 @@ class Upstreams:
                 upstream = await self.client.post(ep.url, url_tail, data, [
                     (b"Authorization", b"Bearer " + ep.key.encode()),
                     (b"Content-Type", b"application/json"),
-                    # Ours to pass on (the client never decompresses): the
-                    # engine compresses only what the client can read.
-                    (b"Accept-Encoding", accept_encoding)])
+                    # Never the client's: a stream compressed as it asked
+                    # (br, say) could not be read for its usage, nor end
+                    # with an error event. Identity to a client that
+                    # accepted more is valid HTTP (docs/architecture.md,
+                    # "Security").
+                    (b"Accept-Encoding", b"identity")])
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
@@ -214,6 +217,8 @@ class Upstreams:
         # yet, so the caller may still retry or answer with an error.
         chunk = await upstream.readany()
         watch.streaming()
+        if meter is not None and ep.engine == "llamacpp":
+            meter.count_at = (ep.url, ep.key)  # no usage event: counted (limits.py)
         headers = _passed_on(upstream, ep)
         content_type = upstream.headers.get("content-type", "text/event-stream")
         headers += [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
