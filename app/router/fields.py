@@ -14,8 +14,8 @@ docs/architecture.md, "Security" ("A client's fields, counted whatever
 their form").
 
 `null` is accepted wherever OpenAI accepts it (the field then means its
-default). A handful of dict lookups and identity tests: well under a
-microsecond of the request's cost (measured in the report of issue 12).
+default). A handful of dict lookups and identity tests: under a
+microsecond per request (docs/architecture.md gives the measure).
 """
 
 from __future__ import annotations
