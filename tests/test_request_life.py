@@ -320,3 +320,19 @@ async def test_a_stream_asked_with_gzip_arrives_in_clear(
     assert "content-encoding" not in r.headers
     assert r.text == 'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
     assert rig.observed.seen == [("small", 200)]
+
+
+async def test_a_stream_compressed_anyway_is_decoded_passed_in_clear_and_counted(
+        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+    # A provider that ignores `identity`: its gzip stream would pass unread,
+    # costing its key nothing (docs/architecture.md, "Security").
+    rig = await make_rig()
+    up = await rig.upstream("a", "gzip-stream-anyway")
+    rig.route("small", ("a", up.url))
+    r = await rig.http.post(CHAT, json=STREAM, headers={
+        "Authorization": f"Bearer {CLIENT_KEY}", "Accept-Encoding": "gzip"})
+    assert r.status_code == 200 and "content-encoding" not in r.headers
+    assert r.text == 'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+    # No usage event in this stand-in's stream: its two events are estimated.
+    [(requests, prompt, completion, estimated)] = rig.proxy.limits.take_usage().values()
+    assert (requests, completion, estimated) == (1, 1, 1) and prompt > 0
