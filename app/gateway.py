@@ -93,7 +93,9 @@ class Gateway:
             idle=settings.stream_idle_timeout, request=settings.request_timeout,
             cooldown=settings.replica_cooldown, cold_start=settings.cold_start_timeout,
             cold_start_held=settings.cold_start_max_held), observer=self.last_use,
-            affinity=settings.router_affinity)
+            affinity=settings.router_affinity,
+            count_concurrency=settings.prompt_count_concurrency,
+            count_timeout=settings.prompt_count_timeout)
         self._store: Store | None = None
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None

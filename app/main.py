@@ -65,6 +65,7 @@ def create_app(settings: Settings) -> GatewayApp:
         finally:
             writing.cancel()
             await asyncio.gather(writing, return_exceptions=True)
+            await gw.proxy.stop_counting()  # counts still running: estimated, then written
             try:  # the last counts: a clean stop loses none while the store answers
                 await asyncio.wait_for(usage.flush(), settings.etcd_timeout)
             except Exception:

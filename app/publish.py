@@ -135,7 +135,8 @@ class Publisher:
                              if p.name == rep.profile), None)
                 endpoints.setdefault(rep.model, []).append(Endpoint(
                     rid, st.url, self._secrets.engine_key(rid, rep.secret),
-                    priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0))
+                    priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0,
+                    engine=rep.engine))
         key_files: set[str] = set()
         for name, spec in sorted(models.items()):
             ext = spec.external

@@ -259,6 +259,14 @@ class Settings(BaseSettings):
     # store writes; GET /admin/keys/{id}/usage lags by up to this long, and a
     # crashed gateway loses up to this long of counts (a clean stop loses none).
     key_usage_interval: float = Field(5.0, gt=0)
+    # A llama.cpp stream's prompt is counted by its engine after the stream
+    # (app/router/counting.py): at most this many counts at once per
+    # gateway, each waiting its turn behind the engine's requests for up to
+    # the timeout, then estimated instead. More: each count waits less
+    # behind the others, while a chat's count may cost its engine a prefill;
+    # a longer timeout estimates fewer prompts of a busy engine.
+    prompt_count_concurrency: int = Field(2, ge=1)
+    prompt_count_timeout: float = Field(120.0, gt=0)
 
     # --- node operations (docs/architecture.md, "Node operations") ---------------------
     # Seconds a gateway waits for an agent's API (logs, cached weights) on an

@@ -194,6 +194,46 @@ def test_a_stream_without_its_usage_event_is_estimated_and_counted_as_such() -> 
         lim.admit("k", "m", tpm)
 
 
+def test_a_llamacpp_stream_to_its_end_is_counted_its_prompt_added_later() -> None:
+    # llama-cpp-python: a role-only event, one event a token, a last one with
+    # the finish reason, [DONE]; no usage event ever.
+    clock = FakeClock()
+    lim = Limiter(clock=clock)
+    tpm = Limits(tokens_per_minute=30)
+    chat = lim.admit("k", "m", tpm)
+    chat.body, chat.chat = {"messages": [{"role": "user", "content": "a" * 400}]}, True
+    chat.count_at = ("http://engine", "engine-key")
+    role = b'data: {"choices": [{"delta": {"role": "assistant"}}]}\r\n\r\n'
+    token = b'data: {"choices": [{"delta": {"content": "x"}}]}\r\n\r\n'
+    end = b'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\r\n\r\n'
+    chat.read_events(role + token * 7)
+    chat.read_events(token * 5 + end + b"data: [DONE]\r\n\r\n")
+    chat.release()
+    assert chat.prompt_later and (chat.prompt_tokens, chat.completion_tokens) == (0, 12)
+    text = lim.admit("k", "m", tpm)  # a text completion: no role event
+    text.body, text.count_at = {"prompt": "hello"}, ("http://engine", "engine-key")
+    text.read_events(token * 3 + end + b"data: [DONE]\r\n\r\n")
+    text.release()
+    assert text.prompt_later and text.completion_tokens == 3
+    # Cut before its [DONE]: estimated as before, its prompt not counted later.
+    cut = lim.admit("k", "m", tpm)
+    cut.body, cut.chat = {"messages": [{"role": "user", "content": "12345678"}]}, True
+    cut.count_at = ("http://engine", "engine-key")
+    cut.read_events(role + token * 4)
+    cut.release()
+    assert not cut.prompt_later
+    assert lim.take_usage() == {("k", "m"): (3, 2, 12 + 3 + 4, 1)}
+    # The prompts come later: the counted one not estimated, a failed count
+    # estimated; both reach usage and the key's window.
+    lim.add_prompt(chat, 9, estimated=False)
+    lim.add_prompt(text, 2, estimated=True)
+    assert lim.take_usage() == {("k", "m"): (0, 11, 0, 1)}
+    with pytest.raises(OverLimit):  # 12 + 3 + 4 + 2 + 9 + 2 = 32 tokens >= 30
+        lim.admit("k", "m", tpm)
+    clock.now += 61
+    lim.admit("k", "m", tpm).release()
+
+
 @pytest.mark.parametrize(("body", "events", "expected"), [
     ({"messages": [{"role": "user", "content": "12345"}]}, 0, (2, 0)),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "1234"},

@@ -39,13 +39,13 @@ def smollm2_path() -> Path:
     return found[0]
 
 
-def serve_smollm2(solo: Cluster) -> tuple[GatewayProc, dict[str, Any]]:
+def serve_smollm2(solo: Cluster, **settings: str) -> tuple[GatewayProc, dict[str, Any]]:
     """An all-in-one gateway serving SmolLM2 as `smollm2` (alias `small`);
     returns it and its ready replica."""
     weights = smollm2_path()
     # A path must lie under a model root: the folder the package ships it in.
     gw = solo.gateway("aio", local_node="cpu-1", local_gpus="0",
-                      model_roots=str(weights.parent))
+                      model_roots=str(weights.parent), **settings)
     with gw.admin() as admin:
         r = admin.put("/admin/models/smollm2",
                       json={"model": str(weights), "aliases": ["small"], "engine": "llamacpp"})
@@ -181,3 +181,48 @@ def test_a_long_generation_is_neither_cut_nor_flapped_while_another_stream_waits
     assert short_run["finish"] in ("stop", "length") and short_run["tokens"] > 0, short_run
     assert long_run["seconds"] >= 30, long_run
     assert phases and set(phases) == {"ready"}, sorted(set(phases))
+
+
+def test_a_stream_is_charged_the_tokens_the_engine_counts_unstreamed(solo: Cluster) -> None:
+    # llama-cpp-python's streams carry no usage: the gateway counts their
+    # completion tokens from the events and has the engine count the
+    # prompt after the stream (docs/architecture.md, "Security").
+    gw, _ = serve_smollm2(solo, key_usage_interval="0.2")
+    reference, streaming = make_key(gw, "reference"), make_key(gw, "streaming")
+    with gw.admin() as admin:
+        key_id = next(k["id"] for k in admin.get("/admin/keys").json()
+                      if k["name"] == "streaming")
+    asks: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", {"model": "small", "max_tokens": 24, "temperature": 0,
+                                  "logit_bias": NEVER_STOP, "messages": [
+                                      {"role": "system", "content": "You answer briefly."},
+                                      {"role": "user", "content": "Name three rivers."}]}),
+        ("/v1/completions", {"model": "small", "max_tokens": 17, "temperature": 0,
+                             "logit_bias": NEVER_STOP,
+                             "prompt": "The three longest rivers of Europe are"}),
+    ]
+    want = {"prompt_tokens": 0, "completion_tokens": 0}
+    for path, body in asks:
+        plain = httpx.post(gw.url + path, json=body, timeout=120,
+                           headers={"Authorization": f"Bearer {reference}"})
+        assert plain.status_code == 200, plain.text
+        for field in want:
+            want[field] += plain.json()["usage"][field]
+        with httpx.stream("POST", gw.url + path, json=body | {"stream": True}, timeout=120,
+                          headers={"Authorization": f"Bearer {streaming}"}) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and not any('"usage"' in e for e in events)
+    print(f"engine's own counts: {want}")
+
+    def usage() -> dict[str, Any] | None:
+        with gw.admin() as admin:
+            total: dict[str, Any] = admin.get(f"/admin/keys/{key_id}/usage").json()["total"]
+        # Completion tokens are charged as a stream ends, its prompt once counted.
+        if total["requests"] == 2 and (total["estimated"]
+                                       or total["prompt_tokens"] >= want["prompt_tokens"]):
+            return total
+        return None
+
+    got = wait_for(usage, 60, "the streams' prompts counted")
+    assert got == {"requests": 2, "estimated": 0} | want

@@ -4,12 +4,16 @@ retries, streams. A request's timeouts and failures: tests/test_request_life.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from app.router.table import REASON_MAX, KeyGrant
+from app.router.table import REASON_MAX, Endpoint, KeyGrant
+from tests.support.procs import until
 from tests.support.proxy_rig import (
     CHAT,
     CLIENT_KEY,
@@ -194,3 +198,65 @@ async def test_no_ready_replica_is_503_and_says_why_when_known(rig: Rig) -> None
     message = _openai_error(await rig.chat("small"), 503, "no_ready_replica")
     assert "replica a failed (answered 503)" in message
     assert rig.table.inflight("a") == 0
+
+
+@pytest.mark.parametrize("counts", [True, False])
+async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
+        rig: Rig, counts: bool) -> None:
+    # llama-cpp-python's shape: a role-only event, one a token, a last with the
+    # finish reason, [DONE], and no usage; its prompt counted by the engine,
+    # or estimated when the engine does not answer the count.
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        asked.append((request.path, body))
+        if not counts and not body.get("stream"):
+            return web.json_response({"error": "busy"}, status=500)
+        if request.path == "/extras/tokenize/count":
+            return web.json_response({"count": 5})
+        if not body.get("stream"):  # the chat's count
+            return web.json_response({"choices": [], "usage": {"prompt_tokens": 21,
+                                                               "completion_tokens": 1}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chat = request.path == CHAT
+        events = ([{"delta": {"role": "assistant"}}] if chat else []) + [
+            {"delta": {"content": w}} if chat else {"text": w} for w in "abcd"] + [
+            {"delta": {}, "finish_reason": "length"}]
+        for e in events:
+            await resp.write(b"data: " + json.dumps({"choices": [e]}).encode() + b"\r\n\r\n")
+        await resp.write(b"data: [DONE]\r\n\r\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", engine)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        rig.table.set_endpoints({"small": [Endpoint("a", url, "engine-key-a",
+                                                    engine="llamacpp")]})
+        for path, body in ((CHAT, {"messages": MESSAGES}), ("/v1/completions",
+                                                            {"prompt": "hello"})):
+            r = await rig.http.post(path, json={"model": "small", "stream": True} | body,
+                                    headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\r\n\r\n")
+        assert [(k, c[:3]) for k, c in rig.proxy.limits.take_usage().items()] == [
+            (("k1", "small"), (2, 0, 8))]  # the prompts are not counted yet
+        got = [0, 0, 0, 0]
+
+        def added() -> bool:
+            for more in rig.proxy.limits.take_usage().values():
+                got[:] = [a + b for a, b in zip(got, more, strict=True)]
+            return got[1] >= (21 + 5 if counts else 2 + 2)
+
+        await until(added, "both prompts counted and added")
+        # Counted, not estimated; else estimated: 5 characters, 2 tokens each.
+        assert got == ([0, 21 + 5, 0, 0] if counts else [0, 2 + 2, 0, 2])
+    finally:
+        await server.close()
+    counts = [(p, b) for p, b in asked if not b.get("stream")]
+    assert counts == [(CHAT, {"model": "small", "messages": MESSAGES, "max_tokens": 1,
+                              "temperature": 0}),
+                      ("/extras/tokenize/count", {"input": "hello"})]

@@ -295,30 +295,44 @@ async def test_only_openai_paths_are_forwarded_and_with_their_query(
                         for p in ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]]
 
 
-async def test_a_gzip_answer_arrives_intact_and_only_when_the_client_accepts_it(
+async def test_the_engine_is_asked_for_identity_whatever_the_client_accepts(
         make_rig: Callable[..., Awaitable[Rig]]) -> None:
+    # A compressed answer's usage could not always be read (docs/architecture.md,
+    # "Security"): the client's Accept-Encoding is not passed on.
     rig = await make_rig()
     up = await rig.upstream("a", "gzip")
     rig.route("small", ("a", up.url))
     auth = {"Authorization": f"Bearer {CLIENT_KEY}"}
-    r = await rig.http.post(CHAT, json=PLAIN, headers=auth | {"Accept-Encoding": "gzip"})
-    assert r.status_code == 200
-    assert r.headers["content-encoding"] == "gzip"
-    assert r.json()["served_by"] == "a"  # httpx decoded what the engine encoded
-    assert up.seen[-1][0]["Accept-Encoding"] == "gzip"
-    # A client that takes no compression gets none: the engine is asked for identity.
-    r = await rig.http.post(CHAT, json=PLAIN, headers=auth | {"Accept-Encoding": "identity"})
-    assert "content-encoding" not in r.headers and r.json()["served_by"] == "a"
-    assert up.seen[-1][0]["Accept-Encoding"] == "identity"
+    for accepted in ("gzip", "br, gzip", "identity"):
+        r = await rig.http.post(CHAT, json=PLAIN, headers=auth | {"Accept-Encoding": accepted})
+        assert "content-encoding" not in r.headers and r.json()["served_by"] == "a"
+        assert up.seen[-1][0]["Accept-Encoding"] == "identity"
 
 
-async def test_a_gzip_stream_arrives_intact(make_rig: Callable[..., Awaitable[Rig]]) -> None:
+async def test_a_stream_asked_with_gzip_arrives_in_clear(
+        make_rig: Callable[..., Awaitable[Rig]]) -> None:
     rig = await make_rig()
     up = await rig.upstream("a", "gzip-stream")
     rig.route("small", ("a", up.url))
     r = await rig.http.post(CHAT, json=STREAM, headers={
         "Authorization": f"Bearer {CLIENT_KEY}", "Accept-Encoding": "gzip"})
     assert r.status_code == 200
-    assert r.headers["content-encoding"] == "gzip"
+    assert "content-encoding" not in r.headers
     assert r.text == 'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
     assert rig.observed.seen == [("small", 200)]
+
+
+async def test_a_stream_compressed_anyway_is_decoded_passed_in_clear_and_counted(
+        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+    # A provider that ignores `identity`: its gzip stream would pass unread,
+    # costing its key nothing (docs/architecture.md, "Security").
+    rig = await make_rig()
+    up = await rig.upstream("a", "gzip-stream-anyway")
+    rig.route("small", ("a", up.url))
+    r = await rig.http.post(CHAT, json=STREAM, headers={
+        "Authorization": f"Bearer {CLIENT_KEY}", "Accept-Encoding": "gzip"})
+    assert r.status_code == 200 and "content-encoding" not in r.headers
+    assert r.text == 'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+    # No usage event in this stand-in's stream: its two events are estimated.
+    [(requests, prompt, completion, estimated)] = rig.proxy.limits.take_usage().values()
+    assert (requests, completion, estimated) == (1, 1, 1) and prompt > 0

@@ -23,7 +23,10 @@ the router never imports the control plane (DESIGN invariant 8). A stream
 that ends before the engine's usage event (the client left, the engine
 died, a timeout) would otherwise cost its key nothing, however long it ran:
 its tokens are estimated instead, and counted as estimated
-(`estimate_usage`).
+(`estimate_usage`). A stream from an engine that never reports its usage
+(llama-cpp-python's server) is counted instead: its completion tokens
+from its events here, its prompt by the engine, after the stream, through
+app/router/counting.py, which then adds them (`add_prompt`).
 """
 
 from __future__ import annotations
@@ -158,7 +161,17 @@ class Limiter:
     def _finish(self, ticket: Ticket) -> None:
         st = ticket.state
         st.inflight -= 1
-        estimated = ticket.events > 0 and not ticket.noted and ticket.body is not None
+        # A stream from an engine that reports no usage, whole to its
+        # [DONE]: one token an event but the framing ones (llama-cpp-python
+        # sends a role-only event first in a chat, and a last one with the
+        # finish reason and no text); its prompt is counted by the engine
+        # once this ends, and added then (`add_prompt`).
+        ticket.prompt_later = (ticket.count_at is not None and ticket.ended
+                               and not ticket.noted and ticket.body is not None)
+        if ticket.prompt_later:
+            ticket.completion_tokens = max(0, ticket.events - (2 if ticket.chat else 1))
+        estimated = (ticket.events > 0 and not ticket.noted and ticket.body is not None
+                     and not ticket.prompt_later)
         if estimated:
             assert ticket.body is not None
             ticket.prompt_tokens, ticket.completion_tokens = estimate_usage(
@@ -173,6 +186,22 @@ class Limiter:
         counts[0] += 1
         counts[1] += ticket.prompt_tokens
         counts[2] += ticket.completion_tokens
+        counts[3] += estimated
+
+    def add_prompt(self, ticket: Ticket, tokens: int, estimated: bool) -> None:
+        """The prompt tokens of a released ticket whose prompt was counted
+        after its end (`Ticket.prompt_later`), or estimated when that count
+        failed: added to its key's usage and, if it has a token limit, to its
+        window, as of now."""
+        if ticket.charge_tokens and tokens:
+            st = self._keys.get(ticket.key_id)
+            if st is None:
+                st = self._keys[ticket.key_id] = _KeyState()
+            st.prune(self._clock(), self._window)
+            st.tokens.append((self._clock(), tokens))
+            st.token_sum += tokens
+        counts = self._usage.setdefault((ticket.key_id, ticket.model), [0, 0, 0, 0])
+        counts[1] += tokens
         counts[3] += estimated
 
     def inflight(self, key_id: str) -> int:
@@ -191,8 +220,9 @@ class Ticket:
     """One admitted request: its place in the key's concurrency, and the
     usage its answer reports. `release()` is idempotent."""
 
-    __slots__ = ("_done", "_limiter", "body", "charge_tokens", "completion_tokens", "events",
-                 "key_id", "model", "noted", "prompt_tokens", "state", "strip_usage")
+    __slots__ = ("_done", "_limiter", "body", "charge_tokens", "chat", "completion_tokens",
+                 "count_at", "ended", "events", "key_id", "model", "noted", "prompt_later",
+                 "prompt_tokens", "state", "strip_usage")
 
     def __init__(self, limiter: Limiter, key_id: str, model: str, state: _KeyState,
                  charge_tokens: bool) -> None:
@@ -211,6 +241,14 @@ class Ticket:
         self.body: dict[str, Any] | None = None
         self.events = 0
         self.noted = False  # the engine reported usage
+        self.chat = False  # a chat completion (else a text completion)
+        self.ended = False  # the stream's `data: [DONE]` came
+        # Set when the stream comes from an engine that reports no usage
+        # (llama.cpp): its (base URL, engine key), to count the prompt with.
+        self.count_at: tuple[str, str] | None = None
+        # Set on release: the prompt is to be counted by the engine, then
+        # added (`Limiter.add_prompt`); prompt_tokens stays 0 until then.
+        self.prompt_later = False
         self._done = False
 
     def release(self) -> None:
@@ -249,7 +287,10 @@ class Ticket:
     def read_events(self, chunk: bytes) -> bytes:
         """Notes the usage in `chunk` (whole SSE events) and returns what the
         client gets: `chunk`, less the usage-only event if `strip_usage`."""
-        self.events += chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+        done = chunk.count(b"data: [DONE]")
+        if done:
+            self.ended = True
+        self.events += chunk.count(b"data:") - done
         if b'"usage"' not in chunk:  # most events: no parse at all
             return chunk
         parts = _EVENT_SPLIT.split(chunk)
@@ -312,8 +353,9 @@ def estimate_usage(body: dict[str, Any], events: int) -> tuple[int, int]:
 
 def ask_for_usage(body: dict[str, Any]) -> bool:
     """Makes a streamed request ask the engine for its usage; True if the
-    client had not asked (its usage event must then be cut). A malformed
-    `stream_options` is left for the engine to refuse."""
+    client had not asked (its usage event must then be cut). `stream_options`
+    is an object or null here, its `include_usage` a boolean or null
+    (app/router/fields.py refused any other form)."""
     opts = body.get("stream_options")
     if opts is None:
         opts = {}

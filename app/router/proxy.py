@@ -30,7 +30,9 @@ from typing import Any, Protocol
 import aiohttp
 
 from app.router.choice import affinity_key
+from app.router.counting import PromptCounter
 from app.router.engine_load import EngineLoadPoller
+from app.router.fields import checked_model
 from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
@@ -106,6 +108,8 @@ class Proxy:
         session_factory: SessionFactory = default_session,
         affinity: bool = True,
         client: UpstreamClient | None = None,
+        count_concurrency: int = 2,
+        count_timeout: float = 120.0,
     ) -> None:
         self._affinity = affinity
         self._table = table
@@ -117,6 +121,9 @@ class Proxy:
         self._timeouts = timeouts
         self._upstreams = Upstreams(table, timeouts,
                                     client or UpstreamClient(timeouts.connect))
+        # The prompts of streams whose engine reports no usage (llama.cpp).
+        self._counts = PromptCounter(self._upstreams.client, self.limits,
+                                     count_concurrency, count_timeout)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         # Engines' own load, read off the request path with our session.
@@ -136,10 +143,15 @@ class Proxy:
             self._polling.cancel()
             await asyncio.gather(self._polling, return_exceptions=True)
             self._polling = None
+        await self.stop_counting()
         await self._upstreams.client.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def stop_counting(self) -> None:
+        """Ends the prompt counts still running: their prompts are estimated."""
+        await self._counts.close()
 
     # --- ASGI -------------------------------------------------------------------
 
@@ -149,7 +161,7 @@ class Proxy:
         started = self._loop.time()
         outcome = _Outcome()
         try:
-            token, accept_encoding, session = _headers(scope)
+            token, session = _headers(scope)
             grant = self._authenticate(token)
             if path == "/v1/models" or path.startswith("/v1/models/"):
                 if method != "GET":
@@ -178,11 +190,13 @@ class Proxy:
                     body, session or (cache_key if isinstance(cache_key, str) else None),
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
                 outcome.status = await self._upstreams.forward(
-                    watch, model, url_tail, body, accept_encoding,
+                    watch, model, url_tail, body,
                     body.get("stream") is True, send, affinity, meter=ticket)
             finally:
                 watch.close()
                 ticket.release()
+                if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
+                    self._counts.submit(ticket)
         except OverLimit as over:
             outcome.status = 429
             await send_whole(send, 429, openai_error_body(
@@ -228,6 +242,7 @@ class Proxy:
         if body.get("stream") is True and path != "/v1/embeddings":
             ticket.strip_usage = ask_for_usage(body)
             ticket.body = body  # its usage is estimated from it if cut short
+            ticket.chat = path == "/v1/chat/completions"
         return ticket
 
     def _listed(self, grant: KeyGrant) -> list[dict[str, Any]]:
@@ -251,10 +266,7 @@ class Proxy:
     def _request(self, grant: KeyGrant, raw: bytes) -> tuple[dict[str, Any], str]:
         """The parsed body, its model rewritten to the catalog name, and that name."""
         body = _parse(raw)
-        requested = body.get("model")
-        if not isinstance(requested, str) or not requested:
-            raise error(400, "You must provide a model parameter.",
-                        "invalid_request_error", param="model")
+        requested = checked_model(body)  # and the other fields the gateway acts on
         name = self._table.resolve(requested)
         if name is None or not grant.allows(name):
             raise error(
@@ -275,27 +287,23 @@ class _Outcome:
         self.status = 500
 
 
-def _headers(scope: Scope) -> tuple[str, bytes, str | None]:
-    """The client's bearer token ("" if none), the encodings it accepts, and
-    the session it names (`X-Session-Id`), if any."""
+def _headers(scope: Scope) -> tuple[str, str | None]:
+    """The client's bearer token ("" if none) and the session it names
+    (`X-Session-Id`), if any. Its `Accept-Encoding` is not passed on: the
+    engine is asked for identity (relay.py), so that every answer's usage
+    can be read."""
     authorization: bytes | None = None
     session: str | None = None
-    # Sent to the engine as the client's: our session does not decompress
-    # (auto_decompress=False), so an engine must not compress for a client
-    # that cannot read it. None given: identity, as HTTP means it.
-    accept_encoding = b"identity"
     for name, value in scope["headers"]:
         if name == b"authorization":
             if authorization is None:  # the first one counts
                 authorization = value
-        elif name == b"accept-encoding":
-            accept_encoding = value
         elif name == b"x-session-id":
             session = value.decode("latin-1")[:256]
     if authorization is None:
-        return "", accept_encoding, session
+        return "", session
     scheme, _, rest = authorization.decode("latin-1").partition(" ")
-    return (rest.strip() if scheme.lower() == "bearer" else ""), accept_encoding, session
+    return (rest.strip() if scheme.lower() == "bearer" else ""), session
 
 
 async def _read_body(receive: Receive) -> bytes:

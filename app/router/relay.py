@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import zlib
 from typing import Any
 
 from app.router.limits import Ticket
@@ -40,6 +41,9 @@ _MAX_ATTEMPTS = 3
 # How an SSE event ends (the spec allows all three line endings; vLLM writes
 # "\n\n", sse-starlette, which llama-cpp-python uses, "\r\n\r\n").
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# Most bytes one chunk of a compressed stream may inflate to: a chunk read is
+# at most a few hundred KiB (upstream.py), SSE compresses some tenfold.
+_MAX_INFLATED = 16 * 1024 * 1024
 # The status a metric records for a client that left (nginx's convention).
 CLIENT_GONE = 499
 
@@ -57,7 +61,7 @@ class Upstreams:
         self.client = client
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                      accept_encoding: bytes, stream: bool, send: Send,
+                      stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
@@ -79,7 +83,7 @@ class Upstreams:
                         return CLIENT_GONE
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
-            return await self._attempts(watch, model, url_tail, body, accept_encoding, stream,
+            return await self._attempts(watch, model, url_tail, body, stream,
                                         send, affinity, meter, started[0])
         except Reply as r:
             if not started[0]:
@@ -122,7 +126,7 @@ class Upstreams:
                 await asyncio.gather(keepalive, return_exceptions=True)
 
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
-                        accept_encoding: bytes, stream: bool, send: Send,
+                        stream: bool, send: Send,
                         affinity: str | None, meter: Ticket | None, started: bool) -> int:
         payload = json.dumps(body).encode()
         tried: set[str] = set()
@@ -142,9 +146,12 @@ class Upstreams:
                 upstream = await self.client.post(ep.url, url_tail, data, [
                     (b"Authorization", b"Bearer " + ep.key.encode()),
                     (b"Content-Type", b"application/json"),
-                    # Ours to pass on (the client never decompresses): the
-                    # engine compresses only what the client can read.
-                    (b"Accept-Encoding", accept_encoding)])
+                    # Never the client's: a stream compressed as it asked
+                    # (br, say) could not be read for its usage, nor end
+                    # with an error event. Identity to a client that
+                    # accepted more is valid HTTP (docs/architecture.md,
+                    # "Security").
+                    (b"Accept-Encoding", b"identity")])
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
@@ -214,13 +221,23 @@ class Upstreams:
         # yet, so the caller may still retry or answer with an error.
         chunk = await upstream.readany()
         watch.streaming()
-        headers = _passed_on(upstream, ep)
+        if meter is not None and ep.engine == "llamacpp":
+            meter.count_at = (ep.url, ep.key)  # no usage event: counted (limits.py)
+        # Asked for identity, an engine or provider may compress anyway: gzip
+        # and deflate are undone as the stream comes, so that its events are
+        # read for usage and it can end with an error event; it goes on in
+        # clear. Any other encoding passes as sent, unread.
+        encoding = upstream.headers.get("content-encoding")
+        decoder = (zlib.decompressobj(wbits=47)  # gzip or zlib, by its header
+                   if encoding is not None and encoding.lower() in ("gzip", "deflate")
+                   else None)
+        headers = _passed_on(upstream, ep, decoded=decoder is not None)
         content_type = upstream.headers.get("content-type", "text/event-stream")
         headers += [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
         # Whole events only, so that an error event can follow a failure: not
         # for a compressed body, which no event can be appended to in clear.
         framed = (content_type.startswith("text/event-stream")
-                  and "content-encoding" not in upstream.headers)
+                  and (encoding is None or decoder is not None))
         loop = asyncio.get_running_loop()
         tail = b""  # the start of an event not yet whole (framed only)
         try:
@@ -228,6 +245,11 @@ class Upstreams:
                 await send({"type": "http.response.start", "status": upstream.status,
                             "headers": headers})
             while chunk:
+                if decoder is not None:
+                    chunk = decoder.decompress(chunk, _MAX_INFLATED)
+                    if decoder.unconsumed_tail:
+                        raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} "
+                                            "bytes")
                 if framed and (tail or not chunk.endswith(_EVENT_ENDS)):
                     chunk, tail = _whole_events(tail + chunk)
                 if framed and meter is not None:
@@ -240,7 +262,7 @@ class Upstreams:
                 watch.read_since = loop.time()
                 chunk = await upstream.readany()
                 watch.read_since = 0.0
-        except UpstreamError as exc:
+        except (UpstreamError, zlib.error) as exc:
             logger.warning("replica %s broke off mid-stream: %s", ep.replica_id,
                            exc or type(exc).__name__)
             self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
@@ -273,10 +295,11 @@ class Upstreams:
         return upstream.status
 
 
-def _passed_on(upstream: Response, ep: Endpoint) -> list[tuple[bytes, bytes]]:
+def _passed_on(upstream: Response, ep: Endpoint,
+               decoded: bool = False) -> list[tuple[bytes, bytes]]:
     headers = [(b"x-llmgw-replica", ep.replica_id.encode())]
     encoding = upstream.headers.get("content-encoding")
-    if encoding is not None:  # bytes pass as the engine encoded them
+    if encoding is not None and not decoded:  # bytes pass as the engine encoded them
         headers.append((b"content-encoding", encoding.encode()))
     return headers
 

@@ -43,6 +43,10 @@ class Endpoint:
     # share a priority's requests (see choice.py).
     priority: int = 0
     weight: float = 1.0
+    # The replica's engine ("vllm", "llamacpp"; empty for an external
+    # provider): llama.cpp's streams carry no usage, so the router counts
+    # them (app/router/counting.py).
+    engine: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,8 @@ class Upstream:
 
     mode: "ok" answers JSON naming itself; "502"/"503" answer that status
     (after `delay` seconds); "gzip" answers JSON gzip-compressed when the
-    request accepts gzip; "gzip-stream" likewise as SSE; "hold" never
+    request accepts gzip; "gzip-stream" likewise as SSE, "gzip-stream-anyway"
+    whatever the request accepts (a provider ignoring it); "hold" never
     answers; "stream" sends one SSE chunk, then the rest once `release` is
     set; "endless" streams until the connection closes; "silent" sends one
     chunk, then nothing; "silent-start" sends headers, then nothing; "die"
@@ -79,7 +80,8 @@ class Upstream:
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         if self.delay:
             await asyncio.sleep(self.delay)
-        gzipped = "gzip" in request.headers.get("Accept-Encoding", "")
+        gzipped = ("gzip" in request.headers.get("Accept-Encoding", "")
+                   or self.mode.endswith("-anyway"))
         if self.mode in ("502", "503"):
             return web.json_response({"error": "busy"}, status=int(self.mode))
         if self.mode == "ok":
@@ -99,10 +101,10 @@ class Upstream:
             await resp.write(b'{"served_by": ')
             return self._drop(request, resp)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        if self.mode == "gzip-stream" and gzipped:
+        if self.mode.startswith("gzip-stream") and gzipped:
             resp.headers["Content-Encoding"] = "gzip"
         await resp.prepare(request)
-        if self.mode == "gzip-stream":
+        if self.mode.startswith("gzip-stream"):
             packer = zlib.compressobj(wbits=31) if gzipped else None
             for event in (b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"):
                 if packer is not None:
