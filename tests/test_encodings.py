@@ -100,10 +100,11 @@ async def gateway(tmp_path: Path) -> AsyncIterator[tuple[Gateway, httpx.AsyncCli
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    key_file = tmp_path / "provider.key"
+    (tmp_path / "keys").mkdir()
+    key_file = tmp_path / "keys" / "provider.key"  # under LLMGW_PROVIDER_KEY_DIR
     key_file.write_text("sk-provider-key")
     gw_app = create_app(Settings(data_dir=tmp_path / "gw", admin_token=ADMIN, secret=SECRET,
-                                 local_agent=False))
+                                 local_agent=False, provider_key_dir=str(tmp_path / "keys")))
     gw: Gateway = gw_app.state.gateway
     await gw.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=gw_app),
