@@ -12,7 +12,7 @@ and a token taken from one node opens that node's API only.
     GET    /node/v1/weights                             the model cache's entries
     DELETE /node/v1/weights  {"paths": [...]}           removes entries (all or none)
     POST   /node/v1/fabric/ticket|send|sink             fabric test (app/agent/fabric.py)
-    POST   /node/v1/upgrade  {"version", "index_url"?}  installs llmgw, restarts (upgrade.py)
+    POST   /node/v1/upgrade  {"version", "sha256"}      installs llmgw, restarts (upgrade.py)
 
 Errors are RFC 9457 problem JSON, like the gateways' /admin. Log lines are
 returned with every engine key and key-shaped string masked
@@ -216,15 +216,18 @@ class NodeApi:
         except ValueError:
             body = None
         version = body.get("version") if isinstance(body, dict) else None
-        index_url = body.get("index_url") if isinstance(body, dict) else None
-        if not isinstance(version, str) or not isinstance(index_url, str | None):
+        sha256 = body.get("sha256") if isinstance(body, dict) else None
+        if not isinstance(version, str) or not isinstance(sha256, str):
             raise _Problem(400, "Bad body", 'send JSON: {"version": "X.Y.Z", '
-                           '"index_url": optional}')
+                           '"sha256": "<the wheel\'s>"}')
+        if isinstance(body, dict) and body.get("index_url") is not None:
+            raise _Problem(400, "Bad body", "index_url is not taken: upgrades come only from "
+                           f"this node's {upgrade.SOURCE_SETTING}")
         if self.upgrader is None:
             raise _Problem(501, "Upgrade not available",
                            "this agent was not started by `llmgw agent`: it cannot restart")
         try:
-            lines = await self.upgrader.upgrade(version, index_url)
+            lines = await self.upgrader.upgrade(version, sha256)
         except upgrade.UpgradeError as exc:
             raise _Problem(exc.status, exc.title, exc.detail, output=exc.output) from None
         return web.json_response({"node": self.cfg.node, "from": __version__,
