@@ -168,16 +168,19 @@ class NodeApi:
 
     # --- cached weights -----------------------------------------------------------------
 
-    def _in_use(self) -> dict[Path, list[str]]:
+    def _in_use(self) -> Callable[[], dict[Path, list[str]]]:
+        """What the replicas' weights occupy, to compute in a worker thread:
+        it walks their folders for links (weights.in_use_paths)."""
         by_weights: dict[str, list[str]] = {}
         for spec in self.view.engine_specs():
             by_weights.setdefault(spec.weights, []).append(spec.replica_id)
-        return weights.in_use_paths(self.cfg.cache_dir, by_weights)
+        return lambda: weights.in_use_paths(self.cfg.cache_dir, by_weights)
 
     async def list_weights(self, request: web.Request) -> web.Response:
+        in_use = self._in_use()
         try:
-            entries = await asyncio.to_thread(weights.listing, self.cfg.cache_dir,
-                                              self._in_use())
+            entries = await asyncio.to_thread(
+                lambda: weights.listing(self.cfg.cache_dir, in_use()))
         except OSError as exc:  # not a folder, no permission
             logger.warning("model cache %s unreadable: %s", self.cfg.cache_dir, exc)
             raise _Problem(500, "Cache unreadable", f"{self.cfg.cache_dir}: {exc}") from None
@@ -195,8 +198,9 @@ class NodeApi:
             raise _Problem(400, "Bad body",
                            f'send {{"paths": [...]}}: 1 to {MAX_PATHS} paths as strings')
         try:
-            removed = await asyncio.to_thread(weights.remove, self.cfg.cache_dir, paths,
-                                              self._in_use())
+            in_use = self._in_use()
+            removed = await asyncio.to_thread(
+                lambda: weights.remove(self.cfg.cache_dir, paths, in_use()))
         except weights.Refused as exc:
             title = {404: "No such path", 409: "Weights in use"}.get(exc.status, "Path refused")
             raise _Problem(exc.status, title, f"{exc.path!r}: {exc.reason}; nothing removed",
