@@ -186,7 +186,7 @@ async def test_pip_past_its_timeout_is_killed(tmp_path: Path) -> None:
 async def test_one_upgrade_at_a_time(tmp_path: Path) -> None:
     up = upgrader(tmp_path, "/srv/wheels", download=False, sleep=0.5)
     first = asyncio.create_task(up.upgrade("1.2.3", SHA_ZERO))
-    # One step: the task takes the lock before its first suspension (pip's start).
+    # One step: the task takes the lock before its first suspension.
     await asyncio.sleep(0)
     with pytest.raises(UpgradeError) as err:
         await up.upgrade("1.2.4", SHA_ZERO)

@@ -172,15 +172,15 @@ class Upgrader:
         """Installs llmgw `version`, the wheel of that `sha256` from the
         node's source; returns pip's last lines. Then (the caller's answer
         sent first) `on_installed(version)` is called."""
-        refused = self.refusal()
-        if refused is not None:
-            raise refused
         check_request(version, sha256)
         if self._lock.locked() or self.installed is not None:
             raise UpgradeError(409, "Upgrade in progress",
                                "this agent is installing or restarting already")
-        assert self.cfg.source is not None
         async with self._lock:
+            refused = await asyncio.to_thread(self.refusal)  # stats the search path
+            if refused is not None:
+                raise refused
+            assert self.cfg.source is not None
             logger.info("upgrade to llmgw %s (sha256 %s) from %s", version, sha256,
                         self.cfg.source)
             with tempfile.TemporaryDirectory(prefix="llmgw-upgrade-") as tmp:
