@@ -3,6 +3,10 @@
 #   docker build -t llmgw-cpu --build-arg CPU_ENGINE=1 .     # + llama.cpp and SmolLM2 (CPU nodes)
 # vLLM is not installed here: GPU nodes bring their own build (LLMGW_VLLM_BIN
 # or `vllm` on PATH), matched to their driver.
+# An agent in this image refuses `llmgw ctl upgrade` with the reason: a
+# restart would import /opt/llmgw/app (its working directory), not what pip
+# installs, and the environment belongs to root (app/agent/codeorigin.py).
+# Upgrade the image instead.
 FROM python:3.11-slim-bookworm
 
 ARG CPU_ENGINE=0

@@ -15,7 +15,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.agent.upgrade import DEFAULT_INSTALLER
 from app.control.state import check_name
 from app.settings import Settings
 
@@ -89,7 +88,7 @@ def agent(args: argparse.Namespace) -> None:
     from app.agent.engines import available_engines, resolve_vllm
     from app.agent.gpus import declared_hardware, probe
     from app.agent.nodeops import NodeOpsConfig
-    from app.agent.upgrade import UpgradeConfig, Upgrader, reexec_argv
+    from app.agent.upgrade import UpgradeConfig, Upgrader, parse_source, reexec_argv
     from app.agent.weights import default_cache_dir
 
     token = os.environ.get("LLMGW_AGENT_TOKEN", "")
@@ -103,6 +102,14 @@ def agent(args: argparse.Namespace) -> None:
         # The gateways are verified against this PEM bundle (default: the
         # system's CAs); there is no way to turn verification off.
         gateway_tls = client_context(os.environ.get("LLMGW_CA_FILE") or None)
+    except ValueError as exc:
+        print(f"llmgw agent: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        # Before anything runs: a bad installer or check template is named
+        # now, not found by the build loop once a minute.
+        builds = builds_config()
+        source = parse_source(args.upgrade_source)
     except ValueError as exc:
         print(f"llmgw agent: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -123,14 +130,16 @@ def agent(args: argparse.Namespace) -> None:
         start_timeout=args.start_timeout,
         ops=NodeOpsConfig(
             hardware=hw, rediscover=probe if args.gpus is None else None,
-            api_port=args.api_port, builds=builds_config(),
+            api_port=args.api_port, builds=builds,
             cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir
             else default_cache_dir()),
     )
 
-    upgrade_cfg = UpgradeConfig(installer=args.installer,
-                                extra_args=shlex.split(args.installer_args),
-                                timeout=args.upgrade_timeout)
+    upgrade_cfg = UpgradeConfig(source=source, timeout=args.upgrade_timeout)
+    for gone in ("LLMGW_AGENT_INSTALLER", "LLMGW_AGENT_INSTALLER_ARGS"):
+        if os.environ.get(gone):  # warned, not refused: an upgraded agent must start
+            logging.getLogger(__name__).warning(
+                "%s is no longer read: upgrades come from LLMGW_AGENT_UPGRADE_SOURCE", gone)
     installed: list[str] = []
 
     async def main() -> None:
@@ -212,16 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", default=os.environ.get("LLMGW_AGENT_CACHE_DIR") or None,
                     help="the model cache the API lists and prunes (default: "
                     "huggingface_hub's: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub)")
-    ap.add_argument("--installer",
-                    default=os.environ.get("LLMGW_AGENT_INSTALLER") or DEFAULT_INSTALLER,
-                    help="self-upgrade command template ({python}, {version}); run without "
-                    "a shell (default: %(default)s)")
-    ap.add_argument("--installer-args", default=os.environ.get("LLMGW_AGENT_INSTALLER_ARGS", ""),
-                    help="extra installer arguments for every upgrade, e.g. "
-                    "'--no-index --find-links /srv/wheels'")
+    ap.add_argument("--upgrade-source",
+                    default=os.environ.get("LLMGW_AGENT_UPGRADE_SOURCE", ""),
+                    help="where self-upgrades come from: a package index URL (credentials "
+                    "in it or in ~/.netrc; never shown) or an absolute path to a folder of "
+                    "wheels; empty (the default): upgrades are refused")
     ap.add_argument("--upgrade-timeout", type=float,
                     default=float(os.environ.get("LLMGW_AGENT_UPGRADE_TIMEOUT", "300")),
-                    help="seconds the installer may run (default: %(default)s)")
+                    help="seconds each pip run of an upgrade may take (default: %(default)s)")
     ap.add_argument("--start-timeout", type=_positive,
                     default=os.environ.get("LLMGW_ENGINE_START_TIMEOUT", "1800"),
                     help="seconds an engine may load before it is stopped and counted as "

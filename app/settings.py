@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.control.catalog import load_file
 from app.control.keyfiles import check_key_dir
+from app.control.state import DEFAULT_VLLM_VERSION, check_vllm_version
 
 # Values a careless copy of an example file would leave in place.
 _PLACEHOLDERS = {"changeme", "change-me", "secret", "changethis", "password", "xxx"}
@@ -252,6 +253,11 @@ class Settings(BaseSettings):
     # The operator's own vLLM executable: used as it is, never installed over.
     # Empty: `vllm` on PATH, and only on nodes with GPUs.
     vllm_bin: str = ""
+    # The vLLM version every node's engine build installs (`vllm==X`) unless
+    # its conf names another (PUT /admin/nodes/{node}/engine-build). A change
+    # makes each node install that version (minutes of downloads, GBs of
+    # disk per version kept) before it takes new vLLM replicas.
+    vllm_version: str = DEFAULT_VLLM_VERSION
 
     # --- client keys (docs/architecture.md, "Client keys") -------------------------
     # Seconds between this gateway's writes of client key usage (one
@@ -287,6 +293,11 @@ class Settings(BaseSettings):
     # major.minor.0. Lower keeps older agents in use through a rolling
     # upgrade; agents outside keep their replicas but get no new ones.
     min_agent_version: str | None = None
+
+    @field_validator("vllm_version")
+    @classmethod
+    def _vllm_version(cls, v: str) -> str:
+        return check_vllm_version(v)
 
     @field_validator("min_agent_version")
     @classmethod

@@ -121,7 +121,9 @@ def test_ctl_against_a_real_gateway(cluster: Cluster, tmp_path: Path) -> None:
     assert node["vllm_build"] == "operator", node
     chosen = ctl("engine-build", "node-1", "none", gateway=gw.url)
     assert chosen.returncode == 0, chosen.stderr
-    assert chosen.stdout == "node-1: engine build none\n"
+    assert chosen.stdout == "node-1: engine build none, vLLM the gateways' default\n"
+    chosen = ctl("engine-build", "node-1", "none", "--vllm-version", "0.30.1", gateway=gw.url)
+    assert chosen.stdout == "node-1: engine build none, vLLM 0.30.1\n", chosen.stderr
     bad = ctl("engine-build", "node-1", "cu12", gateway=gw.url)
     assert bad.returncode == 2 and "auto, cu13, cu129, none" in bad.stderr, bad.stderr
 

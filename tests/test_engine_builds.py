@@ -7,7 +7,10 @@ on a real etcd; the installer and the check are shell scripts."""
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +18,28 @@ import httpx
 import pytest
 
 from app.agent.agent import Agent
-from app.agent.builds import Builds, BuildsConfig, pick
+from app.agent.builds import Builds, BuildsConfig, builds_config, pick
 from app.agent.config import AgentConfig
 from app.agent.engines import EngineSpec
 from app.agent.gpus import Hardware, declared
 from app.agent.nodeops import NodeOpsConfig
 from app.control import state as s
 from app.control.placement import Fit, NoFit, place
+from app.control.state import DEFAULT_VLLM_VERSION
 from tests.support.etcd import EtcdServer, ExternalEtcd
-from tests.support.procs import FAKE_BIN, until
+from tests.support.procs import FAKE_BIN, ROOT, until
 from tests.test_agent_api import _node, gateways
 
-# Counts its runs in its own directory, and leaves a vllm in the venv.
+# Counts its runs in its own directory, and leaves a vllm in the venv, with
+# the dist-info pip would leave for the version asked ($3), and what pip
+# would have been asked for ($4 on) in pip_args.
 INSTALLER = """#!/bin/sh
 echo "installing $1 into $2"
-echo run >> "$2.runs"
-mkdir -p "$2/bin" && ln -sf {vllm} "$2/bin/vllm"
+venv="$2"
+echo run >> "$venv.runs"
+mkdir -p "$venv/bin" "$venv/lib/python3.11/site-packages/vllm-$3.dist-info"
+ln -sf {vllm} "$venv/bin/vllm"
+shift 3; echo "$@" > "$venv/../pip_args"
 """
 CHECK_OK = "#!/bin/sh\necho 'matmul sum 262144.0'\n"
 CHECK_FAILS = ("#!/bin/sh\necho 'torch imported'\n"
@@ -49,7 +58,8 @@ def runs(venv: Path) -> str:
 
 
 def stand_ins(tmp: Path, check: str = CHECK_OK, operator_bin: str = "") -> BuildsConfig:
-    return BuildsConfig(installer=script(tmp, "install.sh", INSTALLER) + " {build} {venv}",
+    return BuildsConfig(installer=script(tmp, "install.sh", INSTALLER)
+                        + " {build} {venv} {vllm_version} {pip_args}",
                         check=script(tmp, "check.sh", check) + " {venv}",
                         operator_bin=operator_bin)
 
@@ -71,7 +81,7 @@ async def test_a_build_is_installed_once_then_checked(tmp_path: Path) -> None:
     assert await b.step("13.0") is True
     assert b.usable == "cu13", b.detail
     assert "GPU check passed" in b.detail and "matmul sum 262144.0" in b.detail
-    venv = tmp_path / "work" / "engines" / "cu13" / "venv"
+    venv = tmp_path / "work" / "engines" / f"cu13-{DEFAULT_VLLM_VERSION}" / "venv"
     assert b.vllm_bin() == str(venv / "bin" / "vllm")
     assert await b.step("13.0") is False  # nothing to do
     # Another agent run on the same work dir checks it again, installs nothing.
@@ -86,7 +96,8 @@ async def test_a_failed_gpu_check_is_shown_with_its_output_and_not_retried(
     b = Builds(stand_ins(tmp_path, CHECK_FAILS), tmp_path / "work")
     assert await b.step("12.9") is True
     assert b.usable == "" and b.vllm_bin() is None
-    assert b.detail.startswith("cu129: GPU check failed (exit 3); output:"), b.detail
+    assert b.detail.startswith(f"cu129 (vLLM {DEFAULT_VLLM_VERSION}): GPU check failed "
+                               "(exit 3); output:"), b.detail
     assert "CUDA error: no kernel image" in b.detail and "torch imported" in b.detail
     assert await b.step("12.9") is False  # not retried until the choice changes
     # Placement refuses the node and says why.
@@ -94,8 +105,8 @@ async def test_a_failed_gpu_check_is_shown_with_its_output_and_not_retried(
                       vllm_build_check=b.status())
     fit = place("m", s.StoredModel(name="m", model="org/m"), {"h1": node}, {})
     assert isinstance(fit, NoFit)
-    assert fit.reasons == {"h1": "no usable vLLM build (cu129: GPU check failed (exit 3); "
-                                 "output:)"}
+    assert fit.reasons == {"h1": f"no usable vLLM build (cu129 (vLLM {DEFAULT_VLLM_VERSION}): "
+                                 "GPU check failed (exit 3); output:)"}
 
 
 async def test_an_operator_vllm_is_used_as_it_is_never_installed_over(tmp_path: Path) -> None:
@@ -105,6 +116,80 @@ async def test_an_operator_vllm_is_used_as_it_is_never_installed_over(tmp_path: 
     assert await b.step("13.0") is False
     assert (b.usable, b.vllm_bin()) == ("operator", own)
     assert not (tmp_path / "work" / "engines").exists()
+
+
+async def test_shell_braces_in_templates_are_left_to_the_shell(tmp_path: Path) -> None:
+    # ${VAR} and awk's braces belong to the shell: only the named
+    # placeholders are filled in (they crashed the build step before).
+    cfg = BuildsConfig(
+        installer=(script(tmp_path, "install.sh", INSTALLER)
+                   + " {build} {venv} {vllm_version} && "
+                   "echo \"home=${HOME:-unset}\" | awk '{ print \"awk saw\", $0 }'"),
+        check=(script(tmp_path, "check.sh", CHECK_OK) + " {venv} && "
+               "echo '1 2' | awk '{s = $1 + $2} END {print \"sum\", s}'"))
+    b = Builds(cfg, tmp_path / "work")
+    assert await b.step("13.0") is True
+    assert b.usable == "cu13", b.detail
+    logs = tmp_path / "work" / "engines" / f"cu13-{DEFAULT_VLLM_VERSION}"
+    assert f"awk saw home={Path.home()}" in (logs / "install.log").read_text()
+    assert "sum 3" in b.detail
+
+
+async def test_the_build_installs_the_pinned_vllm_and_reports_what_is_there(
+    tmp_path: Path
+) -> None:
+    b = Builds(stand_ins(tmp_path), tmp_path / "work")
+    b.version = "0.30.1"
+    assert await b.step("12.9") is True
+    assert (b.usable, b.usable_version) == ("cu129", "0.30.1"), b.detail
+    engines = tmp_path / "work" / "engines"
+    assert (engines / "cu129-0.30.1" / "pip_args").read_text().startswith("vllm==0.30.1 ")
+    assert b.detail.startswith("cu129 (vLLM 0.30.1): GPU check passed"), b.detail
+    # Another version: installed beside the first, which engines may run from.
+    b.version = "0.31.0"
+    assert await b.step("12.9") is True and b.usable_version == "0.31.0"
+    assert b.vllm_bin() == str(engines / "cu129-0.31.0" / "venv" / "bin" / "vllm")
+    assert (engines / "cu129-0.30.1" / "venv" / "bin" / "vllm").exists()
+
+
+async def test_an_installer_that_leaves_another_vllm_version_is_refused(
+    tmp_path: Path
+) -> None:
+    # An operator's installer pinning its own version: the node is not
+    # counted usable, and says what it holds.
+    cfg = BuildsConfig(installer=script(tmp_path, "install.sh", INSTALLER)
+                       + " {build} {venv} 0.29.0", check=script(tmp_path, "c.sh", CHECK_OK))
+    b = Builds(cfg, tmp_path / "work")
+    b.version = "0.30.1"
+    assert await b.step("13.0") is True
+    assert (b.usable, b.vllm_bin()) == ("", None)
+    assert b.detail == "cu13 (vLLM 0.30.1): the environment holds vLLM 0.29.0, not 0.30.1"
+
+
+@pytest.mark.parametrize(("setting", "template", "says"), [
+    ("LLMGW_AGENT_VLLM_INSTALLER", "python3 -m venv {venvv}", "unknown placeholder {venvv}"),
+    ("LLMGW_AGENT_VLLM_CHECK", "{venv}/bin/pip install {pip_args}",
+     "unknown placeholder {pip_args}"),
+    ("LLMGW_AGENT_VLLM_CHECK", "{venv}/bin/python -c 'import torch", "No closing quotation"),
+    ("LLMGW_AGENT_VLLM_INSTALLER", "   ", "empty"),
+])
+def test_a_bad_template_is_refused_naming_its_setting(
+    monkeypatch: pytest.MonkeyPatch, setting: str, template: str, says: str
+) -> None:
+    monkeypatch.setenv(setting, template)
+    with pytest.raises(ValueError) as err:
+        builds_config()
+    assert str(err.value).startswith(f"{setting}: ") and says in str(err.value), err.value
+
+
+def test_the_agent_will_not_start_with_a_bad_template(tmp_path: Path) -> None:
+    env = {**os.environ, "LLMGW_AGENT_TOKEN": "t", "LLMGW_AGENT_VLLM_INSTALLER": "x {nope}"}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "agent", "--gateway",
+                        "http://127.0.0.1:9", "--node", "n1", "--gpus", "0",
+                        "--work-dir", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "llmgw agent: LLMGW_AGENT_VLLM_INSTALLER: unknown placeholder {nope}" in r.stderr
 
 
 def test_placement_keeps_vllm_off_nodes_without_a_usable_build() -> None:
@@ -195,7 +280,9 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
             engine = EngineSpec(replica_id="r1", model="m", weights="org/m", engine="vllm",
                                 gpus=(0,), key="k")
             assert agent._vllm_bin(engine) == str(
-                tmp_path / "agent" / "engines" / "cu129" / "venv" / "bin" / "vllm")
+                tmp_path / "agent" / "engines" / f"cu129-{DEFAULT_VLLM_VERSION}" / "venv"
+                / "bin" / "vllm")
+            assert info.vllm_version == DEFAULT_VLLM_VERSION
         else:
             assert info.vllm_build == ""
             engine = EngineSpec(replica_id="r1", model="m", weights="org/m", engine="vllm",
@@ -204,7 +291,28 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
                 agent._vllm_bin(engine)
             assert "CUDA error: no kernel image" in info.vllm_build_check
             assert isinstance(fit, NoFit) and fit.reasons["h1"].startswith(
-                "no usable vLLM build (cu129: GPU check failed")
+                f"no usable vLLM build (cu129 (vLLM {DEFAULT_VLLM_VERSION}): GPU check failed")
+            assert info.vllm_version == ""
+
+        # A version of the node's own: told within the long poll, installed
+        # beside the other, reported as installed; the conf says it.
+        polling = asyncio.ensure_future(agent.poll(20))
+        await asyncio.sleep(0.2)
+        r = await c.put("/admin/nodes/h1/engine-build",
+                        json={"build": "cu129", "vllm_version": "0.30.1"})
+        assert r.status_code == 200 and r.json()["vllm_version"] == "0.30.1", r.text
+        assert await polling == "changed"
+        assert agent.ops.builds.version == "0.30.1"
+        await agent.build_step()
+        pinned = tmp_path / "agent" / "engines" / "cu129-0.30.1"
+        assert (pinned / "pip_args").read_text().startswith("vllm==0.30.1 ")
+        await until(lambda: "0.30.1" in gw.mirror.nodes()["h1"].vllm_build_check,
+                    "version reported")
+        if check == CHECK_OK:
+            assert gw.mirror.nodes()["h1"].vllm_version == "0.30.1"
+        r = await c.put("/admin/nodes/h1/engine-build",
+                        json={"build": "cu129", "vllm_version": "0.30; rm -rf /"})
+        assert r.status_code == 422 and "vllm_version" in r.text, r.text
 
         # `none`: no vLLM replicas, whatever the build.
         r = await c.put("/admin/nodes/h1/engine-build", json={"build": "none"})

@@ -8,6 +8,7 @@ import base64
 import csv
 import hashlib
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,9 +26,8 @@ from app.agent.upgrade import (
     UpgradeConfig,
     UpgradeError,
     Upgrader,
-    installer_argv,
+    parse_source,
     reexec_argv,
-    shown,
 )
 from app.control import agentversion
 from app.control import state as s
@@ -39,39 +40,121 @@ from tests.support.procs import (
     Cluster,
     Proc,
     engine_pid,
-    put_model,
     serve_one,
+    until,
     wait_for,
 )
 
-# --- the installer's command line, the restart's, and failures -------------------------
+# --- where upgrades come from, what is installed, and when it is refused -----------------
+
+SHA_ZERO = "0" * 64
 
 
-def test_installer_argv_default_and_index() -> None:
-    cfg = UpgradeConfig(extra_args=["--no-index", "--find-links", "/srv/w"])
-    assert installer_argv(cfg, "0.2.0", None, python="/v/bin/python") == [
-        "/v/bin/python", "-m", "pip", "install", "--no-deps", "llmgw==0.2.0",
-        "--no-index", "--find-links", "/srv/w"]
-    assert installer_argv(UpgradeConfig(), "1.0", "https://pypi.example/simple",
-                          python="py")[-2:] == ["--index-url", "https://pypi.example/simple"]
+def stand_in_python(tmp: Path, download: bool = True, sleep: float = 0.0) -> str:
+    """An interpreter for the Upgrader: `-m pip download` goes to this
+    environment's real pip (from the node's source only, as set in pip's
+    environment); `-m pip install` only records its arguments, never
+    installing into this environment. Every run's argv and PIP_ environment
+    are appended to tmp/runs."""
+    path = tmp / "python"
+    real = f"exec {sys.executable} \"$@\"" if download else "exit 7"
+    path.write_text(f"""#!/bin/sh
+echo "argv: $*" >> {tmp}/runs
+env | grep '^PIP_' | sed 's/^/env: /' >> {tmp}/runs
+sleep {sleep}
+if [ "$3" = download ]; then {real}; fi
+echo "installed $*"
+""")
+    path.chmod(0o755)
+    return str(path)
 
 
-def test_index_credentials_are_masked_in_the_log() -> None:
-    argv = installer_argv(UpgradeConfig(), "1.0", "https://me:s3cret@pypi.example/simple")
-    assert "s3cret" not in shown(argv) and "https://***@pypi.example/simple" in shown(argv)
+def no_origin_problem() -> None:
+    return None
 
 
-@pytest.mark.parametrize("version", ["", "x1", "1.0 --pre", "1;rm", "--index-url=x"])
-def test_installer_refuses_what_is_not_a_version(version: str) -> None:
+def upgrader(tmp: Path, source: str, restarts: list[str] | None = None,
+             **python: Any) -> Upgrader:
+    cfg = UpgradeConfig(source=parse_source(source), python=stand_in_python(tmp, **python),
+                        origin_problem=no_origin_problem)
+    return Upgrader(cfg, (restarts if restarts is not None else []).append)
+
+
+async def test_without_a_source_configured_on_the_node_upgrades_are_refused(
+    tmp_path: Path
+) -> None:
+    up = Upgrader(UpgradeConfig(python=stand_in_python(tmp_path),
+                                origin_problem=no_origin_problem), lambda v: None)
     with pytest.raises(UpgradeError) as err:
-        installer_argv(UpgradeConfig(), version, None)
-    assert err.value.status == 400
+        await up.upgrade("0.1.0", SHA_ZERO)
+    assert (err.value.status, err.value.title) == (409, "Upgrades not enabled on this node")
+    assert "LLMGW_AGENT_UPGRADE_SOURCE is not set" in err.value.detail
+    assert not (tmp_path / "runs").exists()  # nothing ran
 
 
-def test_installer_refuses_an_index_that_is_not_a_url() -> None:
+@pytest.mark.parametrize(("raw", "ok"), [
+    ("", True), ("https://me:pw@pypi.example/simple", True), ("/srv/wheels", True),
+    ("ftp://x/simple", False), ("wheels", False), ("file:///srv/wheels", False),
+])
+def test_the_source_setting_is_an_index_url_or_a_wheel_folder(raw: str, ok: bool) -> None:
+    if ok:
+        parse_source(raw)
+    else:
+        with pytest.raises(ValueError, match="LLMGW_AGENT_UPGRADE_SOURCE"):
+            parse_source(raw)
+
+
+async def test_only_the_wheel_of_the_named_sha256_is_installed(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    wheel = build_wheel("0.1.0", wheels)
+    restarts: list[str] = []
+    up = upgrader(tmp_path, str(wheels), restarts)
     with pytest.raises(UpgradeError) as err:
-        installer_argv(UpgradeConfig(), "1.0", "-e evil")
+        await up.upgrade("0.1.0", SHA_ZERO)
+    assert err.value.status == 422 and err.value.title == "Wheel refused"
+    got = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert f"has sha256 {got}, not {SHA_ZERO}; nothing installed" in err.value.detail
+    runs = (tmp_path / "runs").read_text()
+    assert "argv: -m pip download" in runs and "argv: -m pip install" not in runs
+    assert "env: PIP_NO_INDEX=1" in runs and f"env: PIP_FIND_LINKS={wheels}" in runs
+
+    lines = await up.upgrade("0.1.0", got)
+    (install,) = [x for x in (tmp_path / "runs").read_text().splitlines()
+                  if x.startswith("argv: -m pip install")]
+    assert install.startswith("argv: -m pip install --no-deps --no-index --no-input /")
+    assert install.endswith("/llmgw-0.1.0-py3-none-any.whl"), install
+    assert lines and lines[-1].startswith("installed -m pip install")
+    await until(lambda: restarts == ["0.1.0"], "restart asked")
+
+
+async def test_index_credentials_never_reach_a_command_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.agent.upgrade")
+    source = "https://me:s3cret@pypi.example/simple"
+    up = upgrader(tmp_path, source, download=False)
+    with pytest.raises(UpgradeError) as err:
+        await up.upgrade("0.1.0", SHA_ZERO)
+    assert (err.value.status, err.value.detail) == (422, "pip download exited with 7; this "
+                                                    "agent runs on")
+    runs = (tmp_path / "runs").read_text()
+    argv = [x for x in runs.splitlines() if x.startswith("argv: ")]
+    assert argv and not any("s3cret" in x or "pypi.example" in x for x in argv), argv
+    assert f"env: PIP_INDEX_URL={source}" in runs  # pip's environment: the user's own
+    assert "s3cret" not in caplog.text and "https://***@pypi.example/simple" in caplog.text
+
+
+@pytest.mark.parametrize(("version", "sha"), [
+    ("", SHA_ZERO), ("x1", SHA_ZERO), ("1.0 --pre", SHA_ZERO), ("--index-url=x", SHA_ZERO),
+    ("1.0", "abc"), ("1.0", "A" * 64), ("1.0", SHA_ZERO + " x"),
+])
+async def test_a_request_that_is_not_a_version_and_a_hash_is_refused(
+    tmp_path: Path, version: str, sha: str
+) -> None:
+    with pytest.raises(UpgradeError) as err:
+        await upgrader(tmp_path, "/srv/wheels").upgrade(version, sha)
     assert err.value.status == 400
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("argv0", ["/usr/local/bin/llmgw", "/repo/app/cli.py"])
@@ -81,49 +164,36 @@ def test_reexec_keeps_the_agent_arguments(argv0: str) -> None:
         "/v/bin/python", "-m", "app.cli", "agent", "--gateway", "http://g", "--node", "n1"]
 
 
-async def test_failed_install_keeps_the_agent_running() -> None:
+async def test_failed_download_keeps_the_agent_running(tmp_path: Path) -> None:
     restarts: list[str] = []
-    script = "import sys; print('no such version', sys.argv[1]); sys.exit(3)"
-    cfg = UpgradeConfig(installer=f"{{python}} -c {script!r} {{version}}")
-    up = Upgrader(cfg, restarts.append)
+    up = upgrader(tmp_path, str(tmp_path / "empty"), restarts)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(UpgradeError) as err:
-        await up.upgrade("9.9.9")
-    assert (err.value.status, err.value.output) == (422, ["no such version 9.9.9"])
-    assert "exited with 3" in err.value.detail
+        await up.upgrade("9.9.9", SHA_ZERO)
+    assert err.value.status == 422 and "pip download exited with 1" in err.value.detail
+    assert any("9.9.9" in line for line in err.value.output), err.value.output
     assert up.installed is None and restarts == []
 
 
-async def test_installer_past_its_timeout_is_killed() -> None:
-    cfg = UpgradeConfig(installer="{python} -c 'import time; time.sleep(30)'", timeout=0.3)
-    up = Upgrader(cfg, lambda v: None)
+async def test_pip_past_its_timeout_is_killed(tmp_path: Path) -> None:
+    up = upgrader(tmp_path, "/srv/wheels", sleep=30)
+    up.cfg.timeout = 0.3
     with pytest.raises(UpgradeError, match=r"ran past 0\.3 s"):
-        await up.upgrade("1.0")
+        await up.upgrade("1.0", SHA_ZERO)
     assert up.installed is None
 
 
-async def test_one_upgrade_at_a_time_then_restart() -> None:
-    restarted = asyncio.Event()
-    restarts: list[str] = []
-
-    def restart(version: str) -> None:
-        restarts.append(version)
-        restarted.set()
-
-    cfg = UpgradeConfig(installer="{python} -c 'import time; time.sleep(0.5); print(\"ok\")'")
-    up = Upgrader(cfg, restart)
-    first = asyncio.create_task(up.upgrade("1.2.3"))
-    # One step: the task takes the lock before its first suspension (the
-    # installer's start).
+async def test_one_upgrade_at_a_time(tmp_path: Path) -> None:
+    up = upgrader(tmp_path, "/srv/wheels", download=False, sleep=0.5)
+    first = asyncio.create_task(up.upgrade("1.2.3", SHA_ZERO))
+    # One step: the task takes the lock before its first suspension.
     await asyncio.sleep(0)
     with pytest.raises(UpgradeError) as err:
-        await up.upgrade("1.2.4")
+        await up.upgrade("1.2.4", SHA_ZERO)
     assert err.value.status == 409
-    assert await first == ["ok"]
-    await asyncio.wait_for(restarted.wait(), 5)
-    assert restarts == ["1.2.3"]
-    with pytest.raises(UpgradeError) as err:  # restarting now: refused too
-        await up.upgrade("1.2.4")
-    assert err.value.status == 409
+    with pytest.raises(UpgradeError) as err:
+        await first
+    assert err.value.status == 422  # the stand-in's download fails
 
 
 # --- the supported version window -------------------------------------------------------
@@ -234,22 +304,24 @@ class VenvAgent(Proc):
 
 
 def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path: Path) -> None:
-    new_version = __version__ + ".post1"
+    # From an older agent, within the window, to this gateway's own version.
+    old_version, new_version = "0.0.9", __version__
     wheels = tmp_path / "wheels"
-    current = build_wheel(__version__, tmp_path / "current")
-    build_wheel(new_version, wheels)
+    current = build_wheel(old_version, tmp_path / "current")
+    wheel = build_wheel(new_version, wheels)
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     python = make_venv(tmp_path / "venv")
     subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index",
                     "--ignore-installed", "--disable-pip-version-check", "-q", str(current)],
                    check=True, cwd=tmp_path)
 
-    gw = cluster.gateway("gw-a")
+    gw = cluster.gateway("gw-a", min_agent_version="0.0.1")
     env = cluster.base_env()
     env.pop("LLMGW_SECRET")
     env.pop("PYTHONPATH", None)
     env.update({"LLMGW_AGENT_TOKEN": node_token(SECRET, "node-1"),
                 "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-                "LLMGW_AGENT_INSTALLER_ARGS": f"--no-index --find-links {wheels}"})
+                "LLMGW_AGENT_UPGRADE_SOURCE": str(wheels)})
     agent = VenvAgent("agent-node-1", [
         "agent", "--gateway", gw.url, "--node", "node-1", "--gpus", "1",
         "--work-dir", str(tmp_path / "agent-node-1")], env, tmp_path / "agent-node-1.log",
@@ -262,15 +334,20 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
             nodes = {n["name"]: n for n in admin.get("/admin/nodes").json()}
         return nodes["node-1"].get("version") if "node-1" in nodes else None
 
-    assert wait_for(version, 20, "node-1 in the fleet") == __version__
+    assert wait_for(version, 20, "node-1 in the fleet") == old_version
     served = serve_one(gw, f"up-{uuid.uuid4().hex[:8]}")
     pid_before = agent.popen.pid if agent.popen else 0
 
     with gw.admin() as admin:
         admin.timeout = 120
-        r = admin.post("/admin/nodes/node-1/upgrade", json={"version": new_version})
+        # Another wheel's hash: refused by the agent, which runs on.
+        r = admin.post("/admin/nodes/node-1/upgrade",
+                       json={"version": new_version, "sha256": SHA_ZERO})
+        assert r.status_code == 422 and "nothing installed" in r.text, r.text
+        r = admin.post("/admin/nodes/node-1/upgrade", json={"version": new_version,
+                                                             "sha256": sha})
     assert r.status_code == 200, (r.text, agent.output()[-3000:])
-    assert (r.json()["from"], r.json()["version"]) == (__version__, new_version)
+    assert (r.json()["from"], r.json()["version"]) == (old_version, new_version)
 
     wait_for(lambda: version() == new_version, 60, f"node-1 on {new_version}")
     # The same agent process, re-executed; the same engine, adopted.
@@ -282,32 +359,21 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
                                capture_output=True, text=True, cwd=tmp_path, check=True)
     assert str(tmp_path / "venv") in installed.stdout  # never this checkout's ./app
 
-    # 0.1.0.post1 is newer than this gateway: node-1 keeps its replica (above)
-    # but gets no new one, and says why.
-    put_model(gw, "second", {"model": "acme/m", "gpus": 1})
-    with gw.admin() as admin:
-        status = admin.get("/admin/models/second").json()["status"]
-    assert status["unplaced"] == (f"node-1: agent version {new_version} is outside the "
-                                  f"supported window [{agentversion.minor_floor(__version__)}"
-                                  f", {__version__}]"), status
-
-    # A version that is not there: refused with the installer's lines, the
-    # agent runs on.
-    # The agent's 422 comes through the gateway and `llmgw ctl upgrade`.
+    # A version the source does not hold: refused with pip's lines, the
+    # agent runs on. The agent's 422 comes through the gateway and `llmgw
+    # ctl upgrade`.
     ctl = subprocess.run(
-        [sys.executable, "-m", "app.cli", "ctl", "upgrade", "node-1", "99.0.0",
-         "--gateway", gw.url], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "app.cli", "ctl", "upgrade", "node-1", "0.0.8", "--sha256",
+         sha, "--gateway", gw.url], cwd=ROOT, capture_output=True, text=True, timeout=120,
         env=cluster.base_env() | {"LLMGW_ADMIN_TOKEN": ADMIN})
     assert ctl.returncode == 1, (ctl.stdout, ctl.stderr)
-    assert "answered 422: Upgrade failed: the installer exited with 1" in ctl.stderr
-    with gw.admin() as admin:
-        admin.timeout = 120
-        r = admin.post("/admin/nodes/node-1/upgrade", json={"version": "99.0.0"})
-    assert r.status_code == 422, r.text
-    assert any("99.0.0" in line for line in r.json()["output"]), r.text
+    assert "answered 422: Upgrade failed: pip download exited with 1" in ctl.stderr
     with gw.admin() as admin:  # refused by the gateway, before the agent
-        r = admin.post("/admin/nodes/node-1/upgrade", json={"version": "1.0 --pre"})
-    assert r.status_code == 422 and "version" in r.text, r.text
+        for body in ({"version": "1.0 --pre", "sha256": sha},
+                     {"version": "0.0.8", "sha256": sha, "index_url": "https://evil/simple"},
+                     {"version": "0.0.8"}):
+            r = admin.post("/admin/nodes/node-1/upgrade", json=body)
+            assert r.status_code == 422, r.text
     assert version() == new_version and agent.popen.poll() is None
     assert os.path.exists(tmp_path / "agent-node-1" / "engines.json")
 

@@ -38,7 +38,7 @@ from app.agent.gateway_client import (
 )
 from app.agent.nodeops import NodeOps
 from app.agent.running import Running
-from app.control.state import NodeInfo, Phase, ReplicaStatus
+from app.control.state import DEFAULT_VLLM_VERSION, NodeInfo, Phase, ReplicaStatus
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ class Agent:
         if not self.synced:
             self.ops.build_chosen.set()  # the build loop waited for the choice
         self.synced = True
-        self.ops.choose(str(answer.get("engine_build") or "auto"))
+        self.ops.choose(str(answer.get("engine_build") or "auto"),
+                        str(answer.get("vllm_version") or DEFAULT_VLLM_VERSION))
         if answer["fingerprint"] == self.fingerprint:
             return "unchanged"
         self.fingerprint = answer["fingerprint"]

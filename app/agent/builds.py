@@ -17,25 +17,68 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shlex
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.control.agentversion import parse
+from app.control.state import DEFAULT_VLLM_VERSION, check_vllm_version
+
 logger = logging.getLogger(__name__)
 
 # What `pip install` gets for each build: vLLM's CUDA 13 wheels, or the
-# same version's CUDA 12.9 wheels with PyTorch's cu129 torch.
+# same version's CUDA 12.9 wheels with PyTorch's cu129 torch; {version} the
+# vLLM version the gateways name, pinned (`vllm==X`): unpinned, each node
+# installed whatever was newest on its install day.
 PIP_ARGS = {
-    "cu13": "vllm --extra-index-url https://download.pytorch.org/whl/cu130",
-    "cu129": ("vllm --extra-index-url https://wheels.vllm.ai/cu129 "
+    "cu13": "vllm=={version} --extra-index-url https://download.pytorch.org/whl/cu130",
+    "cu129": ("vllm=={version} --extra-index-url https://wheels.vllm.ai/cu129 "
               "--extra-index-url https://download.pytorch.org/whl/cu129"),
 }
-# Placeholders: {build}, {venv}, {pip_args} (shell-quoted where paths).
+# Placeholders: {build}, {venv}, {pip_args}, {vllm_version} (shell-quoted
+# where paths; a version is checked to be one shell word).
+INSTALLER_PLACEHOLDERS = frozenset({"build", "venv", "pip_args", "vllm_version"})
+CHECK_PLACEHOLDERS = frozenset({"build", "venv", "vllm_version"})
 DEFAULT_INSTALLER = "python3 -m venv {venv} && {venv}/bin/pip install --quiet {pip_args}"
 DEFAULT_CHECK = ("{venv}/bin/python -c \"import torch; a = torch.ones(64, 64, device='cuda'); "
                  "print('matmul sum', float((a @ a).sum()))\"")
 TAIL_LINES = 20
+
+
+# A placeholder is `{name}` alone, lower case, not after `$`: the shell's
+# `${VAR}` and awk's `{ print $1 }` are left as they are, for `sh -c`.
+# str.format read every brace as a field and raised on them, in the build
+# loop, again each minute.
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([a-z][a-z0-9_]*)\}")
+MAX_TEMPLATE = 8192
+
+
+def check_template(setting: str, template: str, names: frozenset[str]) -> str:
+    """`template` if it is one `sh -c` can run with `names` filled in;
+    ValueError naming `setting` otherwise (unknown placeholder, unbalanced
+    quotes, empty)."""
+    if not template.strip():
+        raise ValueError(f"{setting}: empty; unset it for the default")
+    if len(template) > MAX_TEMPLATE or "\x00" in template:
+        raise ValueError(f"{setting}: longer than {MAX_TEMPLATE} characters or holds a NUL")
+    known = ", ".join(f"{{{n}}}" for n in sorted(names))
+    for m in _PLACEHOLDER.finditer(template):
+        if m.group(1) not in names:
+            raise ValueError(f"{setting}: unknown placeholder {m.group(0)} (known: {known}; "
+                             "write a brace of the shell's or awk's with a space or a $ "
+                             "inside, e.g. '{ print }')")
+    try:
+        shlex.split(template)
+    except ValueError as exc:
+        raise ValueError(f"{setting}: {exc}: the shell would refuse it") from None
+    return template
+
+
+def render(template: str, values: dict[str, str]) -> str:
+    """`template` with its placeholders filled in; every other brace kept."""
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
 def pick(choice: str, cuda_version: str) -> tuple[str | None, str]:
@@ -68,37 +111,65 @@ class BuildsConfig:
     install_timeout: float = 3600.0
     check_timeout: float = 300.0
 
+    def __post_init__(self) -> None:
+        check_template("LLMGW_AGENT_VLLM_INSTALLER", self.installer, INSTALLER_PLACEHOLDERS)
+        check_template("LLMGW_AGENT_VLLM_CHECK", self.check, CHECK_PLACEHOLDERS)
+
 
 def builds_config() -> BuildsConfig:
     """From the agent's environment: LLMGW_AGENT_VLLM_INSTALLER and
-    LLMGW_AGENT_VLLM_CHECK, command templates run by `sh -c` ({build},
-    {venv}, {pip_args} replaced), and LLMGW_VLLM_BIN."""
+    LLMGW_AGENT_VLLM_CHECK, command templates run by `sh -c` (only the
+    placeholders above replaced), and LLMGW_VLLM_BIN. ValueError naming the
+    setting for a bad template: the agent refuses to start on it."""
     return BuildsConfig(
         installer=os.environ.get("LLMGW_AGENT_VLLM_INSTALLER") or DEFAULT_INSTALLER,
         check=os.environ.get("LLMGW_AGENT_VLLM_CHECK") or DEFAULT_CHECK,
         operator_bin=os.environ.get("LLMGW_VLLM_BIN", ""))
 
 
+def installed_vllm(venv: Path) -> str:
+    """The vLLM version installed in `venv`, read from its dist-info (what
+    pip, uv or conda leave), "" none or more than one."""
+    found = {p.name[len("vllm-"):-len(".dist-info")]
+             for p in venv.glob("lib/python*/site-packages/vllm-*.dist-info")}
+    return found.pop() if len(found) == 1 else ""
+
+
+def same_version(a: str, b: str) -> bool:
+    try:
+        return bool(parse(a) == parse(b))
+    except ValueError:
+        return a == b
+
+
 @dataclass
 class Builds:
     cfg: BuildsConfig
     work_dir: Path
-    # The operator's choice as last told by the gateways.
+    # The operator's choice as last told by the gateways: the build and the
+    # vLLM version (the gateways' LLMGW_VLLM_VERSION unless the node's conf
+    # names one; this agent's default before the first answer, or from a
+    # gateway older than pinned versions).
     choice: str = "auto"
+    version: str = DEFAULT_VLLM_VERSION
     # The build that passed its check ("operator": LLMGW_VLLM_BIN); "" none.
     usable: str = ""
+    # The vLLM version it holds as installed; "" unknown (the operator's).
+    usable_version: str = ""
     detail: str = ""
-    # (choice, build) last tried and failed: not retried until the choice
-    # changes or the agent restarts (an install is minutes of downloads).
-    _failed: tuple[str, str] | None = None
+    # (choice, build, version) last tried and failed: not retried until the
+    # choice changes or the agent restarts (an install is minutes of downloads).
+    _failed: tuple[str, str, str] | None = None
     _running: str = field(default="")
 
     def __post_init__(self) -> None:
         if self.cfg.operator_bin:
             self.usable, self.detail = "operator", "LLMGW_VLLM_BIN: the operator's own vLLM"
 
-    def venv(self, build: str) -> Path:
-        return self.work_dir / "engines" / build / "venv"
+    def venv(self, build: str, version: str) -> Path:
+        """One environment per build and version: a new version installs
+        beside the old, never under an engine running from it."""
+        return self.work_dir / "engines" / f"{build}-{version}" / "venv"
 
     def vllm_bin(self) -> str | None:
         """The vllm executable replicas start with; None: no usable build."""
@@ -106,7 +177,7 @@ class Builds:
             return self.cfg.operator_bin
         if not self.usable:
             return None
-        return str(self.venv(self.usable) / "bin" / "vllm")
+        return str(self.venv(self.usable, self.usable_version) / "bin" / "vllm")
 
     async def step(self, cuda_version: str) -> bool:
         """Brings the node to the chosen build: installs it unless already
@@ -114,22 +185,28 @@ class Builds:
         if self.cfg.operator_bin:
             return False
         build, why = pick(self.choice, cuda_version)
+        version = self.version
+        try:
+            check_vllm_version(version)
+        except ValueError as exc:
+            build, why = None, f"the gateways named no usable vLLM version: {exc}"
         if build is None:
             changed = (self.usable, self.detail) != ("", why)
-            self.usable, self.detail = "", why
+            self.usable, self.usable_version, self.detail = "", "", why
             return changed
-        if build == self.usable or self._failed == (self.choice, build):
+        target = (self.choice, build, version)
+        if (build, version) == (self.usable, self.usable_version) or self._failed == target:
             return False
-        self.usable = ""
-        self._running = build
+        self.usable, self.usable_version = "", ""
+        self._running = f"{build} (vLLM {version})"
         try:
-            ok, self.detail = await self._install_and_check(build)
+            ok, self.detail = await self._install_and_check(build, version)
         finally:
             self._running = ""
         if ok:
-            self.usable, self._failed = build, None
+            self.usable, self.usable_version, self._failed = build, version, None
         else:
-            self._failed = (self.choice, build)
+            self._failed = target
         return True
 
     def status(self) -> str:
@@ -137,26 +214,34 @@ class Builds:
         text = f"installing {self._running}" if self._running else self.detail
         return text if len(text) <= 4000 else "..." + text[-3997:]
 
-    async def _install_and_check(self, build: str) -> tuple[bool, str]:
-        venv = self.venv(build)
+    async def _install_and_check(self, build: str, version: str) -> tuple[bool, str]:
+        venv = self.venv(build, version)
         log = venv.parent / "install.log"
+        name = f"{build} (vLLM {version})"
+        values = {"build": build, "venv": shlex.quote(str(venv)), "vllm_version": version,
+                  "pip_args": PIP_ARGS[build].replace("{version}", version)}
         if not (venv / "bin" / "vllm").exists():
-            logger.info("installing vLLM build %s into %s", build, venv)
-            cmd = self.cfg.installer.format(build=build, venv=shlex.quote(str(venv)),
-                                            pip_args=PIP_ARGS[build])
-            code, tail = await _run(cmd, log, self.cfg.install_timeout)
+            logger.info("installing vLLM build %s into %s", name, venv)
+            code, tail = await _run(render(self.cfg.installer, values), log,
+                                    self.cfg.install_timeout)
             if code != 0:
-                logger.error("installing vLLM build %s failed (%s)", build, code)
-                return False, f"{build}: install failed ({code}); last lines:\n{tail}"
+                logger.error("installing vLLM build %s failed (%s)", name, code)
+                return False, f"{name}: install failed ({code}); last lines:\n{tail}"
             if not (venv / "bin" / "vllm").exists():
-                return False, f"{build}: the installer left no {venv}/bin/vllm"
-        cmd = self.cfg.check.format(build=build, venv=shlex.quote(str(venv)))
-        code, tail = await _run(cmd, venv.parent / "check.log", self.cfg.check_timeout)
+                return False, f"{name}: the installer left no {venv}/bin/vllm"
+        # What is there, not what was asked: an installer of the operator's
+        # may pin otherwise, and every node must run the same vLLM.
+        found = await asyncio.to_thread(installed_vllm, venv)
+        if not same_version(found, version):
+            return False, (f"{name}: the environment holds vLLM {found or '(none found)'}, "
+                           f"not {version}")
+        code, tail = await _run(render(self.cfg.check, values), venv.parent / "check.log",
+                                self.cfg.check_timeout)
         if code != 0:
-            logger.error("GPU check of vLLM build %s failed (%s)", build, code)
-            return False, f"{build}: GPU check failed ({code}); output:\n{tail}"
-        logger.info("vLLM build %s passed its GPU check", build)
-        return True, f"{build}: GPU check passed; output:\n{tail}"
+            logger.error("GPU check of vLLM build %s failed (%s)", name, code)
+            return False, f"{name}: GPU check failed ({code}); output:\n{tail}"
+        logger.info("vLLM build %s passed its GPU check", name)
+        return True, f"{name}: GPU check passed; output:\n{tail}"
 
 
 async def _run(cmd: str, log: Path, timeout: float) -> tuple[int | str, str]:

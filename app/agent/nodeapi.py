@@ -12,7 +12,7 @@ and a token taken from one node opens that node's API only.
     GET    /node/v1/weights                             the model cache's entries
     DELETE /node/v1/weights  {"paths": [...]}           removes entries (all or none)
     POST   /node/v1/fabric/ticket|send|sink             fabric test (app/agent/fabric.py)
-    POST   /node/v1/upgrade  {"version", "index_url"?}  installs llmgw, restarts (upgrade.py)
+    POST   /node/v1/upgrade  {"version", "sha256"}      installs llmgw, restarts (upgrade.py)
 
 Errors are RFC 9457 problem JSON, like the gateways' /admin. Log lines are
 returned with every engine key and key-shaped string masked
@@ -168,16 +168,19 @@ class NodeApi:
 
     # --- cached weights -----------------------------------------------------------------
 
-    def _in_use(self) -> dict[Path, list[str]]:
+    def _in_use(self) -> Callable[[], dict[Path, list[str]]]:
+        """What the replicas' weights occupy, to compute in a worker thread:
+        it walks their folders for links (weights.in_use_paths)."""
         by_weights: dict[str, list[str]] = {}
         for spec in self.view.engine_specs():
             by_weights.setdefault(spec.weights, []).append(spec.replica_id)
-        return weights.in_use_paths(self.cfg.cache_dir, by_weights)
+        return lambda: weights.in_use_paths(self.cfg.cache_dir, by_weights)
 
     async def list_weights(self, request: web.Request) -> web.Response:
+        in_use = self._in_use()
         try:
-            entries = await asyncio.to_thread(weights.listing, self.cfg.cache_dir,
-                                              self._in_use())
+            entries = await asyncio.to_thread(
+                lambda: weights.listing(self.cfg.cache_dir, in_use()))
         except OSError as exc:  # not a folder, no permission
             logger.warning("model cache %s unreadable: %s", self.cfg.cache_dir, exc)
             raise _Problem(500, "Cache unreadable", f"{self.cfg.cache_dir}: {exc}") from None
@@ -195,8 +198,9 @@ class NodeApi:
             raise _Problem(400, "Bad body",
                            f'send {{"paths": [...]}}: 1 to {MAX_PATHS} paths as strings')
         try:
-            removed = await asyncio.to_thread(weights.remove, self.cfg.cache_dir, paths,
-                                              self._in_use())
+            in_use = self._in_use()
+            removed = await asyncio.to_thread(
+                lambda: weights.remove(self.cfg.cache_dir, paths, in_use()))
         except weights.Refused as exc:
             title = {404: "No such path", 409: "Weights in use"}.get(exc.status, "Path refused")
             raise _Problem(exc.status, title, f"{exc.path!r}: {exc.reason}; nothing removed",
@@ -216,15 +220,18 @@ class NodeApi:
         except ValueError:
             body = None
         version = body.get("version") if isinstance(body, dict) else None
-        index_url = body.get("index_url") if isinstance(body, dict) else None
-        if not isinstance(version, str) or not isinstance(index_url, str | None):
+        sha256 = body.get("sha256") if isinstance(body, dict) else None
+        if not isinstance(version, str) or not isinstance(sha256, str):
             raise _Problem(400, "Bad body", 'send JSON: {"version": "X.Y.Z", '
-                           '"index_url": optional}')
+                           '"sha256": "<the wheel\'s>"}')
+        if isinstance(body, dict) and body.get("index_url") is not None:
+            raise _Problem(400, "Bad body", "index_url is not taken: upgrades come only from "
+                           f"this node's {upgrade.SOURCE_SETTING}")
         if self.upgrader is None:
             raise _Problem(501, "Upgrade not available",
                            "this agent was not started by `llmgw agent`: it cannot restart")
         try:
-            lines = await self.upgrader.upgrade(version, index_url)
+            lines = await self.upgrader.upgrade(version, sha256)
         except upgrade.UpgradeError as exc:
             raise _Problem(exc.status, exc.title, exc.detail, output=exc.output) from None
         return web.json_response({"node": self.cfg.node, "from": __version__,

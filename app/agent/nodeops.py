@@ -89,15 +89,18 @@ class NodeOps:
         self.hardware = refreshed(self.hardware, found)
         return True
 
-    def choose(self, build: str) -> None:
-        """The build the gateways name for this node (the assignments answer)."""
-        if build != self.builds.choice:
-            logger.info("engine build for this node: %s (was %s)", build, self.builds.choice)
-            self.builds.choice = build
+    def choose(self, build: str, version: str) -> None:
+        """The build and vLLM version the gateways name for this node (the
+        assignments answer)."""
+        if (build, version) != (self.builds.choice, self.builds.version):
+            logger.info("engine build for this node: %s, vLLM %s (was %s, %s)", build, version,
+                        self.builds.choice, self.builds.version)
+            self.builds.choice, self.builds.version = build, version
             self.build_chosen.set()
 
     def build_fields(self) -> dict[str, Any]:
-        return {"vllm_build": self.builds.usable, "vllm_build_check": self.builds.status()}
+        return {"vllm_build": self.builds.usable, "vllm_version": self.builds.usable_version,
+                "vllm_build_check": self.builds.status()}
 
     async def rotate(self, logs: Iterable[Path]) -> list[Path]:
         """Rotates the engine logs grown past log_max_bytes."""

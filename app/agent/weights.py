@@ -12,6 +12,17 @@ naming entries to remove; every path is checked before anything is removed
   point inside the cache too;
 - it must not hold, or lie inside, the weights of a replica this node runs
   (or is assigned): removing them would break the engine's next load.
+  Weights are reached through symlinks (a hub snapshot's files link into
+  its `blobs/`; a weights path may be a link to a snapshot, or a folder of
+  links into the cache), so what is protected is the whole chain: each
+  replica's weights resolved, and every file its links resolve to.
+
+The removal itself never follows a path twice: it opens the cache, then
+each folder down to the entry with O_DIRECTORY|O_NOFOLLOW, relative to the
+previous one, and removes the entry relative to its parent's descriptor
+(`shutil.rmtree(dir_fd=)`, which walks by descriptors too). A folder
+swapped for a symlink after the check makes the open fail (nothing
+outside the cache is reached); the request answers 409 "changed".
 
 Not guaranteed: a replica assigned between the check and the removal may
 start downloading what is being removed (vLLM then downloads it again).
@@ -20,6 +31,7 @@ Everything here blocks (walks, rmtree): run it in a thread.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -69,14 +81,37 @@ def hub_folder(weights: str) -> str | None:
     return "models--" + weights.replace("/", "--")
 
 
+# Links followed per replica's weights when finding what they point to: a
+# model is tens to thousands of files; past this the rest is not protected.
+MAX_LINKS = 100_000
+
+
+def _link_targets(root: Path) -> set[Path]:
+    """Where the symlinks under `root` (itself resolved) lead, resolved."""
+    out: set[Path] = set()
+    if not root.is_dir():
+        return out
+    for folder, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                out.add(Path(os.path.realpath(path)))
+                if len(out) >= MAX_LINKS:
+                    return out
+    return out
+
+
 def in_use_paths(cache: Path, weights: Mapping[str, list[str]]) -> dict[Path, list[str]]:
     """Resolved paths each replica's weights occupy -> replica ids, from
-    {weights: [replica ids]}: a hub id's cache folder, or the path itself."""
+    {weights: [replica ids]}: a hub id's cache folder, or the path itself,
+    and everything the links inside them lead to (blobs a snapshot links to,
+    cache files a folder of links names)."""
     out: dict[Path, list[str]] = {}
     for w, replicas in weights.items():
         folder = hub_folder(w)
-        where = cache / folder if folder is not None else Path(w)
-        out.setdefault(Path(os.path.realpath(where)), []).extend(replicas)
+        where = Path(os.path.realpath(cache / folder if folder is not None else Path(w)))
+        for path in {where, *_link_targets(where)}:
+            out.setdefault(path, []).extend(replicas)
     return out
 
 
@@ -150,15 +185,48 @@ def check(cache: Path, raw: str, in_use: Mapping[Path, list[str]]) -> Path:
     return target
 
 
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _remove_at(real_cache: Path, target: Path, raw: str) -> None:
+    """Removes `target` (checked: strictly inside `real_cache`, its folders
+    resolved) by descriptors: each folder opened without following a link,
+    the entry removed relative to its parent's descriptor."""
+    parts = target.relative_to(real_cache).parts
+    fd = os.open(real_cache, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, _NOFOLLOW_DIR, dir_fd=fd)
+            except FileNotFoundError:
+                return  # inside another path of the same request, already removed
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise Refused(409, raw, f"{part!r} changed into a symlink or a file "
+                                  "since it was checked; list the cache again") from None
+                raise
+            os.close(fd)
+            fd = nxt
+        try:
+            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            # Descriptor-based (shutil.rmtree.avoids_symlink_attacks): removes
+            # links inside, never what they point to; refuses a folder swapped
+            # for a link between its lstat and its open.
+            shutil.rmtree(parts[-1], dir_fd=fd)
+        else:
+            os.unlink(parts[-1], dir_fd=fd)  # a file, or a link itself
+    finally:
+        os.close(fd)
+
+
 def remove(cache: Path, paths: Iterable[str], in_use: Mapping[Path, list[str]]) -> list[str]:
     """Removes every path, or none if any is refused (Refused raised)."""
     raws = list(paths)
     targets = [check(cache, raw, in_use) for raw in raws]
-    for target in targets:
-        if not os.path.lexists(target):
-            continue  # inside another path of the same request, already removed
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)  # removes links inside, never what they point to
-        else:
-            target.unlink(missing_ok=True)
+    real_cache = Path(os.path.realpath(cache))
+    for raw, target in zip(raws, targets, strict=True):
+        _remove_at(real_cache, target, raw)
     return raws

@@ -39,10 +39,10 @@ class StatusReport(BaseModel):
     replicas: list[s.ReplicaStatus]
 
 
-def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], str]:
+def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], s.NodeConf]:
     """This node's desired replicas, with their engine keys, a fingerprint,
-    and the vLLM build chosen for the node (in the fingerprint: a new choice
-    answers the long poll)."""
+    and the node's conf, whose vLLM build and version are chosen for the
+    node (in the fingerprint: a new choice answers the long poll)."""
     mine = sorted((r for r in gw.mirror.replicas().values() if r.node == node),
                   key=lambda r: r.id)
     conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
@@ -55,12 +55,14 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], str]
         for r in mine]
     if conf.engine_build != "auto":  # fingerprints of the default stay as they were
         shape.append(conf.engine_build)
+    if conf.vllm_version:
+        shape.append(conf.vllm_version)
     fp = hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
     out = [{"id": r.id, "model": r.model, "weights": r.weights,
             "weights_revision": r.weights_revision, "engine_args": r.engine_args,
             "engine": r.engine,
             "gpus": r.gpus, "key": gw.secrets.engine_key(r.id, r.secret)} for r in mine]
-    return fp, out, conf.engine_build
+    return fp, out, conf
 
 
 def check_engine_url(url: str, node: s.NodeInfo | None) -> str | None:
@@ -176,11 +178,12 @@ def routes(gw: Gateway) -> APIRouter:
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
         while True:
             seen = gw.mirror.revision
-            fp, replicas, build = assignments(gw, node)
+            fp, replicas, conf = assignments(gw, node)
             left = deadline - loop.time()
             if fp != since or left <= 0 or gw.closing.is_set():
                 return {"fingerprint": fp, "revision": seen, "store": gw.mirror.store_id(),
-                        "replicas": replicas, "engine_build": build}
+                        "replicas": replicas, "engine_build": conf.engine_build,
+                        "vllm_version": conf.vllm_version or gw.settings.vllm_version}
             # Woken only by a change to this node's replicas or conf, not by
             # every change in the fleet (docs/architecture.md, Scale).
             await _first(gw.mirror.wait_node_past(node, seen, left), gw.closing.wait())

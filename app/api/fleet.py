@@ -56,6 +56,13 @@ class EngineBuildBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     build: s.EngineBuild
+    # Omitted: the gateways' LLMGW_VLLM_VERSION (the same on every node).
+    vllm_version: str = Field(default="", max_length=64)
+
+    @field_validator("vllm_version")
+    @classmethod
+    def _vllm_version(cls, v: str) -> str:
+        return s.check_vllm_version(v) if v else v
 
 
 class QuotaBody(BaseModel):
@@ -136,8 +143,11 @@ def routes(gw: Gateway) -> APIRouter:
     @r.put("/nodes/{node}/engine-build")
     async def put_engine_build(node: str, body: EngineBuildBody) -> dict[str, Any]:
         """auto (the newest build the driver runs), cu13, cu129, or none (no
-        vLLM replicas). The node's agent is told within its long poll."""
-        return await change(node, lambda c: c.model_copy(update={"engine_build": body.build}))
+        vLLM replicas), and the vLLM version it installs (omitted: the
+        gateways' LLMGW_VLLM_VERSION). The node's agent is told within its
+        long poll."""
+        return await change(node, lambda c: c.model_copy(
+            update={"engine_build": body.build, "vllm_version": body.vllm_version}))
 
     @r.post("/nodes/{node}/cordon")
     async def cordon(node: str) -> dict[str, Any]:

@@ -13,11 +13,14 @@ back as they are; a gateway never answers 500 for an agent's trouble:
   gateway's token, a broken answer: 502, saying which;
 - no answer within LLMGW_NODE_API_TIMEOUT (an upgrade: LLMGW_NODE_UPGRADE_TIMEOUT): 504.
 
-`POST /admin/nodes/{node}/upgrade {"version", "index_url"?}` waits for the
+`POST /admin/nodes/{node}/upgrade {"version", "sha256"}` waits for the
 agent's installer (app/agent/upgrade.py): 200 when installed (the agent
 then restarts on it and adopts its engines; its heartbeat reports the new
-version), 422 with the installer's last lines when it failed (the agent
-runs on), 409 while another upgrade of that agent runs.
+version), 422 with the installer's last lines when it failed or the wheel's
+hash differs (the agent runs on), 409 while another upgrade of that agent
+runs or when the node's operator configured no upgrade source. A version
+outside this gateway's agent version window is refused here (422): an
+agent placement would refuse is not installed.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import aiohttp
 from fastapi import APIRouter, Body, Depends, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.agent.logfiles import mask
 from app.api.agent import check_engine_url
 from app.api.auth import admin_guard
 from app.api.errors import Problem
+from app.control.agentversion import default_window
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -48,11 +52,24 @@ class WeightsDelete(BaseModel):
 
 
 class Upgrade(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     version: str = Field(..., min_length=1, max_length=64, pattern=r"^[0-9][0-9A-Za-z.+!-]*$",
                          description="the llmgw version to install, e.g. 0.2.0")
-    index_url: str | None = Field(None, max_length=2000,
-                                  description="package index to install from (default: the "
-                                              "agent's installer's)")
+    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$",
+                        description="the sha256 of the wheel to install (lowercase hex): "
+                                    "the agent installs that file only")
+    # Refused: an admin-chosen index ran any code as the agent's user. The
+    # source is the node operator's (LLMGW_AGENT_UPGRADE_SOURCE).
+    index_url: None = Field(None, description="not accepted: upgrades come only from the "
+                                              "source each node's operator configures")
+
+    @field_validator("index_url", mode="before")
+    @classmethod
+    def _no_index(cls, v: object) -> None:
+        if v is not None:
+            raise ValueError("not accepted: upgrades come only from the source each node's "
+                             "operator configures (LLMGW_AGENT_UPGRADE_SOURCE)")
+        return None
 
 
 def agent_url(gw: Gateway, node: str) -> str:
@@ -175,7 +192,11 @@ def routes(gw: Gateway) -> APIRouter:
     @r.post("/{node:path}/upgrade", summary="Install an llmgw version on a node's agent, "
             "which restarts on it and adopts its engines")
     async def upgrade(node: str, req: Annotated[Upgrade, Body()]) -> dict[str, Any]:
-        body = {"version": req.version, "index_url": req.index_url}
+        why = default_window(gw.settings.min_agent_version).refusal(req.version)
+        if why is not None:
+            raise Problem(422, "Version refused", f"{why}: this gateway would place nothing "
+                          "on it; upgrade the gateways first", field="version")
+        body = {"version": req.version, "sha256": req.sha256}
         answer = await call_agent(gw, node, "POST", "/node/v1/upgrade", body=body,
                                   timeout_s=gw.settings.node_upgrade_timeout)
         logger.info("node %s: agent upgraded from llmgw %s to %s, restarting", node,

@@ -131,6 +131,9 @@ class NodeInfo(_Stored):
     # usable (no vLLM replicas placed here); None from older agents, which
     # placement does not judge.
     vllm_build: str | None = None
+    # The vLLM version that build holds, as installed (read from its
+    # environment, not as asked); "" unknown (the operator's own) or none.
+    vllm_version: str | None = Field(default=None, max_length=64)
     # What became of the chosen build: installing, its GPU check and output.
     vllm_build_check: str = Field(default="", max_length=4096)
 
@@ -158,6 +161,18 @@ def check_labels(labels: dict[str, str]) -> dict[str, str]:
 
 
 EngineBuild = Literal["auto", "cu13", "cu129", "none"]
+# The vLLM version engine builds install (`vllm==X`) where neither the
+# node's conf nor the gateways' LLMGW_VLLM_VERSION names one: pinned, so
+# that every node runs the same vLLM whatever day it installed it.
+DEFAULT_VLLM_VERSION = "0.33.0"
+# A version pip reads as one `==` pin and a shell as one word.
+VLLM_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!]{0,63}$")
+
+
+def check_vllm_version(v: str) -> str:
+    if not VLLM_VERSION.match(v):
+        raise ValueError(f"{v!r} is not a vLLM version (e.g. {DEFAULT_VLLM_VERSION})")
+    return v
 
 
 class NodeConf(_Stored):
@@ -173,6 +188,9 @@ class NodeConf(_Stored):
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     engine_build: EngineBuild = Field(
         default="auto", description="the vLLM build its agent installs; none: no vLLM here")
+    vllm_version: str = Field(
+        default="", max_length=64,
+        description="the vLLM version that build installs; empty: LLMGW_VLLM_VERSION")
 
     @field_validator("pool")
     @classmethod
@@ -183,6 +201,11 @@ class NodeConf(_Stored):
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         return check_labels(v)
+
+    @field_validator("vllm_version")
+    @classmethod
+    def _vllm_version(cls, v: str) -> str:
+        return check_vllm_version(v) if v else v
 
 
 class Quota(_Stored):

@@ -67,6 +67,8 @@ def nodes(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
             versions += f", CUDA {n['cuda_version']}"
         if n.get("vllm_build") is not None:  # agents older than engine builds: absent
             versions += f", vLLM build {n['vllm_build'] or 'none usable'}"
+            if n.get("vllm_version"):
+                versions += f" (vllm {n['vllm_version']})"
         host = f"{n.get('cpus') or '?'} CPUs, {_gib(n.get('memory_mib') or 0)}"
         table.add_row(n["name"], n.get("address", ""), _gpus(n), versions, host,
                       _state(n.get("conf") or {}), ", ".join(n.get("replicas", [])))
@@ -179,15 +181,16 @@ def fabric_test(
 def upgrade(
     node: Annotated[str, typer.Argument(help="node name")],
     version: Annotated[str, typer.Argument(help="llmgw version to install, e.g. 0.2.0")],
-    index_url: Annotated[str | None, typer.Option(
-        "--index-url", help="package index (default: the agent's installer's)")] = None,
+    sha256: Annotated[str, typer.Option(
+        "--sha256", help="the wheel's sha256 (`sha256sum llmgw-X-py3-none-any.whl`): the "
+        "agent installs that file only, from its node's configured source")],
     timeout: Annotated[float, typer.Option(
         "--timeout", min=1, help="seconds to wait for the install")] = 360.0,
     gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False,
 ) -> None:
     """Install an llmgw version on a node's agent; it restarts on it, keeping its engines."""
     data = request(gateway, "POST", f"/admin/nodes/{urllib.parse.quote(node)}/upgrade",
-                   body={"version": version, "index_url": index_url}, timeout=timeout)
+                   body={"version": version, "sha256": sha256}, timeout=timeout)
     if as_json:
         out(data, True)
         return
@@ -198,17 +201,22 @@ def upgrade(
 def engine_build(
     node: Annotated[str, typer.Argument(help="node name")],
     choice: Annotated[str, typer.Argument(help="auto, cu13, cu129 or none")],
+    vllm_version: Annotated[str, typer.Option(
+        "--vllm-version", help="vLLM version to install (default: the gateways' "
+        "LLMGW_VLLM_VERSION)")] = "",
     gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False,
 ) -> None:
     """Choose the vLLM build a node's agent installs (none: no vLLM replicas there)."""
     if choice not in ("auto", "cu13", "cu129", "none"):
         raise typer.BadParameter("one of auto, cu13, cu129, none", param_hint="CHOICE")
     data = request(gateway, "PUT", f"/admin/nodes/{urllib.parse.quote(node)}/engine-build",
-                   body={"build": choice})
+                   body={"build": choice, "vllm_version": vllm_version})
     if as_json:
         out(data, True)
     else:
-        sys.stdout.write(f"{node}: engine build {data.get('engine_build', choice)}\n")
+        pinned = data.get("vllm_version") or "the gateways' default"
+        sys.stdout.write(f"{node}: engine build {data.get('engine_build', choice)}, "
+                         f"vLLM {pinned}\n")
 
 
 def node_token_cmd(node: Annotated[str, typer.Argument(help="node name")]) -> None:
