@@ -16,7 +16,9 @@ from app import __version__
 from app.agent.codeorigin import code_origin_problem
 from app.agent.upgrade import UpgradeConfig, UpgradeError, Upgrader, parse_source
 from app.control import agentversion
+from app.control import state as s
 from tests.support.etcd import EtcdServer, ExternalEtcd
+from tests.support.procs import until
 from tests.test_agent_api import _join, gateways
 from tests.test_upgrade import build_wheel, stand_in_python
 
@@ -41,7 +43,10 @@ async def test_the_gateway_refuses_an_index_a_version_outside_its_window_and_no_
         assert f"agent version 99.0.0 is outside the supported window {window}" in r.text
         r = await upgrade({"version": __version__})
         assert r.status_code == 422 and "sha256" in r.text, r.text
-        # Within the window, with a hash: relayed (n1 reports no API here).
+        # Within the window, with a hash: relayed (n1 reports no API here),
+        # once this gateway's mirror holds the node (the join is not awaited there).
+        gw = _app.state.gateway
+        await until(lambda: gw.mirror.get(s.NODES + "n1") is not None, "node mirrored")
         r = await upgrade({"version": __version__, "sha256": sha})
         assert r.status_code == 502 and "reports no agent API" in r.text, r.text
 
