@@ -27,6 +27,7 @@ from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog, storeid
 from app.control import state as s
 from app.control.agentversion import default_window
+from app.control.compaction import Compactor
 from app.control.keyfiles import ProviderKeys, own_files
 from app.control.keys import SecretRing, hash_client_key, node_token
 from app.control.leader import Elector
@@ -133,6 +134,10 @@ class Gateway:
             self._tasks.remove(task)
 
     @property
+    def started(self) -> bool:
+        return self._store is not None
+
+    @property
     def ready(self) -> bool:
         return self._mirror is not None and self._mirror.ready
 
@@ -164,6 +169,10 @@ class Gateway:
         usage = UsagePublisher(self._store, self._mirror,
                                RouterUsage(self.table, self.last_use, publisher),
                                st.gateway_id, lambda: elector.lease, refresh=st.usage_refresh)
+        mirror = self._mirror
+        compactor = Compactor(self._store, lambda: elector.is_leader,
+                              lambda: mirror.revision if mirror.ready else 0,
+                              st.etcd_compaction_interval)
         await self.proxy.start()
         self._tasks += [
             # Two loops: a renewal never waits behind a campaign stuck on a
@@ -174,6 +183,8 @@ class Gateway:
             asyncio.create_task(reconciler.run(), name="reconciler"),
             asyncio.create_task(publisher.run(st.publish_interval), name="publisher"),
             asyncio.create_task(usage.run(st.usage_interval), name="usage"),
+            # Leader only (each pass asks): docs/architecture.md, A month of uptime.
+            asyncio.create_task(compactor.run(), name="compaction"),
         ]
         if st.local_agent:
             self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")

@@ -99,13 +99,17 @@ def create_app(settings: Settings) -> GatewayApp:
     async def readyz() -> JSONResponse:
         """200 once the mirror has loaded, even with the store lost since:
         routing goes on from the mirror (DESIGN invariant 2), and the body
-        says the store is unreachable, why and since when (a Unix time)."""
+        says the store is unreachable or out of space (refusing writes),
+        why and since when (a Unix time)."""
         health = gw.store.health()
         body: dict[str, Any] = {"status": "ready" if gw.ready else "loading"}
         if gw.ready:
             body["revision"] = gw.mirror.revision
         if health.state == "unreachable":
             body |= {"store": f"unreachable: {health.reason}", "since": health.since}
+        elif health.state == "nospace":
+            body |= {"store": f"out of space: {health.reason}; {errors.NOSPACE_ACTION}",
+                     "since": health.since}
         else:
             body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
         return JSONResponse(body, status_code=200 if gw.ready else 503)

@@ -74,6 +74,7 @@ class _FleetCollector(Collector):
         gw = self._gw
         leader = GaugeMetricFamily("llmgw_leader", "1 while this gateway leads")
         ready = GaugeMetricFamily("llmgw_mirror_ready", "1 once the state mirror is loaded")
+        yield _store_nospace(gw)
         if not gw.ready:
             leader.add_metric([], 0)
             ready.add_metric([], 0)
@@ -124,6 +125,16 @@ class _FleetCollector(Collector):
             gpus.add_metric([name], len(node.gpus))
         yield from (leader, ready, revision, by_phase, wanted, inflight, gpus)
         yield from _engine_loads(gw, replicas)
+
+
+def _store_nospace(gw: Gateway) -> Metric:
+    """1 while the store refuses writes for lack of space (etcd's NOSPACE
+    alarm): alert on it, since the fleet cannot change until an operator
+    acts (docs/architecture.md, A month of uptime)."""
+    nospace = GaugeMetricFamily("llmgw_store_nospace", "1 while the store (etcd) refuses "
+                                "writes for lack of space: its NOSPACE alarm is raised")
+    nospace.add_metric([], 1 if gw.started and gw.store.health().state == "nospace" else 0)
+    return nospace
 
 
 def _engine_loads(gw: Gateway, replicas: Mapping[str, Replica]) -> Iterator[Metric]:

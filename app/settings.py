@@ -45,6 +45,14 @@ class Settings(BaseSettings):
     # Per-call deadline on etcd. Longer rides out slow disks; shorter makes a
     # dead etcd visible (503 on writes) sooner.
     etcd_timeout: float = 5.0
+    # Every this many seconds the leader compacts the store's history to the
+    # revision it saw one interval earlier (docs/architecture.md, A month of
+    # uptime); 0 turns it off (then etcd's own --auto-compaction-* must, or
+    # its space quota fills and the fleet turns read-only). Longer: more
+    # history kept (etcd's database grows with writes per interval), and
+    # watches lagging up to that long replay rather than resync; shorter:
+    # a smaller database, and a watch lagging over one interval resyncs.
+    etcd_compaction_interval: float = Field(300.0, ge=0)
     # The embedded store, the generated secret and admin token live here.
     data_dir: Path = Field(default_factory=lambda: Path.home() / ".local/share/llmgw")
 

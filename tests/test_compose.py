@@ -99,3 +99,17 @@ def test_the_balancer_mounts_the_haproxy_cfg_test_haproxy_runs(
     # Relative sources are relative to the compose file's folder.
     assert (COMPOSE.parent / source).resolve() == Path(SHIPPED_CONFIG).resolve()
     assert SHIPPED_CONFIG.is_file()
+
+
+def test_etcd_compaction_is_chosen_and_the_way_out_of_nospace_is_written(
+    compose: dict[str, Any]
+) -> None:
+    """The leader compacts (LLMGW_ETCD_COMPACTION_INTERVAL), so every member
+    says its own auto-compaction is off; and the file says how to get out of
+    a NOSPACE alarm (docs/architecture.md, A month of uptime)."""
+    for name, service in etcd_services(compose).items():
+        args = shlex.split(service["command"])
+        assert "--auto-compaction-retention=0" in args, f"{name}: {args}"
+    text = COMPOSE.read_text()
+    for words in ("LLMGW_ETCD_COMPACTION_INTERVAL", "etcdctl defrag", "etcdctl alarm disarm"):
+        assert words in text, words

@@ -30,6 +30,7 @@ from app.store.base import (
     LeaseExpired,
     Put,
     Store,
+    StoreError,
     StoreUnavailable,
     WatchBatch,
 )
@@ -345,6 +346,29 @@ async def test_watch_reports_history_it_cannot_replay(case: Case) -> None:
     finally:
         await watcher.stop()
     assert (event.key, event.mod_revision) == ("keys/b", after)
+
+
+async def test_compact_forgets_the_history_before_a_revision(case: Case) -> None:
+    """`compact` (the leader's, app/control/compaction.py): a watch from
+    before the revision resyncs, one from it on replays, keys stay."""
+    store = case.store
+    old = await store.put("hist/a", b"1")
+    await store.put("hist/a", b"2")
+    kept = await store.put("hist/b", b"3")
+    await store.compact(kept)
+    assert [(kv.key, kv.value) for kv in (await store.range("hist/")).kvs] == [
+        ("hist/a", b"2"), ("hist/b", b"3")]
+    early, late = Watcher(store, "hist/", old), Watcher(store, "hist/", kept)
+    try:
+        assert (await early.next_batch()).compacted
+        (event,) = await late.events(1)
+    finally:
+        await early.stop()
+        await late.stop()
+    assert (event.key, event.mod_revision) == ("hist/b", kept)
+    await store.compact(old)  # already compacted: nothing to do, no error
+    with pytest.raises(StoreError):
+        await store.compact(kept + 1_000_000)  # a revision not written yet
 
 
 # -- embedded store only ----------------------------------------------------------------

@@ -15,13 +15,24 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from app.router.proxy import openai_error_body
-from app.store.base import StoreUnavailable
+from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                  403: "permission_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 503: "service_unavailable"}
+
+
+# What an operator must do when etcd's NOSPACE alarm is raised; said by
+# writes' 503s and by /readyz (docs/architecture.md, A month of uptime).
+NOSPACE_DETAIL = (
+    "the change was not saved: the store (etcd) is out of space (its NOSPACE alarm is "
+    "raised) and refuses writes; routing goes on from the last known state. An operator "
+    "must free space: compact (the leader does every LLMGW_ETCD_COMPACTION_INTERVAL), "
+    "defragment each member (etcdctl defrag), then disarm the alarm (etcdctl alarm disarm)."
+)
+NOSPACE_ACTION = "compact, defragment (etcdctl defrag), disarm (etcdctl alarm disarm)"
 
 
 class Problem(Exception):
@@ -83,6 +94,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        if isinstance(exc, StoreFull):
+            # Logged once by the store's health tracker, with what to do.
+            logger.debug("write refused, store out of space: %s", exc)
+            return problem(503, "State store out of space", NOSPACE_DETAIL)
         logger.warning("write refused, store unavailable: %s", exc)
         # "Not saved" would be a lie after a timeout: etcd may have applied a
         # write whose answer was lost (docs/architecture.md, Security: Writes

@@ -29,6 +29,15 @@ class StoreUnavailable(StoreError):
     that does not resolve) or refusing (out of space, auth). Writes answer 503."""
 
 
+class StoreFull(StoreUnavailable):
+    """The store answers but refuses writes for lack of space: etcd's NOSPACE
+    alarm ("mvcc: database space exceeded"), raised when its database reached
+    `--quota-backend-bytes`; a full disk under the embedded store. Reads,
+    deletes and lease renewals still work. A 503 like any unavailable store,
+    said as what it is: an operator must compact, defragment and disarm the
+    alarm (docs/architecture.md, A month of uptime)."""
+
+
 class LeaseExpired(StoreError):
     """A keepalive or put named a lease the store no longer knows."""
 
@@ -125,10 +134,12 @@ class StoreHealth:
 
     `unknown` until the first call ends; `unreachable` from the first failed
     call (`since`, wall-clock seconds) until one succeeds, with the latest
-    failure's `reason`.
+    failure's `reason`; `nospace` from the first write refused for lack of
+    space (`StoreFull`) until a write succeeds or the store says its alarm
+    is gone (reads keep succeeding meanwhile, and do not end it).
     """
 
-    state: Literal["unknown", "reachable", "unreachable"] = "unknown"
+    state: Literal["unknown", "reachable", "unreachable", "nospace"] = "unknown"
     reason: str = ""
     since: float | None = None
 
@@ -168,6 +179,14 @@ class Store(Protocol):
 
     async def revoke(self, lease: int) -> None:
         """Ends the lease at once and deletes its keys. Unknown leases are ignored."""
+        ...
+
+    async def compact(self, revision: int) -> None:
+        """Discards the history before `revision`: a watch from an earlier
+        revision then gets `compacted`. Current keys are kept. A revision
+        already compacted is no error; one not yet written is a StoreError.
+        Store-wide (every prefix of a shared etcd), so only the leader calls
+        it, with a revision one interval old (app/control/compaction.py)."""
         ...
 
     def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchBatch]:

@@ -53,8 +53,6 @@ LOG_LIMIT = 10_000
 EXPIRY_INTERVAL_S = 0.5
 
 
-
-
 @dataclass(slots=True)
 class _Lease:
     ttl: int
@@ -144,8 +142,7 @@ class EmbeddedStore:
     @contextlib.contextmanager
     def _writing(self, operation: str) -> Iterator[_Write]:
         """One revision: rows written inside share it; nothing changed, no revision."""
-        if self._closed:
-            raise StoreUnavailable("embedded store is closed")
+        self._check_open()
         write = _Write(self._revision + 1)
         with translated(operation):
             self._db.execute("BEGIN IMMEDIATE")
@@ -358,6 +355,16 @@ class EmbeddedStore:
                 continue
             if ended:
                 logger.info("%d leases expired", ended)
+
+    async def compact(self, revision: int) -> None:
+        """See `Store.compact`. Rows hold no history: only the log is trimmed."""
+        self._check_open()
+        if revision > self._revision:
+            raise StoreError(f"embedded store compact: revision {revision} is in the future "
+                             f"(store at {self._revision})")
+        while self._log and self._log[0].mod_revision < revision:
+            self._log.popleft()
+        self._floor = max(self._floor, revision)
 
     # -- watch ----------------------------------------------------------------
 

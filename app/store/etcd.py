@@ -9,8 +9,9 @@ attempts) and then raises `EtcdConnectionError` / `EtcdTransientError`; its
 `asyncio.timeout` around the retries raises a bare `TimeoutError`; streams and
 every other status come out as raw `grpc.aio.AioRpcError`. `translated` makes
 them `LeaseExpired` ("lease not found"), `StoreError` (etcd refused the request
-itself) or `StoreUnavailable` (everything else: a 503). Each call's outcome
-also tells `health()` whether etcd is reachable (app/store/health.py).
+itself), `StoreFull` (a write refused under etcd's NOSPACE alarm) or
+`StoreUnavailable` (everything else: a 503). Each call's outcome also tells
+`health()` whether etcd is reachable or out of space (app/store/health.py).
 
 Watches run on our own loop over the gRPC Watch stream, in
 app/store/etcd_watch.py (why not etcd3aio's `WatchService.watch`: see there).
@@ -32,8 +33,10 @@ from app.store.base import (
     KeyValue,
     LeaseExpired,
     Op,
+    Put,
     RangeResult,
     StoreError,
+    StoreFull,
     StoreHealth,
     StoreUnavailable,
     TxnResult,
@@ -42,8 +45,11 @@ from app.store.base import (
 from app.store.etcd_channel import EtcdChannel, Resolver, Services, getaddrinfo
 from app.store.etcd_endpoints import parse_endpoints
 from app.store.etcd_tls import EtcdTls, explained
-from app.store.etcd_wire import pb_compare, pb_op, translated
+from app.store.etcd_wire import COMPACTED_DETAIL, pb_compare, pb_op, translated
 from app.store.health import HealthTracker
+
+# etcd's AlarmType.NOSPACE in an alarm list (0 is none, 2 corrupt).
+NOSPACE_ALARM = 1
 
 
 class EtcdStore:
@@ -129,20 +135,25 @@ class EtcdStore:
         return await self._channel.services()
 
     @contextlib.contextmanager
-    def _calling(self, operation: str) -> Iterator[None]:
+    def _calling(self, operation: str, write: bool = False) -> Iterator[None]:
         """`translated`, and what the outcome says about reaching etcd: any
         answer (even "lease not found") proves it reachable; an unavailable
-        store is reported, and its names are looked up again next time."""
+        store is reported, and its names are looked up again next time. A
+        `write` (a call etcd refuses under NOSPACE) that succeeds proves
+        the space back; a refused one says the store is full."""
         try:
             with translated(operation):
                 yield
+        except StoreFull as exc:
+            self._health.full(str(exc))
+            raise
         except StoreUnavailable as exc:
             self._lost(str(exc))
             raise
         except StoreError:
             self._health.succeeded()
             raise
-        self._health.succeeded()
+        self._health.succeeded(write)
 
     def _lost(self, reason: str) -> None:
         if self._closed:
@@ -218,7 +229,7 @@ class EtcdStore:
             start = bytes(resp.kvs[-1].key) + b"\x00"
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        with self._calling("put"):
+        with self._calling("put", write=True):
             kv = (await self._services()).kv
             resp = await kv.put(self._full(key), value, lease=lease, timeout=self._timeout)
         return int(resp.header.revision)
@@ -233,7 +244,10 @@ class EtcdStore:
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
         pb_compares = [pb_compare(c, self._full(c.key)) for c in compares]
-        with self._calling("txn"):
+        # etcd refuses any transaction holding a put under NOSPACE, whichever
+        # branch runs; one accepted proves the space back.
+        writes = any(isinstance(op, Put) for op in (*success, *failure))
+        with self._calling("txn", write=writes):
             kv = (await self._services()).kv
             resp = await kv.txn(
                 pb_compares,
@@ -246,7 +260,7 @@ class EtcdStore:
     # -- leases ---------------------------------------------------------------
 
     async def grant(self, ttl: int) -> int:
-        with self._calling("grant"):
+        with self._calling("grant", write=True):
             leases = (await self._services()).lease
             resp = await leases.grant(ttl, timeout=self._timeout)
         if resp.error:
@@ -269,7 +283,34 @@ class EtcdStore:
         if resp.TTL <= 0:
             # etcd answers an unknown lease with TTL 0 rather than an error.
             raise LeaseExpired(f"lease {lease:x} is gone")
+        if self._health.current().state == "nospace":
+            await self._check_space()
         return int(resp.TTL)
+
+    async def _check_space(self) -> None:
+        """While out of space, each renewal (every election interval) also
+        asks etcd's alarm list: a gateway that writes nothing learns that an
+        operator disarmed the alarm within one interval, not at its next
+        write. One call per renewal, only while the alarm lasts."""
+        try:
+            with self._calling("alarm list"):
+                maintenance = (await self._services()).maintenance
+                resp = await maintenance.alarms(timeout=self._timeout)
+        except StoreError:
+            return  # said by _calling; the next renewal asks again
+        if not any(a.alarm == NOSPACE_ALARM for a in resp.alarms):
+            self._health.space_back()
+
+    async def compact(self, revision: int) -> None:
+        """See `Store.compact`. Not physical: etcd answers once the
+        compaction is decided, and frees the pages in the background."""
+        try:
+            with self._calling("compact"):
+                kv = (await self._services()).kv
+                await kv.compact(revision, timeout=self._timeout)
+        except StoreError as exc:
+            if COMPACTED_DETAIL not in str(exc):
+                raise
 
     async def revoke(self, lease: int) -> None:
         try:

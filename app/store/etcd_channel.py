@@ -40,6 +40,7 @@ import grpc  # type: ignore[import-untyped]  # no type information shipped
 from etcd3aio._protobuf import WatchStub
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
+from etcd3aio.maintenance import MaintenanceService
 
 from app.store.base import StoreUnavailable
 from app.store.etcd_endpoints import EtcdEndpoint, grpc_target
@@ -77,6 +78,8 @@ class Services:
     kv: KVService
     lease: LeaseService
     watch: Any  # etcd3aio's WatchStub: the raw bidirectional Watch call
+    # Alarms (is NOSPACE still raised?) and Status (the database's size).
+    maintenance: MaintenanceService
 
 
 # The services the current task was last handed (`services()` is awaited in
@@ -185,6 +188,7 @@ class EtcdChannel:
                 KVService(ch, max_attempts=RPC_ATTEMPTS),
                 LeaseService(ch, max_attempts=RPC_ATTEMPTS),
                 WatchStub(ch),
+                MaintenanceService(ch, max_attempts=RPC_ATTEMPTS),
             )
             for ch in self._channels
         ]

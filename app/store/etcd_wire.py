@@ -25,7 +25,16 @@ from etcd3aio._protobuf import Compare as PbCompare
 from etcd3aio._protobuf import RequestOp
 from etcd3aio.kv import KVService
 
-from app.store.base import Compare, Delete, LeaseExpired, Op, Put, StoreError, StoreUnavailable
+from app.store.base import (
+    Compare,
+    Delete,
+    LeaseExpired,
+    Op,
+    Put,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+)
 
 UNAVAILABLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -53,6 +62,12 @@ WATCH_RETRY_CODES = UNAVAILABLE_CODES | {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ABORTED,
 }
+# etcd's words for a write refused under its NOSPACE alarm (RESOURCE_EXHAUSTED,
+# "etcdserver: mvcc: database space exceeded"). The same status also means a
+# message over gRPC's size cap, which is not a full store: hence the words.
+NOSPACE_DETAIL = "database space exceeded"
+# etcd's answer to a compaction at or below the compacted revision.
+COMPACTED_DETAIL = "required revision has been compacted"
 WATCH_MIN_BACKOFF = 0.1
 PB_EVENT_DELETE = 1  # mvccpb.Event.EventType.DELETE
 _PB_RESULT = {"==": PbCompare.EQUAL, "!=": PbCompare.NOT_EQUAL}
@@ -77,6 +92,8 @@ def translated(operation: str) -> Iterator[None]:
         code, detail = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
             raise LeaseExpired(f"etcd {operation}: {detail}") from exc
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and NOSPACE_DETAIL in detail:
+            raise StoreFull(f"etcd {operation}: out of space (NOSPACE alarm): {detail}") from exc
         if code in REQUEST_CODES:
             raise StoreError(f"etcd {operation}: {code.name} {detail}") from exc
         raise StoreUnavailable(f"etcd {operation}: {code.name} {detail}") from exc

@@ -8,7 +8,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from app.store.base import StoreError, StoreUnavailable
+from app.store.base import StoreError, StoreFull, StoreUnavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -40,6 +40,10 @@ def translated(operation: str) -> Iterator[None]:
     try:
         yield
     except sqlite3.OperationalError as exc:
+        if exc.sqlite_errorcode == sqlite3.SQLITE_FULL:
+            # The disk (or a size limit) is full: said as such, like etcd's
+            # NOSPACE, not as a store that cannot be reached.
+            raise StoreFull(f"embedded store {operation}: out of space: {exc}") from exc
         # Locked by another process, disk full, I/O error: a write cannot be
         # made now, which callers treat like an unreachable etcd.
         raise StoreUnavailable(f"embedded store {operation}: {exc}") from exc

@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,8 +91,10 @@ class EtcdServer:
     "https://127.0.0.1:P" when it serves clients over TLS (`tls`)."""
 
     def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1",
-                 tls: EtcdTlsFiles | None = None) -> None:
+                 tls: EtcdTlsFiles | None = None, flags: Sequence[str] = ()) -> None:
         self.binary = binary
+        # More of etcd's own flags (a tiny --quota-backend-bytes, say).
+        self.flags = list(flags)
         self.data_dir = data_dir
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
@@ -122,6 +124,7 @@ class EtcdServer:
             # Tests do not survive power loss; fsync would only slow them.
             "--unsafe-no-fsync",
             *(self.tls.flags() if self.tls else []),
+            *self.flags,
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -321,13 +324,13 @@ class EtcdFixture:
 
 
 @contextmanager
-def throwaway_etcd(root: Path, host: str = "127.0.0.1",
-                   tls: EtcdTlsFiles | None = None) -> Iterator[EtcdServer]:
+def throwaway_etcd(root: Path, host: str = "127.0.0.1", tls: EtcdTlsFiles | None = None,
+                   flags: Sequence[str] = ()) -> Iterator[EtcdServer]:
     """An etcd of the caller's own under `root`, stopped on exit: for tests
-    that stop, pause or kill it (never the session's shared one), or that
-    need it to serve TLS."""
+    that stop, pause or kill it (never the session's shared one), that
+    need it to serve TLS, or that start it with more `flags` of etcd's."""
     server = EtcdServer(etcd_binary(), root / f"etcd-{host.replace(':', '_')}" / "data", host,
-                        tls)
+                        tls, flags)
     server.start()
     try:
         yield server
