@@ -1,0 +1,103 @@
+"""Before a client is authenticated (docs/architecture.md, Security): tokens
+are checked before a body is read, bodies are capped, and slow clients are
+cut. Raw sockets against a real `llmgw serve`, as a hostile client would."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.control.keys import node_token
+from tests.support.procs import ADMIN, SECRET, Cluster, GatewayProc
+
+MB = 1024 * 1024
+
+
+@pytest.fixture
+def gw(solo: Cluster) -> Iterator[GatewayProc]:
+    yield solo.gateway("gw-edge", local_agent="false")
+
+
+def rss_mib(gw: GatewayProc) -> float:
+    assert gw.popen is not None
+    for line in Path(f"/proc/{gw.popen.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _status(answer: bytes) -> int:
+    assert answer.startswith(b"HTTP/1.1 "), answer[:100]
+    return int(answer.split(b" ", 2)[1])
+
+
+def send_big(gw: GatewayProc, method: str, path: str, token: str, size: int) -> tuple[int, bool]:
+    """Sends headers declaring `size` bytes, waits a moment for an early
+    answer, then sends the body (if no answer came). Returns the status and
+    whether it came before any of the body was sent."""
+    head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\n"
+            + (f"Authorization: Bearer {token}\r\n" if token else "") + "\r\n").encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+        sock.sendall(head)
+        sock.settimeout(2)
+        try:
+            early = sock.recv(65536)
+        except TimeoutError:
+            early = b""
+        if early:
+            return _status(early), True
+        sock.settimeout(60)
+        chunk = b" " * MB
+        try:
+            for _ in range(size // MB):
+                sock.sendall(chunk)
+        except OSError:
+            pass  # answered and closed while we sent
+        return _status(sock.recv(65536)), False
+
+
+def test_no_body_is_read_before_the_token(gw: GatewayProc) -> None:
+    before = rss_mib(gw)
+    for path in ("/admin/models/m1", "/agent/v1/nodes/n1/status", "/agent/v1/nodes/n1"):
+        status, early = send_big(gw, "PUT", path, "", 100 * MB)
+        assert (status, early) == (401, True), path
+    # A node's token opens its own node's routes only.
+    status, early = send_big(gw, "PUT", "/agent/v1/nodes/n1", node_token(SECRET, "n2"), 100 * MB)
+    assert (status, early) == (401, True)
+    status, early = send_big(gw, "PUT", "/admin/models/m1", "wrong", 100 * MB)
+    assert (status, early) == (401, True)
+    grown = rss_mib(gw) - before
+    print(f"gateway RSS {before:.0f} MiB before, grew {grown:.1f} MiB over five 100 MB POSTs")
+    assert grown < 10, grown
+
+
+def test_bodies_are_capped_per_route_group(gw: GatewayProc) -> None:
+    # Declared over the cap: 413 before the body is read, with the token.
+    status, early = send_big(gw, "PUT", "/admin/models/m1", ADMIN, 2 * MB)
+    assert (status, early) == (413, True)
+    status, early = send_big(gw, "PUT", "/agent/v1/nodes/n1/status", node_token(SECRET, "n1"),
+                             2 * MB)
+    assert (status, early) == (413, True)
+
+    # Chunked (no length declared): refused once it passes the cap.
+    def chunks() -> Iterator[bytes]:
+        for _ in range(4):
+            yield b" " * MB
+
+    r = httpx.put(gw.url + "/admin/models/m1", content=chunks(), timeout=30,
+                  headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 413
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["title"] == "Request body too large"
+    # Under the cap, the route answers as ever.
+    r = httpx.put(gw.url + "/admin/models/m1", timeout=10, json={"model": "w"},
+                  headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 201, r.text
+    r = httpx.get(gw.url + "/admin/models/m1", timeout=10,
+                  headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.json()["model"] == "w"
