@@ -226,6 +226,13 @@ class Settings(BaseSettings):
     # is 32 MiB (app/router/proxy.py).
     admin_max_body: int = Field(1024 * 1024, ge=1024)
     agent_max_body: int = Field(1024 * 1024, ge=1024)
+    # Seconds a connection may take to send a request's headers (counted from
+    # when it opens, or from its next request's first byte), and may go with
+    # no byte in the middle of a body; then it is closed (app/slowclients.py).
+    # Longer lets slow or hostile clients hold a descriptor each that long;
+    # shorter cuts clients on very bad links.
+    header_timeout: float = Field(30.0, gt=0)
+    body_timeout: float = Field(30.0, gt=0)
 
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on

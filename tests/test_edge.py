@@ -5,6 +5,7 @@ cut. Raw sockets against a real `llmgw serve`, as a hostile client would."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,3 +102,93 @@ def test_bodies_are_capped_per_route_group(gw: GatewayProc) -> None:
     r = httpx.get(gw.url + "/admin/models/m1", timeout=10,
                   headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200 and r.json()["model"] == "w"
+
+
+
+def _closed_within(sock: socket.socket, limit: float) -> tuple[float, bytes]:
+    """Seconds until the gateway closed `sock` (reading what it sent), at
+    most `limit`; raises if still open then."""
+    start = time.monotonic()
+    got = b""
+    sock.settimeout(limit)
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return time.monotonic() - start, got
+        got += data
+
+
+@pytest.fixture
+def quick(solo: Cluster) -> Iterator[GatewayProc]:
+    """A gateway giving clients 1 s for their headers and between body bytes."""
+    yield solo.gateway("gw-quick", local_agent="false", header_timeout="1", body_timeout="1")
+
+
+def test_slow_headers_are_cut(quick: GatewayProc) -> None:
+    # A connection that never sends a byte.
+    with socket.create_connection(("127.0.0.1", quick.port)) as sock:
+        took, got = _closed_within(sock, 5)
+    assert took < 3 and got.startswith(b"HTTP/1.1 408"), (took, got)
+
+    # One byte of headers every 0.2 s: closed about 1 s after it began,
+    # though bytes keep coming.
+    head = f"GET /admin/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", quick.port)) as sock:
+        start = time.monotonic()
+        closed = False
+        for byte in head.encode():
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            sock.settimeout(0.2)
+            try:
+                sock.recv(65536)  # the 408, or b"" once closed
+            except TimeoutError:
+                continue
+            closed = True
+            break
+        took = time.monotonic() - start
+    assert closed and took < 3, took
+
+    # The next request on a kept-open connection gets its own second; a
+    # request whose headers come in parts within it is served.
+    with socket.create_connection(("127.0.0.1", quick.port)) as sock:
+        for _ in range(2):
+            sock.sendall(head[:20].encode())
+            time.sleep(0.5)
+            sock.sendall(head[20:].encode())
+            sock.settimeout(5)
+            answer = sock.recv(65536)
+            assert _status(answer) == 200, answer[:200]
+            time.sleep(0.5)
+
+
+def test_a_stalled_body_is_cut(quick: GatewayProc) -> None:
+    head = (f"PUT /admin/models/m1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":").encode()
+    with socket.create_connection(("127.0.0.1", quick.port)) as sock:
+        sock.sendall(head)
+        took, got = _closed_within(sock, 5)
+    assert took < 3 and got == b"", (took, got)
+    # Bytes that keep coming are not a stall, however slowly the body goes.
+    body = b'{"model": "w"}' + b" " * 6
+    head = (f"PUT /admin/models/m1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", quick.port)) as sock:
+        sock.sendall(head)
+        for i in range(0, len(body), 4):
+            time.sleep(0.4)
+            sock.sendall(body[i:i + 4])
+        sock.settimeout(5)
+        assert _status(sock.recv(65536)) == 201
+
+
+def test_v1_refusal_before_the_body_closes_the_connection(quick: GatewayProc) -> None:
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", quick.port)) as sock:
+        sock.sendall(head)
+        took, got = _closed_within(sock, 5)
+    assert _status(got) == 401 and b"connection: close" in got.lower() and took < 1, (took, got)

@@ -164,7 +164,9 @@ class Proxy:
             if method != "POST":
                 raise error(405, f"{method} is not allowed on {path}.",
                             "invalid_request_error")
-            body, model = self._request(grant, await _read_body(receive))
+            raw = await _read_body(receive)
+            outcome.body_read = True
+            body, model = self._request(grant, raw)
             outcome.model = model
             query = scope.get("query_string", b"")
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
@@ -190,6 +192,11 @@ class Proxy:
         except Reply as r:
             outcome.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
+            if not outcome.body_read and _has_body(scope):
+                # Refused before its body was read (no key, too large): the
+                # connection closes rather than read the rest to reach a
+                # next request (docs/architecture.md, Security).
+                extra.append((b"connection", b"close"))
             await send_whole(send, r.status, r.body, extra + r.headers)
         except _ClientGone:
             outcome.status = CLIENT_GONE
@@ -267,11 +274,12 @@ class Proxy:
 class _Outcome:
     """How one request ended, for the observer."""
 
-    __slots__ = ("model", "status")
+    __slots__ = ("body_read", "model", "status")
 
     def __init__(self) -> None:
         self.model = UNKNOWN_MODEL
         self.status = 500
+        self.body_read = False
 
 
 def _headers(scope: Scope) -> tuple[str, bytes, str | None]:
@@ -295,6 +303,13 @@ def _headers(scope: Scope) -> tuple[str, bytes, str | None]:
         return "", accept_encoding, session
     scheme, _, rest = authorization.decode("latin-1").partition(" ")
     return (rest.strip() if scheme.lower() == "bearer" else ""), accept_encoding, session
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
 
 
 async def _read_body(receive: Receive) -> bytes:
