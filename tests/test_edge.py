@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.control.keys import node_token
-from tests.support.procs import ADMIN, SECRET, Cluster, GatewayProc
+from tests.support.procs import ADMIN, SECRET, Cluster, GatewayProc, make_key
 
 MB = 1024 * 1024
 
@@ -192,3 +192,28 @@ def test_v1_refusal_before_the_body_closes_the_connection(quick: GatewayProc) ->
         sock.sendall(head)
         took, got = _closed_within(sock, 5)
     assert _status(got) == 401 and b"connection: close" in got.lower() and took < 1, (took, got)
+
+
+def test_hostile_json_is_a_400_not_a_500(gw: GatewayProc) -> None:
+    key = make_key(gw)
+    chat = gw.url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    deep = b"[" * 100_000
+    huge = b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}"
+    for body in (deep, b'{"model": "m", "x": ' + deep + b"}", huge):
+        r = httpx.post(chat, content=body, headers=auth, timeout=10)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+        assert set(err) == {"message", "type", "param", "code"}
+    admin = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
+    for body in (deep, huge):
+        r = httpx.put(gw.url + "/admin/models/m1", content=body, headers=admin, timeout=10)
+        assert 400 <= r.status_code < 500, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+    assert "Traceback" not in gw.output()
+
+
+def _loc(r: httpx.Response) -> list[list[object]]:
+    assert r.status_code == 422, r.text
+    return [e["loc"] for e in r.json()["errors"]]

@@ -332,7 +332,12 @@ async def _read_body(receive: Receive) -> bytes:
 def _parse(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:  # the C parser's guard: ~1,000 levels of [ or {
+        raise error(400, "The request body is nested too deeply.",
+                    "invalid_request_error") from None
+    except ValueError as exc:
+        # Bad JSON, bad UTF-8, or an integer past Python's digit limit
+        # (sys.get_int_max_str_digits(), 4,300): all the client's to fix.
         raise error(400, f"The request body is not valid JSON: {exc}",
                     "invalid_request_error") from None
     if not isinstance(body, dict):
