@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from app.control.keys import node_token
+from app.control.state import MAX_GPUS, MAX_REPLICAS_REPORTED, MAX_TEXT
 from tests.support.procs import ADMIN, SECRET, Cluster, GatewayProc, make_key
 
 MB = 1024 * 1024
@@ -217,3 +218,25 @@ def test_hostile_json_is_a_400_not_a_500(gw: GatewayProc) -> None:
 def _loc(r: httpx.Response) -> list[list[object]]:
     assert r.status_code == 422, r.text
     return [e["loc"] for e in r.json()["errors"]]
+
+
+def test_agent_reports_are_capped_field_by_field(gw: GatewayProc) -> None:
+    auth = {"Authorization": f"Bearer {node_token(SECRET, 'n1')}"}
+    url = gw.url + "/agent/v1/nodes/n1"
+    status = {"id": "m-1", "node": "n1", "phase": "failed", "detail": "x" * 900_000}
+    assert _loc(httpx.put(url + "/status", json={"replicas": [status]}, headers=auth,
+                          timeout=10)) == [["body", "replicas", 0, "detail"]]
+    many = [status | {"detail": ""}] * (MAX_REPLICAS_REPORTED + 1)
+    assert _loc(httpx.put(url + "/status", json={"replicas": many}, headers=auth,
+                          timeout=10)) == [["body", "replicas"]]
+    gpus = [{"index": i, "name": "H100"} for i in range(MAX_GPUS + 1)]
+    assert _loc(httpx.put(url, json={"name": "n1", "gpus": gpus}, headers=auth,
+                          timeout=10)) == [["body", "gpus"]]
+    assert _loc(httpx.put(url, json={"name": "n1", "gpu_discovery": "y" * 100_000},
+                          headers=auth, timeout=10)) == [["body", "gpu_discovery"]]
+    # Within the caps, the node is taken.
+    ok = {"name": "n1", "gpus": gpus[:MAX_GPUS], "gpu_discovery": "y" * MAX_TEXT}
+    r = httpx.put(url, json=ok, headers=auth, timeout=10)
+    assert r.status_code == 200, r.text
+    r = httpx.get(gw.url + "/readyz", timeout=10)
+    assert r.json()["store"] == "ok"
