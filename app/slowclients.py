@@ -10,10 +10,10 @@ nginx has `client_header_timeout` and `client_body_timeout` for this; these
 are the same two, on uvicorn's httptools protocol (what `llmgw serve` runs,
 uvicorn's "auto" with httptools installed).
 
-The cost on the request path: one timer per connection (armed when it
-opens, cancelled when the first headers are in), and none per request
-whose headers, and body, arrive in the read that starts them, the common
-case; otherwise one timer per request that spans reads. No task.
+The cost on the request path: a few attribute writes per request, and a
+clock read per read that leaves a request unfinished. A timer is armed when
+a connection opens and at most once per limit's period after that (never
+cancelled and re-armed per request); no task.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
 
 class TimedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, cutting slow clients. The limits are
-    class attributes: `protocol()` makes a subclass with a gateway's own."""
+    class attributes: `protocol()` makes a subclass with a gateway's own.
+
+    Timers are never cancelled on the request path: one fires, looks at
+    where the connection stands, and arms itself again only while a request
+    is still under way. So a connection holds at most one timer of each
+    kind, armed at most once per limit's period, whatever its requests."""
 
     header_timeout = 30.0
     body_timeout = 30.0
@@ -42,6 +47,9 @@ class TimedHttpTools(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        # Loop time the current request's headers began (the connection's
+        # start for the first); None once they are all in.
+        self._headers_since: float | None = None
         self._in_headers = False  # a request has begun, its headers are not all in
         self._in_body = False  # its headers are in, its body is not
         self._last_body = 0.0  # loop time of the last read during a body
@@ -49,7 +57,8 @@ class TimedHttpTools(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         # From the connection's start: one that never sends a byte is cut too.
-        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+        self._headers_since = self.loop.time()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._check_headers)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._header_timer, self._body_timer):
@@ -60,13 +69,16 @@ class TimedHttpTools(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        # Timers only for a request that spans reads: most arrive whole.
-        if self._in_headers and self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+        # Only for a request that spans reads: most arrive whole.
+        if self._in_headers and self._headers_since is None:
+            self._headers_since = self.loop.time()
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(self.header_timeout,
+                                                          self._check_headers)
         if self._in_body:
             self._last_body = self.loop.time()
             if self._body_timer is None:
-                self._body_timer = self.loop.call_later(self.body_timeout, self._body_idle)
+                self._body_timer = self.loop.call_later(self.body_timeout, self._check_body)
 
     def on_message_begin(self) -> None:
         self._in_headers = True
@@ -74,22 +86,21 @@ class TimedHttpTools(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._headers_since = None
         self._in_body = True
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._in_body = False
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
         super().on_message_complete()
 
-    def _headers_late(self) -> None:
+    def _check_headers(self) -> None:
         self._header_timer = None
-        if self.transport.is_closing():
+        if self._headers_since is None or self.transport.is_closing():
+            return  # between requests: uvicorn's keep-alive timeout rules
+        left = self._headers_since + self.header_timeout - self.loop.time()
+        if left > 0:
+            self._header_timer = self.loop.call_later(left, self._check_headers)
             return
         logger.info("closing a connection from %s: request headers not complete within %g s",
                     _peer(self.client), self.header_timeout)
@@ -97,7 +108,7 @@ class TimedHttpTools(HttpToolsProtocol):
             self.transport.write(_TIMEOUT_408)
         self.transport.close()
 
-    def _body_idle(self) -> None:
+    def _check_body(self) -> None:
         self._body_timer = None
         if not self._in_body or self.transport.is_closing():
             return
@@ -108,7 +119,7 @@ class TimedHttpTools(HttpToolsProtocol):
             self._last_body = now
         left = self._last_body + self.body_timeout - now
         if left > 0:
-            self._body_timer = self.loop.call_later(left, self._body_idle)
+            self._body_timer = self.loop.call_later(left, self._check_body)
             return
         logger.info("closing a connection from %s: no body byte for %g s",
                     _peer(self.client), self.body_timeout)
