@@ -59,6 +59,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.main import create_app
+    from app.slowclients import protocol
 
     settings = _settings(host=args.host, port=args.port)
     app = create_app(settings)
@@ -75,6 +76,8 @@ def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5,
+                            # httptools, cutting slow clients (app/slowclients.py).
+                            http=protocol(settings.header_timeout, settings.body_timeout),
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
                             ssl_keyfile=settings.tls_key_file)

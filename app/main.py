@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
 from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes
+from app.api.edge import Edge
 from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
 from app.router.proxy import Proxy, openapi_paths
@@ -35,12 +36,18 @@ class GatewayApp(FastAPI):
     """
 
     v1: Proxy
+    edge: Edge
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            await self.v1(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
+        if scope["type"] == "http":
+            if scope["path"].startswith("/v1/"):
+                await self.v1(scope, receive, send)
+                return
+            # Tokens before bodies, bodies capped (app/api/edge.py).
+            receive = await self.edge.admit(scope, receive, send)
+            if receive is None:
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings) -> GatewayApp:
@@ -82,6 +89,8 @@ def create_app(settings: Settings) -> GatewayApp:
     )
     app.state.gateway = gw
     app.v1 = gw.proxy
+    app.edge = Edge(gw.admin_token, gw.secrets, settings.admin_max_body,
+                    settings.agent_max_body)
     errors.install(app)
     docs.install(app)
     cluster.install(app)

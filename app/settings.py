@@ -234,6 +234,23 @@ class Settings(BaseSettings):
     # Retry-After at once. Each held request is one open connection.
     cold_start_max_held: int = Field(64, ge=0)
 
+    # --- before a client is authenticated (docs/architecture.md, Security) -------
+    # The largest body /admin (and any other non-/v1 route) and /agent/v1
+    # accept, read only once the token is checked; more is a 413. Their bodies
+    # are small (a model spec, a node's inventory with its GPUs, a status
+    # report): larger caps let a token holder make a gateway hold more memory
+    # per request; smaller ones refuse a fleet's larger reports. /v1's own cap
+    # is 32 MiB (app/router/proxy.py).
+    admin_max_body: int = Field(1024 * 1024, ge=1024)
+    agent_max_body: int = Field(1024 * 1024, ge=1024)
+    # Seconds a connection may take to send a request's headers (counted from
+    # when it opens, or from its next request's first byte), and may go with
+    # no byte in the middle of a body; then it is closed (app/slowclients.py).
+    # Longer lets slow or hostile clients hold a descriptor each that long;
+    # shorter cuts clients on very bad links.
+    header_timeout: float = Field(30.0, gt=0)
+    body_timeout: float = Field(30.0, gt=0)
+
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on
     # the nodes; the gateway checks the path's shape, not its existence). A

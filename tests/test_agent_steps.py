@@ -29,7 +29,8 @@ from app.agent import health
 from app.agent.agent import Agent
 from app.agent.config import AgentConfig
 from app.agent.gateway_client import GatewayClient, GatewayRefused, GatewayUnreachable
-from app.agent.gpus import declared
+from app.agent.gpus import Hardware, declared
+from app.control.state import MAX_DETAIL, MAX_GPUS, MAX_TEXT, NodeInfo, ReplicaStatus
 from tests.support.procs import FAKE_BIN, kill_tagged
 
 
@@ -587,3 +588,23 @@ async def test_the_http_client_moves_on_from_a_503_and_names_a_refusal(
             await a.heartbeat()
     finally:
         await a.shutdown(stop_engines=True)
+
+
+async def test_reports_fit_the_gateways_caps(agent: tuple[Agent, MemoryGateway, Clock]) -> None:
+    """A real agent is never refused for its own report's size
+    (docs/architecture.md, Security): a long detail is cut to its start and
+    end, extra GPUs and a long discovery note are left out."""
+    a, gw, _ = agent
+    gw.answer = answer(1, replica("m-1", [0]))
+    assert await a.poll(0) == "changed"
+    await a.converge()
+    a.running["m-1"].detail = "engine died\n" + "a log line\n" * 2000 + "the last line"
+    assert await a.report()
+    sent = gw.reports[-1][0]
+    assert len(sent["detail"]) == MAX_DETAIL, len(sent["detail"])
+    assert sent["detail"].startswith("engine died") and sent["detail"].endswith("the last line")
+    ReplicaStatus.model_validate(sent)
+
+    hw = Hardware(gpus=declared(MAX_GPUS + 8), source="none (" + "why " * 1000 + ")")
+    node = NodeInfo(name="node-1", **hw.node_fields())
+    assert len(node.gpus) == MAX_GPUS and len(node.gpu_discovery) == MAX_TEXT

@@ -35,7 +35,7 @@ async def rig() -> AsyncIterator[Rig]:
         await r.close()
 
 
-def _openai_error(r: httpx.Response, status: int, code: str) -> str:
+def _openai_error(r: httpx.Response, status: int, code: str | None) -> str:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -260,3 +260,29 @@ async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
     assert counts == [(CHAT, {"model": "small", "messages": MESSAGES, "max_tokens": 1,
                               "temperature": 0}),
                       ("/extras/tokenize/count", {"input": "hello"})]
+
+
+async def test_hostile_json_is_a_400_in_openai_shape(rig: Rig) -> None:
+    """Nesting past the parser's limit and a 5,000-digit integer are the
+    client's errors. Nesting just under the limit is taken, and the walks
+    after the parse (hashing for affinity, encoding for the engine) manage
+    it: a 200 or a 400, never a 500, on either side of the limit."""
+    a, b = await rig.upstream("a"), await rig.upstream("b")
+    rig.route("small", ("a", a.url), ("b", b.url))
+    auth = {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"}
+    msg = b'[{"role": "user", "content": "hi"}]'
+    bodies = [b"[" * 100_000, b'{"model": "small", "messages": ' + msg + b', "x": '
+              + b"[" * 100_000 + b"}",
+              b'{"model": "small", "messages": ' + msg + b', "max_tokens": ' + b"9" * 5000 + b"}"]
+    for depth in range(900, 1000, 5):  # around the recursion limit, wherever it falls
+        bodies.append(b'{"model": "small", "messages": [{"role": "user", "content": '
+                      + b"[" * depth + b"]" * depth + b"}]}")
+    statuses = []
+    for body in bodies:
+        r = await rig.http.post(CHAT, content=body, headers=auth)
+        statuses.append(r.status_code)
+        if r.status_code != 200:
+            _openai_error(r, 400, None)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    assert statuses[:3] == [400, 400, 400], statuses
+    assert 400 in statuses[3:], statuses  # the limit was reached: this tested something

@@ -38,7 +38,14 @@ from app.agent.gateway_client import (
 )
 from app.agent.nodeops import NodeOps
 from app.agent.running import Running
-from app.control.state import DEFAULT_VLLM_VERSION, NodeInfo, Phase, ReplicaStatus
+from app.control.state import (
+    DEFAULT_VLLM_VERSION,
+    MAX_DETAIL,
+    NodeInfo,
+    Phase,
+    ReplicaStatus,
+    fit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +294,7 @@ class Agent:
         now = time.time()
         return [
             ReplicaStatus(id=rid, node=self.cfg.node, phase=e.phase, url=e.proc.url,
-                          detail=e.detail, updated=now,
+                          detail=fit(e.detail, MAX_DETAIL), updated=now,
                           given_up=e.phase == "failed" and e.given_up)
             for rid, e in sorted(self.running.items())
         ]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from app.control.state import GpuInfo
+from app.control.state import MAX_GPUS, MAX_TEXT, GpuInfo, fit
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,12 @@ class Hardware:
     source: str = ""
 
     def node_fields(self) -> dict[str, Any]:
-        """The NodeInfo fields this fills."""
-        return {"gpus": self.gpus, "driver_version": self.driver_version,
-                "cuda_version": self.cuda_version, "cpus": self.cpus,
-                "memory_mib": self.memory_mib, "gpu_discovery": self.source}
+        """The NodeInfo fields this fills, within the gateways' caps (a node
+        with more GPUs reports the first MAX_GPUS; docs/architecture.md,
+        Security)."""
+        return {"gpus": self.gpus[:MAX_GPUS], "driver_version": self.driver_version[:64],
+                "cuda_version": self.cuda_version[:64], "cpus": self.cpus,
+                "memory_mib": self.memory_mib, "gpu_discovery": fit(self.source, MAX_TEXT)}
 
 
 class Nvml(Protocol):

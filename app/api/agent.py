@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
 from app.control import state as s
@@ -36,7 +36,7 @@ _MAX_WAIT = 60.0
 
 
 class StatusReport(BaseModel):
-    replicas: list[s.ReplicaStatus]
+    replicas: list[s.ReplicaStatus] = Field(max_length=s.MAX_REPLICAS_REPORTED)
 
 
 def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], s.NodeConf]:

@@ -65,13 +65,14 @@ USAGE = "usage/"
 FABRIC = "fabric/"
 
 __all__ = [
-    "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_USAGE", "LEADER", "MODELS", "NODECONF",
+    "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_USAGE", "LEADER", "MAX_DETAIL",
+    "MAX_GPUS", "MAX_REPLICAS_REPORTED", "MAX_TEXT", "MODELS", "NODECONF",
     "NODES", "QUOTAS", "REPLICAS", "STATUS", "STORE_ID", "USAGE", "ClientKey", "Engine",
     "EngineArg", "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyUsage",
     "LeaderInfo", "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo", "Phase", "Profile", "Quota",
     "Replica", "ReplicaRange", "ReplicaStatus", "StoreId", "StoredModel", "Usage", "check_address",
     "check_engine_arg", "check_labels", "check_name", "check_weights", "engine_arg_name",
-    "replica_phase",
+    "fit", "replica_phase",
 ]
 
 
@@ -91,6 +92,26 @@ def check_address(value: str) -> str:
     return value
 
 
+# Caps on what an agent reports with its node token (docs/architecture.md,
+# Security): each field is bounded, so that a node's inventory or a replica's
+# status stays one small store write (etcd refuses a request over 1.5 MiB by
+# default, and every gateway mirrors every node) and a bad report is a 422
+# naming the field. Agents cut their text to fit (`fit`) before sending.
+MAX_DETAIL = 4096  # a status detail: why, what next, the engine's last log lines
+MAX_TEXT = 1024  # how GPUs were found ("none (why)"), a URL
+MAX_GPUS = 64
+MAX_REPLICAS_REPORTED = 512  # one status report (a node's replicas)
+
+
+def fit(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters: its start (the first line says
+    what happened) and its end (the last log lines), joined by " … "."""
+    if len(text) <= limit:
+        return text
+    head = min(len(text.split("\n", 1)[0]), limit // 4)
+    return text[:head] + " … " + text[len(text) - (limit - head - 3):]
+
+
 class _Stored(BaseModel):
     # Tolerate fields written by a newer gateway.
     model_config = ConfigDict(extra="ignore")
@@ -99,9 +120,9 @@ class _Stored(BaseModel):
 
 class GpuInfo(_Stored):
     index: int
-    name: str = ""
+    name: str = Field(default="", max_length=256)
     memory_mib: int = 0
-    uuid: str = ""
+    uuid: str = Field(default="", max_length=256)
     # As last discovered (app/agent/gpus.py); None where unknown (declared
     # GPUs, MIG mode). Refreshed now and then, not per heartbeat.
     memory_free_mib: int | None = None
@@ -112,25 +133,25 @@ class NodeInfo(_Stored):
     """An agent's report of its node, refreshed by each heartbeat."""
 
     name: str
-    gpus: list[GpuInfo] = Field(default_factory=list)
-    engines: list[Engine] = Field(default_factory=list)
-    address: str = ""
-    version: str = ""
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=MAX_GPUS)
+    engines: list[Engine] = Field(default_factory=list, max_length=8)
+    address: str = Field(default="", max_length=253)
+    version: str = Field(default="", max_length=64)
     # Added for node operations (docs/architecture.md); older agents leave
     # them empty and older gateways ignore them.
-    driver_version: str = ""
-    cuda_version: str = ""
+    driver_version: str = Field(default="", max_length=64)
+    cuda_version: str = Field(default="", max_length=64)
     # How the GPUs were found: "nvml", "nvidia-smi", "declared", "none (why)".
-    gpu_discovery: str = ""
+    gpu_discovery: str = Field(default="", max_length=MAX_TEXT)
     cpus: int = 0
     memory_mib: int = 0
     # The agent's own API (logs, cached weights): http://ADDRESS:PORT.
-    api_url: str = ""
+    api_url: str = Field(default="", max_length=MAX_TEXT)
     # The vLLM build replicas would use (docs/architecture.md, "Node
     # operations"): "cu13", "cu129", "operator" (LLMGW_VLLM_BIN), "" none
     # usable (no vLLM replicas placed here); None from older agents, which
     # placement does not judge.
-    vllm_build: str | None = None
+    vllm_build: str | None = Field(default=None, max_length=64)
     # The vLLM version that build holds, as installed (read from its
     # environment, not as asked); "" unknown (the operator's own) or none.
     vllm_version: str | None = Field(default=None, max_length=64)
@@ -246,11 +267,11 @@ class Replica(_Stored):
 class ReplicaStatus(_Stored):
     """A replica as its agent last saw it."""
 
-    id: str
-    node: str
+    id: str = Field(max_length=256)
+    node: str = Field(max_length=128)
     phase: Phase
-    url: str = ""
-    detail: str = ""
+    url: str = Field(default="", max_length=MAX_TEXT)
+    detail: str = Field(default="", max_length=MAX_DETAIL)
     updated: float = 0.0
     # Failed, and its agent no longer restarts it (it kept dying): the
     # leader places it elsewhere (app/control/plan.py).

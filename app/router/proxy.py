@@ -177,7 +177,9 @@ class Proxy:
             if method != "POST":
                 raise error(405, f"{method} is not allowed on {path}.",
                             "invalid_request_error")
-            body, model = self._request(grant, await _read_body(receive))
+            raw = await _read_body(receive)
+            outcome.body_read = True
+            body, model = self._request(grant, raw)
             outcome.model = model
             query = scope.get("query_string", b"")
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
@@ -205,6 +207,11 @@ class Proxy:
         except Reply as r:
             outcome.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
+            if not outcome.body_read and _has_body(scope):
+                # Refused before its body was read (no key, too large): the
+                # connection closes rather than read the rest to reach a
+                # next request (docs/architecture.md, Security).
+                extra.append((b"connection", b"close"))
             await send_whole(send, r.status, r.body, extra + r.headers)
         except _ClientGone:
             outcome.status = CLIENT_GONE
@@ -280,11 +287,12 @@ class Proxy:
 class _Outcome:
     """How one request ended, for the observer."""
 
-    __slots__ = ("model", "status")
+    __slots__ = ("body_read", "model", "status")
 
     def __init__(self) -> None:
         self.model = UNKNOWN_MODEL
         self.status = 500
+        self.body_read = False
 
 
 def _headers(scope: Scope) -> tuple[str, str | None]:
@@ -304,6 +312,13 @@ def _headers(scope: Scope) -> tuple[str, str | None]:
         return "", session
     scheme, _, rest = authorization.decode("latin-1").partition(" ")
     return (rest.strip() if scheme.lower() == "bearer" else ""), session
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -326,7 +341,12 @@ async def _read_body(receive: Receive) -> bytes:
 def _parse(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:  # the C parser's guard: ~1,000 levels of [ or {
+        raise error(400, "The request body is nested too deeply.",
+                    "invalid_request_error") from None
+    except ValueError as exc:
+        # Bad JSON, bad UTF-8, or an integer past Python's digit limit
+        # (sys.get_int_max_str_digits(), 4,300): all the client's to fix.
         raise error(400, f"The request body is not valid JSON: {exc}",
                     "invalid_request_error") from None
     if not isinstance(body, dict):

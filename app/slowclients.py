@@ -1,0 +1,136 @@
+"""Time limits on a client's headers and on a stalled body, which uvicorn
+does not have (docs/architecture.md, "Before a client is authenticated").
+
+uvicorn times only the idle gap between two requests on a kept-open
+connection (its keep-alive timeout). A connection that sends nothing, or
+sends its request line and headers a byte a second, or stops halfway
+through a body, holds a file descriptor for as long as it likes: 300 such
+clients locked everyone out of a gateway under a 256-descriptor limit.
+nginx has `client_header_timeout` and `client_body_timeout` for this; these
+are the same two, on uvicorn's httptools protocol (what `llmgw serve` runs,
+uvicorn's "auto" with httptools installed).
+
+The cost on the request path: a few attribute writes per request, and a
+clock read per read that leaves a request unfinished. A timer is armed when
+a connection opens and at most once per limit's period after that (never
+cancelled and re-armed per request); no task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                b"content-length: 36\r\nconnection: close\r\n\r\n"
+                b"request headers not complete in time")
+
+
+class TimedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol, cutting slow clients. The limits are
+    class attributes: `protocol()` makes a subclass with a gateway's own.
+
+    Timers are never cancelled on the request path: one fires, looks at
+    where the connection stands, and arms itself again only while a request
+    is still under way. So a connection holds at most one timer of each
+    kind, armed at most once per limit's period, whatever its requests."""
+
+    header_timeout = 30.0
+    body_timeout = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        # Loop time the current request's headers began (the connection's
+        # start for the first); None once they are all in.
+        self._headers_since: float | None = None
+        self._in_headers = False  # a request has begun, its headers are not all in
+        self._in_body = False  # its headers are in, its body is not
+        self._last_body = 0.0  # loop time of the last read during a body
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        # From the connection's start: one that never sends a byte is cut too.
+        self._headers_since = self.loop.time()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._check_headers)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._header_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Only for a request that spans reads: most arrive whole.
+        if self._in_headers and self._headers_since is None:
+            self._headers_since = self.loop.time()
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(self.header_timeout,
+                                                          self._check_headers)
+        if self._in_body:
+            self._last_body = self.loop.time()
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.body_timeout, self._check_body)
+
+    def on_message_begin(self) -> None:
+        self._in_headers = True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._headers_since = None
+        self._in_body = True
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
+
+    def _check_headers(self) -> None:
+        self._header_timer = None
+        if self._headers_since is None or self.transport.is_closing():
+            return  # between requests: uvicorn's keep-alive timeout rules
+        left = self._headers_since + self.header_timeout - self.loop.time()
+        if left > 0:
+            self._header_timer = self.loop.call_later(left, self._check_headers)
+            return
+        logger.info("closing a connection from %s: request headers not complete within %g s",
+                    _peer(self.client), self.header_timeout)
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.write(_TIMEOUT_408)
+        self.transport.close()
+
+    def _check_body(self) -> None:
+        self._body_timer = None
+        if not self._in_body or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self.flow.read_paused:
+            # We stopped reading (the app has not taken what came): not the
+            # client's stall. Counted again from when reading resumes.
+            self._last_body = now
+        left = self._last_body + self.body_timeout - now
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._check_body)
+            return
+        logger.info("closing a connection from %s: no body byte for %g s",
+                    _peer(self.client), self.body_timeout)
+        self.transport.close()  # the app's receive() answers http.disconnect
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+def protocol(header_timeout: float, body_timeout: float) -> type[TimedHttpTools]:
+    """The protocol class for uvicorn's `http=`, with these limits (seconds)."""
+    return type("TimedHttpTools", (TimedHttpTools,),
+                {"header_timeout": header_timeout, "body_timeout": body_timeout})
