@@ -193,8 +193,14 @@ async def test_the_snapshot_carries_waiting_and_kv_apart_and_a_change_is_written
     lease = await store.grant(10)
     pub = UsagePublisher(store, mirror, source, "gw", lambda: lease, refresh=30,
                          wall=Clock(1000.0))
-    table.set_loads({"m-a": EngineLoad(1, 5, 0.25, at=100.0)})
+    table.set_loads({"m-a": EngineLoad(1, 0, 0.25, at=100.0)})
     assert await pub.step()
+    assert not pub.newly_saturated()
+    # A queue forming is news worth a write before the usual interval.
+    table.set_loads({"m-a": EngineLoad(1, 5, 0.25, at=100.0)})
+    assert pub.newly_saturated()
+    assert await pub.step()
+    assert not pub.newly_saturated()  # written: the leader has heard
     kv = await store.get(s.USAGE + "gw")
     assert kv is not None
     got = s.Usage.model_validate_json(kv.value)
@@ -207,8 +213,10 @@ async def test_the_snapshot_carries_waiting_and_kv_apart_and_a_change_is_written
     # a generating engine's cache changes every poll.
     table.set_loads({"m-a": EngineLoad(2, 4, 0.5, at=100.0)})
     assert not await pub.step()
-    table.set_loads({"m-a": EngineLoad(2, 4, 0.985, at=100.0)})
+    table.set_loads({"m-a": EngineLoad(2, 0, 0.985, at=100.0)})
+    assert pub.newly_saturated()  # full, although nothing waits
     assert await pub.step() and pub.written.kv_cache == {"m-a": 0.985}
+    assert not pub.newly_saturated()
 
 
 # --- across processes -------------------------------------------------------------------

@@ -244,7 +244,22 @@ class UsagePublisher:
         self.written, self._written_lease, self._let_go = usage, lease, let_go
         return True
 
-    async def run(self, interval: float) -> None:
+    def newly_saturated(self) -> bool:
+        """Whether an engine is saturated now (requests waiting, or its KV
+        cache full) that the last snapshot written did not show so: the
+        leader's saturation delay counts from when it hears, so this is
+        worth a write before the usual interval (`run()` looks every second).
+        Reads the router's counts only."""
+        old = self.written
+        if old is None:
+            return False  # the first snapshot is written at the next step anyway
+        return any((q.waiting > 0 and old.waiting.get(rid, 0) == 0)
+                   or (q.kv >= KV_FULL and old.kv_cache.get(rid, 0.0) < KV_FULL)
+                   for rid, q in self._source.engine_queues().items())
+
+    async def run(self, interval: float, look: float = 1.0) -> None:
+        """A step every `interval`, and one sooner when a look (every
+        `look` seconds, no I/O) finds an engine newly saturated."""
         while True:
             try:
                 await self.step()
@@ -255,4 +270,9 @@ class UsagePublisher:
                 logger.warning("usage snapshot not written: %s", exc)
             except Exception:
                 logger.exception("usage snapshot crashed")
-            await asyncio.sleep(interval)
+            waited = 0.0
+            while waited < interval:
+                await asyncio.sleep(min(look, interval - waited))
+                waited += look
+                if self.newly_saturated():
+                    break
