@@ -245,8 +245,7 @@ def test_a_saturated_engine_gets_a_second_replica_within_ten_seconds(
     stop = threading.Event()
     started, failures = threading.Semaphore(0), list[str]()
 
-    def stream() -> None:
-        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    def stream(client: openai.OpenAI) -> None:
         try:
             with client.chat.completions.create(
                     model="chat", stream=True,
@@ -259,7 +258,10 @@ def test_a_saturated_engine_gets_a_second_replica_within_ten_seconds(
         except openai.OpenAIError as exc:
             failures.append(repr(exc))
 
-    threads = [threading.Thread(target=stream) for _ in range(6)]
+    # Clients made first: the clock below starts before the requests, not
+    # before this test's own set-up.
+    threads = [threading.Thread(target=stream, args=(openai.OpenAI(
+        base_url=gw.url + "/v1", api_key=key, max_retries=0),)) for _ in range(6)]
     try:
         # One runs; from when the other five are sent, the engine is saturated.
         threads[0].start()
