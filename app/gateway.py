@@ -164,6 +164,7 @@ class Gateway:
                                 idle_slack=st.usage_refresh + st.usage_interval,
                                 scale_down_window=st.scale_down_window,
                                 default_load_target=st.default_load_target,
+                                saturated_after=st.saturated_after,
                                 agent_window=self.agent_window, secrets=self.secrets)
         elector = self._elector
         usage = UsagePublisher(self._store, self._mirror,

@@ -28,6 +28,7 @@ from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
+from app.control.usage import Queue
 from app.router.limits import Limits
 from app.router.proxy import RequestObserver
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
@@ -249,4 +250,8 @@ class RouterUsage:
     def engine_loads(self) -> dict[str, float]:
         # Waiting requests count as load: they are what another replica would take.
         return {rid: load.running + load.waiting
+                for rid, load in self._table.fresh_loads().items()}
+
+    def engine_queues(self) -> dict[str, Queue]:
+        return {rid: Queue(load.waiting, load.kv_cache)
                 for rid, load in self._table.fresh_loads().items()}

@@ -143,6 +143,14 @@ class Settings(BaseSettings):
     # measured on a real engine; set `load_target` per model from its own
     # latency under load.
     default_load_target: int = Field(16, ge=1, le=10000)
+    # Seconds an engine's queue must stay non-empty (or its KV cache full)
+    # before the leader adds replicas for it whatever the load target. The
+    # second replica comes this much (plus a poll, a snapshot and a pass:
+    # 3 s at most with the defaults) after saturation. Shorter: replicas
+    # for bursts an engine would have worked off alone (each reload of a
+    # vLLM engine takes minutes, and the surplus stays a scale-down window);
+    # longer: requests wait that much longer in a full engine.
+    saturated_after: float = Field(5.0, gt=0, le=3600)
 
     # --- agents -----------------------------------------------------------------
     # A node whose agent has not heartbeated for this long is gone: its

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from app.control import state as s
 from app.control.mirror import Mirror
-from app.control.usage import UsagePublisher, drain_inflight, last_used
+from app.control.usage import Queue, UsagePublisher, drain_inflight, last_used
 from app.publish import LastUse
 from app.store.embedded import EmbeddedStore
 
@@ -40,6 +40,9 @@ class Source:
         return dict(self.held)
 
     def engine_loads(self) -> dict[str, float]:
+        return {}
+
+    def engine_queues(self) -> dict[str, Queue]:
         return {}
 
 

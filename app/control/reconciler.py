@@ -68,6 +68,7 @@ class Reconciler:
         idle_slack: float = 0.0,
         scale_down_window: float = 300.0,
         default_load_target: int = 16,
+        saturated_after: float = 5.0,
         agent_window: Window | None = None,
         secrets: SecretRing | None = None,
         wall: Callable[[], float] = time.time,
@@ -88,7 +89,8 @@ class Reconciler:
         self._idle_slack = idle_slack
         self._wall = wall  # for draining_since, which every gateway reads
         self._clock = clock  # for the node grace and scaling, which only this leader counts
-        self._scaler = Scaler(window=scale_down_window, default_target=default_load_target)
+        self._scaler = Scaler(window=scale_down_window, default_target=default_load_target,
+                              saturated_after=saturated_after)
         self._new_suffix = new_suffix
         # The revision of our last write. It must be in the mirror before the
         # next pass plans on it, or a replica just created would be created
@@ -149,7 +151,8 @@ class Reconciler:
                                              if r.engine == "llamacpp"])
         floors = {name: wanted(spec, last.get(name), now, self._idle_slack)
                   for name, spec in models.items()}
-        targets = self._scaler.step(models, replicas, loads, floors, self._clock())
+        targets = self._scaler.step(models, replicas, loads, floors, self._clock(),
+                                    usage.replica_queues(usages))
         statuses = self._mirror.statuses()
         failed = self._failed_to_replace(replicas, statuses)
         # The secret replicas are held to: the new one only once every live
@@ -289,4 +292,9 @@ class Reconciler:
                 logger.warning("reconcile pass failed: %s", exc)
             except Exception:
                 logger.exception("reconcile pass crashed")
-            await self._mirror.wait_past(seen, self._interval)
+            # A saturation's delay ending is a reason to look again at once:
+            # the snapshots that show it are not written again while the
+            # queue holds still.
+            due = self._scaler.next_due(self._clock())
+            await self._mirror.wait_past(
+                seen, self._interval if due is None else min(self._interval, due + 0.01))

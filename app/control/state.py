@@ -349,6 +349,12 @@ class Usage(_Stored):
     # idle (docs/architecture.md, Reconciler: scaling). Snapshots written
     # before load-based scaling have none: their replicas read as unknown.
     loads: dict[str, float] = Field(default_factory=dict)
+    # The same polls' waiting requests and KV-cache use (0 to 1), apart:
+    # what the leader calls saturation (Scaling on load). `loads` keeps
+    # running + waiting for leaders older than these; a snapshot without
+    # them says nothing of its replicas' queues.
+    waiting: dict[str, float] = Field(default_factory=dict)
+    kv_cache: dict[str, float] = Field(default_factory=dict)
 
 
 class FabricResult(_Stored):

@@ -2,7 +2,8 @@
 
 Every few seconds each gateway writes `usage/{gateway}` (`state.Usage`):
 requests in flight per replica, each replica's engine load (running +
-waiting, as its router last polled it), when each model was last asked for,
+waiting, as its router last polled it, and apart its waiting requests and
+KV-cache use, which saturation reads), when each model was last asked for,
 and the store revision its router tables reflected. The key is bound to the
 gateway's election lease (`Elector.lease`), so a dead gateway's snapshot
 goes with its lease. The leader reads the snapshots from its mirror to end
@@ -26,13 +27,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from app.control import state as s
 from app.control.mirror import Mirror
 from app.store.base import Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
+
+# A KV cache this full admits no more requests: the figure the router calls
+# saturated too (app/router/choice.py, SATURATED_KV).
+KV_FULL = 0.98
+
+
+class Queue(NamedTuple):
+    """A replica's engine queue as polled: requests waiting, KV-cache use (0 to 1)."""
+
+    waiting: float
+    kv: float
 
 
 class UsageSource(Protocol):
@@ -57,6 +69,10 @@ class UsageSource(Protocol):
     def engine_loads(self) -> Mapping[str, float]:
         """Each replica's engine load (running + waiting requests), from
         polls fresh enough to route on; a replica left out is unknown."""
+        ...
+
+    def engine_queues(self) -> Mapping[str, Queue]:
+        """The same polls' waiting requests and KV-cache use, per replica."""
         ...
 
 
@@ -109,6 +125,22 @@ def replica_loads(usages: Mapping[str, s.Usage],
     return out
 
 
+def replica_queues(usages: Mapping[str, s.Usage]) -> dict[str, Queue]:
+    """Each replica's engine queue over every gateway's snapshot: the largest
+    waiting count and KV-cache use reported (every gateway polls the same
+    engine). A replica no snapshot gives a waiting count for is left out
+    (unknown): snapshots written before these fields, engines without
+    /metrics (llama.cpp)."""
+    out: dict[str, Queue] = {}
+    for u in usages.values():
+        for rid, waiting in u.waiting.items():
+            kv = u.kv_cache.get(rid, 0.0)
+            old = out.get(rid)
+            out[rid] = Queue(waiting, kv) if old is None else Queue(
+                max(old.waiting, waiting), max(old.kv, kv))
+    return out
+
+
 def last_used(usages: Mapping[str, s.Usage]) -> dict[str, float]:
     """The latest use of each model over every gateway's snapshot."""
     out: dict[str, float] = {}
@@ -116,6 +148,10 @@ def last_used(usages: Mapping[str, s.Usage]) -> dict[str, float]:
         for model, at in u.last_used.items():
             out[model] = max(out.get(model, at), at)
     return out
+
+
+def _full(kv_cache: Mapping[str, float]) -> frozenset[str]:
+    return frozenset(rid for rid, kv in kv_cache.items() if kv >= KV_FULL)
 
 
 class UsagePublisher:
@@ -168,8 +204,11 @@ class UsagePublisher:
             and kv.mod_revision <= revision)
         loads = {rid: load for rid, load in self._source.engine_loads().items()
                  if rid in replicas}
+        queues = {rid: q for rid, q in self._source.engine_queues().items() if rid in replicas}
         return (s.Usage(gateway=self._gateway_id, revision=revision, inflight=inflight,
-                        last_used=used, held=held, updated=now, loads=loads), let_go)
+                        last_used=used, held=held, updated=now, loads=loads,
+                        waiting={rid: q.waiting for rid, q in queues.items()},
+                        kv_cache={rid: q.kv for rid, q in queues.items()}), let_go)
 
     def _due(self, usage: s.Usage, let_go: frozenset[str], lease: int) -> bool:
         old = self.written
@@ -180,8 +219,12 @@ class UsagePublisher:
         if usage.inflight != old.inflight or let_go != self._let_go:
             # Drains wait on these: written at the next step.
             return True
-        if usage.loads != old.loads:
+        if usage.loads != old.loads or usage.waiting != old.waiting:
             return True  # scaling reads these; unchanged, the last ones still hold
+        if _full(usage.kv_cache) != _full(old.kv_cache):
+            # A generating engine's cache changes every poll: only reaching
+            # the limit (or leaving it) is worth a write of its own.
+            return True
         if usage.last_used.keys() - old.last_used.keys():
             return True  # a model used for the first time (or since a restart)
         # Last-use times alone: at most every `refresh` seconds (the leader
@@ -201,7 +244,22 @@ class UsagePublisher:
         self.written, self._written_lease, self._let_go = usage, lease, let_go
         return True
 
-    async def run(self, interval: float) -> None:
+    def newly_saturated(self) -> bool:
+        """Whether an engine is saturated now (requests waiting, or its KV
+        cache full) that the last snapshot written did not show so: the
+        leader's saturation delay counts from when it hears, so this is
+        worth a write before the usual interval (`run()` looks every second).
+        Reads the router's counts only."""
+        old = self.written
+        if old is None:
+            return False  # the first snapshot is written at the next step anyway
+        return any((q.waiting > 0 and old.waiting.get(rid, 0) == 0)
+                   or (q.kv >= KV_FULL and old.kv_cache.get(rid, 0.0) < KV_FULL)
+                   for rid, q in self._source.engine_queues().items())
+
+    async def run(self, interval: float, look: float = 1.0) -> None:
+        """A step every `interval`, and one sooner when a look (every
+        `look` seconds, no I/O) finds an engine newly saturated."""
         while True:
             try:
                 await self.step()
@@ -212,4 +270,9 @@ class UsagePublisher:
                 logger.warning("usage snapshot not written: %s", exc)
             except Exception:
                 logger.exception("usage snapshot crashed")
-            await asyncio.sleep(interval)
+            waited = 0.0
+            while waited < interval:
+                await asyncio.sleep(min(look, interval - waited))
+                waited += look
+                if self.newly_saturated():
+                    break
