@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 LOADS_PATH = "/node/v1/loads"
 # The most a gateway reads of an agent's answer: ~80 bytes a replica, so
@@ -40,6 +40,21 @@ class Counts:
     running: float
     waiting: float
     kv: float  # 0..1
+
+
+class Chunks(Protocol):
+    """A body read in chunks (aiohttp's `StreamReader`)."""
+
+    async def readany(self) -> bytes: ...
+
+
+async def read_capped(body: Chunks, cap: int) -> bytes:
+    """The body up to `cap` + 1 bytes: longer than `cap` means too long.
+    (One `read(n)` returns what one chunk holds, not n bytes.)"""
+    out = bytearray()
+    while len(out) <= cap and (chunk := await body.readany()):
+        out += chunk
+    return bytes(out[: cap + 1])
 
 
 def parse_vllm_metrics(text: str) -> Counts | None:

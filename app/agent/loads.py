@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 import aiohttp
 
-from app.loadwire import MAX_METRICS, Counts, parse_vllm_metrics
+from app.loadwire import MAX_METRICS, Counts, parse_vllm_metrics, read_capped
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class LoadGatherer:
                                    headers={"Authorization": f"Bearer {t.key}"}) as resp:
                 if resp.status != 200:
                     return None
-                raw = await resp.content.read(MAX_METRICS + 1)
+                raw = await read_capped(resp.content, MAX_METRICS)
         except (aiohttp.ClientError, TimeoutError):
             return None
         if len(raw) > MAX_METRICS:

@@ -40,6 +40,7 @@ from app.loadwire import (
     BadAnswer,
     Counts,
     parse_vllm_metrics,
+    read_capped,
     read_loads_answer,
 )
 from app.router.choice import EngineLoad
@@ -173,7 +174,7 @@ class EngineLoadPoller:
                 async with session.get(agent.api_url + LOADS_PATH, timeout=self._timeout,
                                        headers={"Authorization": f"Bearer {token}"}) as resp:
                     status = resp.status
-                    body = await resp.content.read(MAX_ANSWER + 1) if status == 200 else b""
+                    body = await read_capped(resp.content, MAX_ANSWER) if status == 200 else b""
                 # During a rotation an agent may hold the previous secret's token.
                 if status != 401 or i == len(agent.tokens) - 1:
                     break
@@ -205,7 +206,7 @@ class EngineLoadPoller:
                     headers={"Authorization": f"Bearer {ep.key}"}) as resp:
                 if resp.status != 200:
                     return  # no /metrics (llama.cpp): no load
-                raw = await resp.content.read(MAX_METRICS + 1)
+                raw = await read_capped(resp.content, MAX_METRICS)
         except (aiohttp.ClientError, TimeoutError):
             out.unanswered.add(ep.replica_id)
             return
