@@ -35,7 +35,7 @@ from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
 from app.control.usage import UsagePublisher
 from app.metrics import GatewayMetrics
-from app.publish import LastUse, Publisher, RouterUsage
+from app.publish import LastUse, NodeAgents, Publisher, RouterUsage
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
@@ -174,6 +174,9 @@ class Gateway:
         compactor = Compactor(self._store, lambda: elector.is_leader,
                               lambda: mirror.revision if mirror.ready else 0,
                               st.etcd_compaction_interval)
+        # Engine loads come from each node's agent (docs/architecture.md,
+        # "Choosing a replica").
+        self.proxy.loads.directory = NodeAgents(self._mirror, self.secrets)
         await self.proxy.start()
         self._tasks += [
             # Two loops: a renewal never waits behind a campaign stuck on a

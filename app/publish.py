@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+from app.api.agent import check_engine_url
 from app.control import state as s
 from app.control.agentversion import Window
 from app.control.keyfiles import ProviderKeys
@@ -29,6 +30,7 @@ from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
 from app.control.usage import Queue
+from app.router.engine_load import NodeAgent
 from app.router.limits import Limits
 from app.router.proxy import RequestObserver
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
@@ -255,3 +257,32 @@ class RouterUsage:
     def engine_queues(self) -> dict[str, Queue]:
         return {rid: Queue(load.waiting, load.kv_cache)
                 for rid, load in self._table.fresh_loads().items()}
+
+
+class NodeAgents:
+    """Each replica's node agent, for the router's engine load poll
+    (app/router/engine_load.py's `NodeDirectory`), read from the mirror at
+    each poll. The node token goes only to an `api_url` on the node's own
+    address (the check node operations make, app/api/nodes.py); a node
+    without one has its engines read one by one."""
+
+    def __init__(self, mirror: Mirror, secrets: SecretRing) -> None:
+        self._mirror = mirror
+        self._secrets = secrets
+
+    def agents(self) -> dict[str, NodeAgent]:
+        nodes = self._mirror.nodes()
+        by_node: dict[str, NodeAgent] = {}
+        out: dict[str, NodeAgent] = {}
+        for rid, rep in self._mirror.replicas().items():
+            agent = by_node.get(rep.node)
+            if agent is None:
+                info = nodes.get(rep.node)
+                if info is None:
+                    continue
+                usable = bool(info.api_url) and check_engine_url(info.api_url, info) is None
+                agent = by_node[rep.node] = NodeAgent(
+                    rep.node, info.api_url.rstrip("/") if usable else "",
+                    tuple(self._secrets.node_tokens(rep.node)) if usable else ())
+            out[rid] = agent
+        return out

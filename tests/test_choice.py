@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from app.loadwire import Counts, parse_vllm_metrics
 from app.router.choice import (
     Candidate,
     EngineLoad,
@@ -21,7 +22,7 @@ from app.router.choice import (
     ring_order,
     ring_shares,
 )
-from app.router.engine_load import EngineLoadPoller, parse_vllm_metrics
+from app.router.engine_load import EngineLoadPoller
 from app.router.table import Endpoint, RouteTable
 
 NOW = 100.0
@@ -139,10 +140,10 @@ vllm:prompt_tokens_total{model_name="m"} 1234.0
 
 
 def test_vllm_metrics_are_summed_over_engines() -> None:
-    assert parse_vllm_metrics(METRICS, 5.0) == EngineLoad(5.0, 4.0, 0.5, 5.0)
+    assert parse_vllm_metrics(METRICS) == Counts(5.0, 4.0, 0.5)
     old = METRICS.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
-    assert parse_vllm_metrics(old, 5.0) == EngineLoad(5.0, 4.0, 0.5, 5.0)
-    assert parse_vllm_metrics("# nothing\nprocess_cpu_seconds_total 3\n", 5.0) is None
+    assert parse_vllm_metrics(old) == Counts(5.0, 4.0, 0.5)
+    assert parse_vllm_metrics("# nothing\nprocess_cpu_seconds_total 3\n") is None
 
 
 @pytest.fixture

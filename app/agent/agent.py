@@ -36,6 +36,7 @@ from app.agent.gateway_client import (
     GatewayUnreachable,
     advertise_address,
 )
+from app.agent.loads import LoadTarget
 from app.agent.nodeops import NodeOps
 from app.agent.running import Running
 from app.control.state import (
@@ -83,7 +84,7 @@ class Agent:
             ops = replace(ops, builds=replace(
                 ops.builds, operator_bin=ops.builds.operator_bin or cfg.vllm_bin))
         self.ops = NodeOps(ops, node=cfg.node, token=cfg.token, work_dir=cfg.work_dir,
-                           gpus=cfg.gpus, view=self, clock=clock)
+                           gpus=cfg.gpus, view=self, clock=clock, engines=self)
 
     async def start(self) -> None:
         await self.client.start()
@@ -122,6 +123,11 @@ class Agent:
         """Assigned or running engines (the node API's NodeView): their
         weights are not removed, their keys are masked in logs."""
         return [*self.desired.values(), *(e.proc.spec for e in self.running.values())]
+
+    def ready_engines(self) -> list[LoadTarget]:
+        """Ready vLLM engines: their loads are read for the gateways (loads.py)."""
+        return [LoadTarget(rid, e.proc.url, e.proc.spec.key) for rid, e in self.running.items()
+                if e.phase == "ready" and e.proc.spec.engine == "vllm"]
 
     # --- steps -------------------------------------------------------------------
 

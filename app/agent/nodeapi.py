@@ -9,6 +9,7 @@ shared secret (app/control/keys.py): a gateway needs no other credential,
 and a token taken from one node opens that node's API only.
 
     GET    /node/v1/logs?source=agent|REPLICA&lines=N   recent lines, and the sources
+    GET    /node/v1/loads                               its engines' load figures (loads.py)
     GET    /node/v1/weights                             the model cache's entries
     DELETE /node/v1/weights  {"paths": [...]}           removes entries (all or none)
     POST   /node/v1/fabric/ticket|send|sink             fabric test (app/agent/fabric.py)
@@ -31,9 +32,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from app import __version__
+from app import __version__, loadwire
 from app.agent import fabric, logfiles, upgrade, weights
 from app.agent.engines import EngineSpec
+from app.agent.loads import LoadGatherer
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +82,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class NodeApi:
-    def __init__(self, cfg: NodeApiConfig, view: NodeView) -> None:
+    def __init__(self, cfg: NodeApiConfig, view: NodeView,
+                 loads: LoadGatherer | None = None) -> None:
         self.cfg = cfg
         self.view = view
+        # The engines' figures gateways read instead of every engine's
+        # /metrics; None: answered with no figures.
+        self.loads = loads
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.fabric = fabric.Fabric()
@@ -92,6 +98,7 @@ class NodeApi:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=1 << 20)
         app.router.add_get("/node/v1/logs", self.logs)
+        app.router.add_get(loadwire.LOADS_PATH, self.engine_loads)
         app.router.add_get("/node/v1/weights", self.list_weights)
         app.router.add_delete("/node/v1/weights", self.delete_weights)
         app.router.add_post("/node/v1/upgrade", self.upgrade)
@@ -165,6 +172,12 @@ class NodeApi:
             "node": self.cfg.node, "source": source, "sources": sorted(sources),
             "lines": [logfiles.mask(line, secrets) for line in lines],
         })
+
+    # --- engine loads (loads.py) ----------------------------------------------------------
+
+    async def engine_loads(self, request: web.Request) -> web.Response:
+        figures = self.loads.figures() if self.loads is not None else {}
+        return web.json_response(loadwire.loads_answer(self.cfg.node, figures))
 
     # --- cached weights -----------------------------------------------------------------
 

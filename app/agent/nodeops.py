@@ -2,6 +2,9 @@
 discovered, its own API (nodeapi.py), its log file and its engines' log
 rotation (logfiles.py). See docs/architecture.md, "Node operations".
 
+Its engines' load figures (loads.py) are gathered from `start()` to
+`stop()` while the API is served: gateways read them there.
+
 The agent calls four one-step methods: `start()`, `refresh()` (from the
 heartbeat), `rotate()` (from the engine check) and `stop()`; and its vLLM
 build (builds.py) through `choose()` (from the assignments poll) and
@@ -20,6 +23,7 @@ from typing import Any
 from app.agent import logfiles
 from app.agent.builds import Builds, BuildsConfig
 from app.agent.gpus import Hardware, host_only, refreshed
+from app.agent.loads import LoadGatherer, ReadyEngines
 from app.agent.nodeapi import NodeApi, NodeApiConfig, NodeView
 from app.agent.weights import default_cache_dir
 from app.control.state import GpuInfo
@@ -54,13 +58,17 @@ class NodeOps:
     def __init__(
         self, cfg: NodeOpsConfig, *, node: str, token: str, work_dir: Path,
         gpus: list[GpuInfo], view: NodeView, clock: Callable[[], float],
+        engines: ReadyEngines | None = None,
     ) -> None:
         self.cfg = cfg
         self._clock = clock
         self.hardware = cfg.hardware or host_only(gpus)
         self._rediscovered = clock()
+        self.loads = LoadGatherer(engines) if engines is not None else None
+        self._gathering: asyncio.Task[None] | None = None
         self.api = NodeApi(NodeApiConfig(node=node, token=token, work_dir=work_dir,
-                                         cache_dir=cfg.cache_dir, log_keep=cfg.log_keep), view)
+                                         cache_dir=cfg.cache_dir, log_keep=cfg.log_keep), view,
+                           self.loads)
         self._log_handler: logging.Handler | None = None
         self.builds = Builds(cfg.builds, work_dir)
         # Set when the gateways name another build: the build loop wakes.
@@ -77,6 +85,9 @@ class NodeOps:
             except OSError as exc:  # engines matter more than logs: run on without it
                 logger.error("node API not served: cannot listen on %s:%d: %s",
                              host, self.cfg.api_port, exc)
+                return
+            if self.loads is not None:
+                self._gathering = asyncio.create_task(self.loads.run(), name="engine-loads")
 
     async def refresh(self) -> bool:
         """Discovers the hardware again if it is time, in a worker thread
@@ -107,6 +118,10 @@ class NodeOps:
         return await logfiles.rotate_oversized(logs, self.cfg.log_max_bytes, self.cfg.log_keep)
 
     async def stop(self) -> None:
+        if self._gathering is not None:
+            self._gathering.cancel()
+            await asyncio.gather(self._gathering, return_exceptions=True)
+            self._gathering = None
         await self.api.stop()
         if self._log_handler is not None:
             logging.getLogger("app").removeHandler(self._log_handler)

@@ -8,7 +8,9 @@ from a named vLLM version; any other flag is an argparse error (exit status
 to:
 
 * ``GET /health`` (200, empty body), ``GET /version``, ``GET|POST /ping``
-* ``GET /metrics`` (Prometheus text, vLLM's metric names, live values)
+* ``GET /metrics`` (Prometheus text, vLLM's metric names, live values), and
+  ``fake_vllm_metrics_requests_total``: the /metrics requests served, this one
+  included (a test counts the engine's scrapers with it)
 * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``POST /v1/embeddings``
 * outside ``/v1``, without the key as vLLM does: ``POST /invocations``,
@@ -41,6 +43,9 @@ Environment:
   the agent while that engine runs but is not ready.
 * ``VLLM_API_KEY``            the key ``/v1`` demands when ``--api-key`` is not given,
   as real vLLM reads it (``args.api_key or envs.VLLM_API_KEY``).
+* ``FAKE_VLLM_BASE_LOAD``     ``RUNNING,WAITING``: added to the live
+  ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, a steady load
+  a test can look for (default none).
 * ``FAKE_VLLM_DIE_ON_CHAT``   a signal name (``SIGILL``): the engine kills itself with
   it on each chat completion, like a build for another CPU that passes the
   health check and dies on its first real request.
@@ -262,6 +267,9 @@ class Stats:
         self.max_model_len = max_model_len
         self.running = 0
         self.waiting = 0
+        base = os.environ.get("FAKE_VLLM_BASE_LOAD", "") or "0,0"
+        self.base_running, self.base_waiting = (int(x) for x in base.split(","))
+        self.scrapes = 0
         self.kv_tokens = 0  # tokens held by running requests
         self.prompt_tokens = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
@@ -300,9 +308,9 @@ class Stats:
             lines.append(f"{name}_sum{{{labels}}} {_num(h.total)}")
 
         gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-              self.running)
+              self.running + self.base_running)
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              self.waiting)
+              self.waiting + self.base_waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               self.kv_usage())
         counter("vllm:prefix_cache_queries",
@@ -323,6 +331,10 @@ class Stats:
                   "Histogram of time to first token in seconds.", self.ttft)
         histogram("vllm:e2e_request_latency_seconds",
                   "Histogram of e2e request latency in seconds.", self.e2e)
+        self.scrapes += 1
+        lines.extend(["# HELP fake_vllm_metrics_requests Requests for /metrics served.",
+                      "# TYPE fake_vllm_metrics_requests counter",
+                      f"fake_vllm_metrics_requests_total {self.scrapes}"])
         return "\n".join(lines) + "\n"
 
 
