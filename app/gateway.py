@@ -151,7 +151,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._claim_store_id(), name="store-id"))
         self._mirror = Mirror(self._store)
         publisher = Publisher(self._mirror, self.table, self.secrets, self.agent_window,
-                              self.provider_keys)
+                              self.provider_keys, gateway_id=st.gateway_id)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()

@@ -45,8 +45,11 @@ _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
 class Publisher:
     def __init__(self, mirror: Mirror, table: RouteTable, secrets: SecretRing,
                  agent_window: Window | None = None,
-                 keys: ProviderKeys | None = None) -> None:
+                 keys: ProviderKeys | None = None, *, gateway_id: str = "") -> None:
         self._agent_window = agent_window
+        # This gateway's: the other gateways' snapshots feed the router their
+        # in-flight counts ("" feeds none).
+        self._gateway_id = gateway_id
         # Without a key folder, every key file is refused (say so, not hang).
         self._keys = keys if keys is not None else ProviderKeys("")
         self._keys.subscribe(self._schedule)
@@ -80,6 +83,8 @@ class Publisher:
             if spec.external is not None and spec.external.api_key_file is not None)
 
     def _on_change(self, keys: set[str]) -> None:
+        if self._gateway_id and any(k.startswith(s.USAGE) for k in keys):
+            self.publish_peer_inflight()
         if not any(k.startswith(_RELEVANT) for k in keys):
             return
         self._schedule()
@@ -90,6 +95,17 @@ class Publisher:
         # Coalesce a burst of changes (a resync, a transaction) into one publish.
         self._scheduled = True
         asyncio.get_running_loop().call_soon(self.publish)
+
+    def publish_peer_inflight(self) -> None:
+        """The other gateways' requests in flight per replica, summed over
+        their usage snapshots (written every few seconds when changed): a
+        llama.cpp engine's queue, which no /metrics tells (app/router/choice.py)."""
+        counts: dict[str, int] = {}
+        for u in self._mirror.usages().values():
+            if u.gateway != self._gateway_id:
+                for rid, n in u.inflight.items():
+                    counts[rid] = counts.get(rid, 0) + n
+        self._table.set_peer_inflight(counts)
 
     def _unplaced(self, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo]) -> str:
         """Why a model has no replica at all: placement is a pure function of

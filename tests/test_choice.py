@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -84,7 +84,7 @@ def test_the_less_loaded_of_two_wins_and_unknown_load_is_not_idle() -> None:
     assert counts["calm"] > 1000
 
 
-def test_a_conversation_sticks_to_one_replica_until_it_is_past_the_bound() -> None:
+def test_a_conversation_sticks_to_one_replica_until_it_is_saturated() -> None:
     cands = [Candidate(f"r{i}") for i in range(4)]
     loads = {c.replica_id: idle() for c in cands}
     first = [{"role": "system", "content": "You are terse."},
@@ -97,10 +97,10 @@ def test_a_conversation_sticks_to_one_replica_until_it_is_past_the_bound() -> No
     for _ in range(20):
         c = choose(cands, {}, loads, affinity=key, rand=seeded().random)
         assert c is not None and (c.replica_id, c.why) == (home, "affinity")
-    # Its replica loaded far past the tier's mean: the next on the ring takes it.
-    heavy = {**loads, home: EngineLoad(40, 0, 0.5, NOW)}
+    # Its replica saturated (8 waiting): the next on the ring takes it.
+    heavy = {**loads, home: EngineLoad(40, 8, 0.5, NOW)}
     c = choose(cands, {}, heavy, affinity=key, rand=seeded().random)
-    assert c is not None and c.replica_id != home and c.why == "affinity-bounded"
+    assert c is not None and c.replica_id != home and c.why == "affinity-next"
     assert c.replica_id == ring_order([x.replica_id for x in cands], key)[1]
     # Another conversation (or session id) lands elsewhere, roughly evenly.
     homes = collections.Counter(
@@ -180,3 +180,69 @@ async def test_the_poller_reads_each_engines_load_into_the_table(
         loads = await poller.poll()
     # The one with vLLM's gauges has a load; no /metrics or no answer: unknown.
     assert loads == {"v": EngineLoad(5.0, 4.0, 0.5, 42.0)}
+
+
+# --- sticky until saturated (docs/architecture.md, "Choosing a replica") ------
+
+FOUR = [Candidate(f"r{i}") for i in range(4)]
+# One fleet's engine figures, as every gateway scrapes them: none saturated.
+FIGURES: dict[str, EngineLoad | None] = {
+    "r0": EngineLoad(3, 0, 0.30, NOW), "r1": EngineLoad(1, 0, 0.10, NOW),
+    "r2": EngineLoad(0, 0, 0.05, NOW), "r3": None}  # r3's last scrape went stale
+# Three gateways' own in-flight counts and draws: what differs between them.
+VIEWS = [({"r0": 6, "r1": 1}, seeded(1).random), ({}, seeded(2).random),
+         ({"r2": 9, "r3": 4}, seeded(3).random)]
+
+
+def homes_from(views: list[tuple[dict[str, int], Callable[[], float]]],
+               loads: dict[str, EngineLoad | None], key: str,
+               cands: list[Candidate] = FOUR) -> set[tuple[str, str]]:
+    out = set()
+    for inflight, rand in views:
+        c = choose(cands, inflight, loads, affinity=key, rand=rand)
+        assert c is not None
+        out.add((c.replica_id, c.why))
+    return out
+
+
+def test_every_gateway_sends_a_conversation_to_the_same_replica() -> None:
+    # Same engine figures, different in-flight counts and draws: one answer.
+    for i in range(200):
+        picked = homes_from(VIEWS, FIGURES, f"s:conversation-{i}")
+        assert len(picked) == 1, (i, picked)
+
+
+def test_a_conversation_stays_on_a_busy_replica_until_it_is_saturated() -> None:
+    key = next(f"s:c{i}" for i in itertools.count()
+               if ring_order([c.replica_id for c in FOUR], f"s:c{i}")[0] == "r0")
+    # r0 runs 40 requests and queues 3 while the rest idle: far past any mean
+    # load, but a request it admits finds the conversation's prefix cached.
+    busy = {**FIGURES, "r0": EngineLoad(40, 3, 0.90, NOW)}
+    assert homes_from(VIEWS, busy, key) == {("r0", "affinity")}
+    # At 8 waiting (or its KV cache 98% full) it is saturated: every gateway
+    # takes the next replica on the ring that is not, the same one.
+    order = ring_order([c.replica_id for c in FOUR], key)
+    for full in (EngineLoad(40, 8, 0.90, NOW), EngineLoad(10, 0, 0.98, NOW)):
+        assert homes_from(VIEWS, {**FIGURES, "r0": full}, key) == {(order[1], "affinity-next")}
+    # And past that one too when it is saturated as well.
+    both = {**FIGURES, "r0": EngineLoad(40, 8, 0.9, NOW), order[1]: EngineLoad(9, 9, 0.5, NOW)}
+    assert homes_from(VIEWS, both, key) == {(order[2], "affinity-next")}
+    # Every replica saturated: moving gains nothing, the conversation stays.
+    full_all = dict.fromkeys(FIGURES, EngineLoad(40, 9, 0.99, NOW))
+    assert homes_from(VIEWS, full_all, key) == {("r0", "fallback")}
+
+
+def test_a_llamacpp_replica_is_saturated_by_the_requests_in_flight_on_it() -> None:
+    # llama-cpp-python serves one request at a time and has no /metrics: its
+    # queue is the requests every gateway has in flight on it.
+    cands = [Candidate(f"l{i}", serial=True) for i in range(3)]
+    key = "s:cpu-chat"
+    order = ring_order([c.replica_id for c in cands], key)
+    views = [({order[0]: 1}, seeded(1).random), ({}, seeded(2).random)]
+    two = {order[0]: 2}  # one running, one waiting, over every gateway
+    for inflight, rand in views:
+        c = choose(cands, inflight, {}, affinity=key, queued=two, rand=rand)
+        assert c is not None and (c.replica_id, c.why) == (order[0], "affinity")
+    for inflight, rand in views:
+        c = choose(cands, inflight, {}, affinity=key, queued={order[0]: 3}, rand=rand)
+        assert c is not None and (c.replica_id, c.why) == (order[1], "affinity-next")

@@ -12,9 +12,11 @@ from app.control import state as s
 from app.control.keys import SecretRing, engine_key, hash_client_key
 from app.control.mirror import Mirror
 from app.publish import Publisher
-from app.router.table import RouteTable
+from app.router.choice import ring_order
+from app.router.table import Endpoint, RouteTable
 from app.store.base import Event, WatchBatch
 from app.store.embedded import EmbeddedStore
+from tests.support.procs import until
 
 SECRET = "mirror-test-secret-0123456789"
 
@@ -197,3 +199,42 @@ async def test_a_waiter_cancelled_as_the_mirror_moves_is_cancelled(steps: int) -
     else:  # it had already seen the change
         assert waiter.result() is True
     assert steps > 0 or waiter.cancelled()
+
+
+async def test_other_gateways_in_flight_make_a_llamacpp_queue(store: EmbeddedStore) -> None:
+    """A llama.cpp replica has no /metrics: its queue is every gateway's
+    in-flight count, the others' read from their usage snapshots, so every
+    gateway judges it saturated alike (docs/architecture.md, Choosing a replica)."""
+    mirror = Mirror(store)
+    table = RouteTable()
+    Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a")
+    mirror.start()
+
+    async def write(key: str, value: s.BaseModel) -> None:
+        rev = await store.put(key, value.model_dump_json().encode())
+        assert await mirror.wait_for(rev, 2)
+        await asyncio.sleep(0)
+
+    try:
+        table.set_endpoints({"m": [Endpoint(f"l{i}", f"http://l{i}", "k", engine="llamacpp")
+                                   for i in range(3)]})
+        key = "s:cpu-chat"
+        order = ring_order(["l0", "l1", "l2"], key)
+        assert table.choose("m", set(), key) == table.endpoints("m")[int(order[0][1])]
+        await write(s.USAGE + "gw-b", s.Usage(gateway="gw-b", inflight={order[0]: 2}))
+        await write(s.USAGE + "gw-a", s.Usage(gateway="gw-a", inflight={order[0]: 7}))
+        assert table.queued() == {order[0]: 2}  # its own snapshot is not a peer's
+        # Two in flight from gw-b, one here: one running, two waiting, saturated.
+        lease = table.acquire(table.endpoints("m")[int(order[0][1])])
+        picked = table.choose("m", set(), key)
+        assert picked is not None and picked.replica_id == order[1]
+        rows = {r["replica"]: r for r in table.explain("m")}
+        assert rows[order[0]]["why"] == "saturated"
+        assert rows[order[0]]["inflight_all_gateways"] == 3
+        lease.release()
+        picked = table.choose("m", set(), key)
+        assert picked is not None and picked.replica_id == order[0]
+        await store.delete(s.USAGE + "gw-b")  # gw-b gone: its lease took its snapshot
+        await until(lambda: table.queued() == {}, "gw-b's count dropped")
+    finally:
+        await mirror.stop()

@@ -6,12 +6,14 @@ Three rules, in order:
 1. Priority tiers: only the highest-priority replicas that are not
    saturated are candidates; a lower tier is used only when every higher one
    is down or saturated.
-2. Prompt affinity: a request that carries an affinity key (a session id,
-   or a hash of its first messages) goes to the replica the key hashes to on
-   a ring (consistent hashing), as long as that replica's load stays within
-   `bound` times the mean load of the tier (consistent hashing with bounded
-   loads); past the bound, the walk moves on around the ring. The engine then
-   finds the conversation's prefix in its cache.
+2. Prompt affinity, sticky until saturated: a request that carries an
+   affinity key (a session id, or a hash of its first messages) goes to the
+   replica the key hashes to on a ring (consistent hashing) for as long as
+   that replica is not saturated; a saturated one is passed for the next on
+   the ring that is not. Saturation is judged on figures every gateway reads
+   alike (the engine's own queue and KV cache, see `saturated`), never on
+   this gateway's in-flight count, so every gateway sends a conversation to
+   the same replica, and the engine finds its prefix in its cache.
 3. Otherwise, power of two choices: two replicas drawn by weight, the less
    loaded per unit of weight wins. Several gateways choosing this way do not
    stampede the replica that looked idlest a moment ago, as "least loaded"
@@ -28,15 +30,24 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-# A tier's replica is saturated when this many requests wait in its engine,
-# or its KV cache is this full: its queue grows and new requests only wait.
+# A replica is saturated when this many requests wait in its engine, or its
+# KV cache is this full: the engine admits nothing more, a new request only
+# queues. Below it, a request is admitted within a scheduler step, so a
+# conversation gains its cached prefix by staying however busy the replica
+# is. Lower would make a scrape's passing burst (a request waits one step,
+# tens of ms, before it runs) move conversations; higher would queue them
+# behind a full batch rather than prefill them elsewhere.
 SATURATED_WAITING = 8
 SATURATED_KV = 0.98
+# A one-at-a-time engine without figures (llama-cpp-python's server) is
+# saturated at this many requests in flight over all gateways: one running,
+# two waiting. Each waiting request costs a whole request's time (seconds
+# on a CPU), about what prefilling the conversation elsewhere costs.
+SERIAL_SATURATED = 3
 # Points per replica on the affinity ring: more spreads keys more evenly
 # over replicas (each replica owns many small arcs) for a little memory.
 RING_POINTS = 64
@@ -57,13 +68,17 @@ class Candidate:
     replica_id: str
     priority: int = 0
     weight: float = 1.0
+    # Serves one request at a time and reports no load figures (llama.cpp):
+    # its queue is the requests in flight on it over every gateway.
+    serial: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
     replica_id: str
-    # "affinity", "affinity-bounded" (the key's replica was past the bound),
-    # "p2c", "only" (one candidate), "fallback" (every tier saturated).
+    # "affinity" (the key's replica), "affinity-next" (the next on the ring
+    # not saturated), "p2c", "only" (one candidate), "fallback" (every tier
+    # saturated).
     why: str
 
 
@@ -80,9 +95,23 @@ def fresh(load: EngineLoad | None, now: float, stale_after: float) -> EngineLoad
     return load if load is not None and now - load.at <= stale_after else None
 
 
-def saturated(load: EngineLoad | None) -> bool:
+def saturated(load: EngineLoad | None, *, serial: bool = False, queued: int = 0) -> bool:
+    """Whether a replica admits no more work. On the engine's own figures,
+    which every gateway scrapes alike; a serial engine (no figures) on the
+    requests `queued` on it over every gateway. An unknown load (a stale or
+    failed scrape) is not saturated: a gateway that cannot see a replica's
+    figures keeps its conversations there, as the others do until they see
+    it full."""
+    if serial:
+        return queued >= SERIAL_SATURATED
     return load is not None and (load.waiting >= SATURATED_WAITING
                                  or load.kv_cache >= SATURATED_KV)
+
+
+def full(c: Candidate, loads: Mapping[str, EngineLoad | None],
+         queued: Mapping[str, int]) -> bool:
+    return saturated(loads.get(c.replica_id), serial=c.serial,
+                     queued=queued.get(c.replica_id, 0))
 
 
 def costs(
@@ -100,14 +129,16 @@ def costs(
             for c in candidates}
 
 
-def tier(candidates: Sequence[Candidate],
-         loads: Mapping[str, EngineLoad | None]) -> tuple[list[Candidate], bool]:
-    """The highest-priority candidates with one not saturated; (all, True)
-    when every tier is saturated."""
+def tier(candidates: Sequence[Candidate], loads: Mapping[str, EngineLoad | None],
+         queued: Mapping[str, int] | None = None) -> tuple[list[Candidate], bool]:
+    """The highest-priority candidates with one not saturated, those not
+    saturated; (all, True) when every tier is saturated."""
+    q = queued or {}
     for prio in sorted({c.priority for c in candidates}, reverse=True):
         level = [c for c in candidates if c.priority == prio]
-        if any(not saturated(loads.get(c.replica_id)) for c in level):
-            return [c for c in level if not saturated(loads.get(c.replica_id))], False
+        room = [c for c in level if not full(c, loads, q)]
+        if room:
+            return room, False
     return list(candidates), True
 
 
@@ -135,25 +166,32 @@ def choose(
     loads: Mapping[str, EngineLoad | None],
     *,
     affinity: str | None = None,
-    bound: float = 1.25,
+    queued: Mapping[str, int] | None = None,
     rand: Callable[[], float] = random.random,
 ) -> Choice | None:
     """Picks one of `candidates` (ready, not cooled down, not yet tried).
-    `loads` must hold only fresh loads (see `fresh`)."""
+    `loads` must hold only fresh loads (see `fresh`); `inflight` is this
+    gateway's requests in flight, `queued` every gateway's as far as this
+    one knows (for serial engines; default `inflight`)."""
     if not candidates:
         return None
-    level, all_saturated = tier(candidates, loads)
+    q = inflight if queued is None else queued
+    level, all_saturated = tier(candidates, loads, q)
+    if affinity is not None:
+        # The ring is the top tier's, saturated replicas included, so a
+        # replica filling up moves only its own keys, to where every gateway
+        # walking the same ring with the same figures moves them.
+        prio = max(c.priority for c in level)
+        ring = [c.replica_id for c in candidates if c.priority == prio]
+        room = {c.replica_id for c in level}
+        order = ring_order(ring, affinity)
+        for i, rid in enumerate(order):
+            if rid in room:
+                why = "fallback" if all_saturated else "affinity" if i == 0 else "affinity-next"
+                return Choice(rid, why)
     if len(level) == 1:
         return Choice(level[0].replica_id, "fallback" if all_saturated else "only")
     c = costs(level, inflight, loads)
-    if affinity is not None:
-        # Bounded loads: no replica takes more than `bound` x the mean load,
-        # this request included, rounded up (so an idle tier admits it).
-        limit = math.ceil(bound * (sum(c.values()) + 1) / len(level))
-        order = ring_order([x.replica_id for x in level], affinity)
-        for i, rid in enumerate(order):
-            if c[rid] + 1 <= limit:
-                return Choice(rid, "affinity" if i == 0 else "affinity-bounded")
     a = _draw(level, rand)
     b = _draw([x for x in level if x is not a], rand)
     # A tie goes to the first drawn: idle replicas share the requests.
@@ -194,7 +232,7 @@ def affinity_key(body: Mapping[str, object], session: str | None) -> str | None:
 
 def ring_shares(replicas: Sequence[str]) -> dict[str, float]:
     """The fraction of affinity keys each replica owns on the ring (before
-    the load bound moves any): what `explain` reports as affinity share."""
+    saturation moves any): what `explain` reports as affinity share."""
     if not replicas:
         return {}
     points = sorted((_point(f"{r}#{i}"), r) for r in replicas for i in range(RING_POINTS))

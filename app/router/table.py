@@ -85,6 +85,9 @@ class RouteTable:
         self._keys: dict[str, KeyGrant] = {}
         self._unavailable: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
+        # Other gateways' requests in flight per replica, from their usage
+        # snapshots (a few seconds old): a serial engine's queue is ours plus these.
+        self._peer_inflight: dict[str, int] = {}
         self._loads: dict[str, EngineLoad] = {}
         # Scale from zero: models whose replica is on its way (set by the
         # control side), requests held for each here, and their wake-ups.
@@ -159,6 +162,19 @@ class RouteTable:
         """The engines' own counts, by replica id (engine_load.py)."""
         self._loads = dict(loads)
 
+    def set_peer_inflight(self, counts: Mapping[str, int]) -> None:
+        """Requests the other gateways have in flight, by replica id, as their
+        last usage snapshots say (app/publish.py)."""
+        self._peer_inflight = {rid: n for rid, n in counts.items() if n > 0}
+
+    def queued(self) -> dict[str, int]:
+        """Requests in flight per replica over every gateway, as far as this
+        one knows: its own now, the others' as of their last snapshot."""
+        out = dict(self._peer_inflight)
+        for rid, n in self._inflight.items():
+            out[rid] = out.get(rid, 0) + n
+        return out
+
     def all_endpoints(self) -> list[Endpoint]:
         return [ep for eps in self._endpoints.values() for ep in eps]
 
@@ -214,7 +230,7 @@ class RouteTable:
     def choose(self, model: str, exclude: set[str],
                affinity: str | None = None) -> Endpoint | None:
         """A ready replica of `model` not in `exclude`, by choice.choose():
-        priority tiers, prompt affinity within a bound, else the less loaded
+        priority tiers, prompt affinity until saturated, else the less loaded
         of two drawn by weight.
 
         Replicas cooling down are passed over unless no other is left: a
@@ -230,9 +246,9 @@ class RouteTable:
             if len(eps) == 1:
                 return eps[0]
         picked = choice.choose(
-            [choice.Candidate(e.replica_id, e.priority, e.weight) for e in eps],
-            self._inflight, self._fresh_loads(eps),
-            affinity=affinity, rand=self.rand)
+            [_candidate(e) for e in eps], self._inflight, self._fresh_loads(eps),
+            affinity=affinity, queued=self.queued() if self._peer_inflight else None,
+            rand=self.rand)
         assert picked is not None
         return next(e for e in eps if e.replica_id == picked.replica_id)
 
@@ -256,9 +272,9 @@ class RouteTable:
         eps = list(self._endpoints.get(model, ()))
         cooling = self.cooldowns()
         loads = self._fresh_loads(eps)
-        cands = [choice.Candidate(e.replica_id, e.priority, e.weight) for e in eps
-                 if e.replica_id not in cooling]
-        level, all_saturated = choice.tier(cands, loads)
+        cands = [_candidate(e) for e in eps if e.replica_id not in cooling]
+        queued = self.queued()
+        level, all_saturated = choice.tier(cands, loads, queued)
         in_tier = {c.replica_id for c in level}
         costs = choice.costs(cands, self._inflight, loads)
         shares = choice.ring_shares([c.replica_id for c in level])
@@ -269,13 +285,15 @@ class RouteTable:
             if rid in cooling:
                 why = f"cooling down ({cooling[rid]:.1f} s left) after a failure"
             elif rid not in in_tier:
-                why = ("saturated" if choice.saturated(load)
+                why = ("saturated" if choice.saturated(
+                    load, serial=e.engine == "llamacpp", queued=queued.get(rid, 0))
                        else "a higher priority has room")
             else:
                 why = "candidate" + (" (every tier saturated)" if all_saturated else "")
             out.append({
                 "replica": rid, "url": e.url, "priority": e.priority, "weight": e.weight,
                 "inflight": self._inflight.get(rid, 0),
+                "inflight_all_gateways": queued.get(rid, 0),
                 "engine": None if load is None else {
                     "running": load.running, "waiting": load.waiting,
                     "kv_cache": load.kv_cache},
@@ -315,6 +333,11 @@ class RouteTable:
             self._inflight[ep.replica_id] = left
         else:
             self._inflight.pop(ep.replica_id, None)
+
+
+def _candidate(e: Endpoint) -> choice.Candidate:
+    # llama-cpp-python's server serves one request at a time, without /metrics.
+    return choice.Candidate(e.replica_id, e.priority, e.weight, serial=e.engine == "llamacpp")
 
 
 class Lease:
