@@ -11,11 +11,14 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from pydantic import ValidationError
 
+from app.settings import Settings
 from tests.support.procs import Cluster, GatewayProc, make_key, put_model, routes, wait_for
 
 # Seconds the stand-in engine takes per word: a reply of n words takes n x this.
@@ -126,3 +129,12 @@ def test_the_grace_period_ends_in_an_error_event_and_a_second_signal_stops_at_on
     except subprocess.TimeoutExpired:
         pytest.fail("a second SIGTERM did not stop the gateway at once")
     long.join(5)
+
+
+def test_the_grace_period_is_at_most_the_request_timeout(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"LLMGW_SHUTDOWN_GRACE_SECONDS \(601.0 s\) must "
+                                              r"not exceed LLMGW_REQUEST_TIMEOUT \(600.0 s\)"):
+        Settings(data_dir=tmp_path, shutdown_grace_seconds=601)
+    Settings(data_dir=tmp_path, shutdown_grace_seconds=600)
+    Settings(data_dir=tmp_path, shutdown_grace_seconds=30, request_timeout=30,
+             drain_seconds=60)
