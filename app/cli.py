@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
@@ -17,6 +18,10 @@ from pydantic import ValidationError
 
 from app.control.state import check_name
 from app.settings import Settings
+
+# Seconds between the cut at the end of a stop's grace period and uvicorn
+# cancelling what is still open: time for cut streams to send their error event.
+_CUT_SLACK = 5.0
 
 
 def _node_name(value: str) -> str:
@@ -65,17 +70,64 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(settings)
     gateway = app.state.gateway
 
+    notice = settings.shutdown_notice_seconds
+    grace = settings.shutdown_grace_seconds
+    log = logging.getLogger(__name__)
+
     class Server(uvicorn.Server):
+        """uvicorn's server with our stop (docs/architecture.md, "Stopping"):
+        a notice period before it stops accepting, a grace period for what
+        is open, then a cut that ends streams with an error event."""
+
+        forced = asyncio.Event()  # a second signal came
+        loop: asyncio.AbstractEventLoop | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = True  # a second SIGTERM or SIGINT: stop at once
+                if self.loop is not None:  # a signal handler: only this is safe
+                    self.loop.call_soon_threadsafe(self.forced.set)
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
-            # Before uvicorn waits for open requests: end the agents' long
-            # polls (they move to another gateway) and the in-process agent's
-            # loops, so a clean stop does not sit out the grace period.
+            self.loop = asyncio.get_running_loop()
+            if self.force_exit:
+                self.forced.set()
+            # /readyz says 503 at once, agents' long polls end and move to
+            # another gateway, the lead passes on; requests are still served.
             gateway.begin_shutdown()
-            await super().shutdown(sockets)
+            if gateway.ready:  # never ready: no balancer sends it anything
+                log.info("stopping: still accepting for %g s (LLMGW_SHUTDOWN_NOTICE_SECONDS)",
+                         notice)
+                await self._wait(notice)
+            log.info("stopping: open requests have %g s (LLMGW_SHUTDOWN_GRACE_SECONDS)", grace)
+            cutting = asyncio.create_task(self._cut_after(grace))
+            try:
+                # Stops accepting, closes idle connections, waits for the
+                # open ones (up to timeout_graceful_shutdown), then the
+                # lifespan's end: last usage writes, Gateway.stop().
+                await super().shutdown(sockets)
+            finally:
+                cutting.cancel()
+
+        async def _wait(self, seconds: float) -> None:
+            """Sleeps `seconds`, or less on a second signal."""
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.forced.wait(), seconds)
+
+        async def _cut_after(self, seconds: float) -> None:
+            await self._wait(seconds)
+            if not self.force_exit:
+                cut = gateway.proxy.cut_open()
+                if cut:
+                    log.warning("stopping: grace period over, %d open requests cut", cut)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=5,
+                            # A backstop: the cut above ends /v1 requests at
+                            # `grace`; whatever is still open after this is
+                            # cancelled without a word.
+                            timeout_graceful_shutdown=int(grace + _CUT_SLACK),
                             # httptools, cutting slow clients (app/slowclients.py).
                             http=protocol(settings.header_timeout, settings.body_timeout),
                             # Checked at start (Settings): both or neither.

@@ -2,8 +2,9 @@
 
 Start order matters: the store, then the mirror (loaded before /readyz says
 yes), then the election, the reconciler, the router's upstream pool, and, in
-all-in-one mode, the local agent. Stop runs in reverse, and resigns the
-lease so that another gateway leads at once (a clean stop costs no TTL).
+all-in-one mode, the local agent. A stop begins (`begin_shutdown`) by giving
+up the lead while requests still run; `stop()` then runs in reverse and
+revokes the lease (docs/architecture.md, "Stopping").
 """
 
 from __future__ import annotations
@@ -103,8 +104,12 @@ class Gateway:
         self.agent: Agent | None = None
         self._agent_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        # Set when the server starts stopping: long polls answer at once.
+        # Set when the server starts stopping: long polls answer at once,
+        # /readyz says 503.
         self.closing = asyncio.Event()
+        # The loops that lead, stopped at the start of a stop (`begin_shutdown`).
+        self._leading: list[asyncio.Task[Any]] = []
+        self._stepping_down: asyncio.Task[None] | None = None
 
     # The parts that exist only once started; routes use them per request.
     @property
@@ -178,13 +183,16 @@ class Gateway:
         # "Choosing a replica").
         self.proxy.loads.directory = NodeAgents(self._mirror, self.secrets)
         await self.proxy.start()
-        self._tasks += [
-            # Two loops: a renewal never waits behind a campaign stuck on a
-            # slow store (docs/architecture.md, Election).
-            asyncio.create_task(self._every(elector.renew, "renewal"), name="election-renew"),
+        self._leading = [
             asyncio.create_task(self._every(elector.campaign, "campaign"),
                                 name="election-campaign"),
             asyncio.create_task(reconciler.run(), name="reconciler"),
+        ]
+        self._tasks += [
+            *self._leading,
+            # Two loops: a renewal never waits behind a campaign stuck on a
+            # slow store (docs/architecture.md, Election).
+            asyncio.create_task(self._every(elector.renew, "renewal"), name="election-renew"),
             asyncio.create_task(publisher.run(st.publish_interval), name="publisher"),
             asyncio.create_task(usage.run(st.usage_interval), name="usage"),
             # Leader only (each pass asks): docs/architecture.md, A month of uptime.
@@ -274,14 +282,33 @@ class Gateway:
         await self.agent.start()
         await self.agent.run()
 
+    @property
+    def stopping(self) -> bool:
+        return self.closing.is_set()
+
     def begin_shutdown(self) -> None:
-        """First step of a clean stop, before open requests are waited for."""
+        """First step of a clean stop, at the signal, while requests still
+        run: /readyz answers 503, long polls end, the in-process agent
+        stops, and this gateway gives up the lead (keeping its lease)."""
+        if self.closing.is_set():
+            return
         self.closing.set()
         if self._agent_task is not None:
             self._agent_task.cancel()  # stop() shuts it down (engines per the settings)
+        if self._elector is not None:
+            self._stepping_down = asyncio.create_task(self._step_down(), name="step-down")
+            self._tasks.append(self._stepping_down)
+
+    async def _step_down(self) -> None:
+        for t in self._leading:
+            t.cancel()
+        await asyncio.gather(*self._leading, return_exceptions=True)
+        await self.elector.step_down()
 
     async def stop(self) -> None:
         self.closing.set()
+        if self._stepping_down is not None:  # not cancelled: it gives up the lead
+            await asyncio.gather(self._stepping_down, return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -109,9 +109,13 @@ def create_app(settings: Settings) -> GatewayApp:
         """200 once the mirror has loaded, even with the store lost since:
         routing goes on from the mirror (DESIGN invariant 2), and the body
         says the store is unreachable or out of space (refusing writes),
-        why and since when (a Unix time)."""
+        why and since when (a Unix time). 503 "stopping" from the start of a
+        stop, so that balancers take this gateway out while it still serves
+        (docs/architecture.md, "Stopping")."""
         health = gw.store.health()
-        body: dict[str, Any] = {"status": "ready" if gw.ready else "loading"}
+        ready = gw.ready and not gw.stopping
+        body: dict[str, Any] = {
+            "status": "stopping" if gw.stopping else "ready" if gw.ready else "loading"}
         if gw.ready:
             body["revision"] = gw.mirror.revision
         if health.state == "unreachable":
@@ -121,7 +125,7 @@ def create_app(settings: Settings) -> GatewayApp:
                      "since": health.since}
         else:
             body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
-        return JSONResponse(body, status_code=200 if gw.ready else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     app.include_router(admin.routes(gw))
     app.include_router(keys.routes(gw))

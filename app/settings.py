@@ -215,6 +215,21 @@ class Settings(BaseSettings):
     # socket full): it would hold the engine's connection, the replica's
     # in-flight count and its key's concurrency until the request timeout.
     stream_idle_timeout: float = Field(60.0, gt=0)
+    # Stopping (docs/architecture.md, "Stopping"). After SIGTERM, /readyz
+    # answers 503 and the gateway still accepts for this long, so that a
+    # balancer's health check takes it out before it stops accepting: the
+    # shipped haproxy.cfg's 2 failed checks 1 s apart, plus one check in
+    # flight. Shorter than the balancer needs: requests it sends meanwhile
+    # are refused (compose/haproxy.cfg resends them; others may not).
+    # Longer: every stop takes that much longer.
+    shutdown_notice_seconds: float = Field(3.0, ge=0)
+    # Then it stops accepting and open requests and streams run to their
+    # end for up to this long; what is left is cut (a stream with an error
+    # event). At most LLMGW_REQUEST_TIMEOUT: no request runs longer anyway.
+    # Shorter cuts long generations at each restart; longer holds a rolling
+    # restart that long. The unit's TimeoutStopSec and compose's
+    # stop_grace_period must exceed notice + grace.
+    shutdown_grace_seconds: float = Field(600.0, ge=0)
     # Seconds a replica that failed a request (refused, 502/503, broke off,
     # stalled) is passed over while another replica of its model is left.
     # Longer spares clients a dead replica until the agent reports it (a few
@@ -426,6 +441,10 @@ class Settings(BaseSettings):
                 f"LLMGW_DRAIN_SECONDS ({self.drain_seconds} s) must exceed "
                 f"LLMGW_REQUEST_TIMEOUT ({self.request_timeout} s): the drain cap must not "
                 "cut a request the proxy would still let run")
+        if self.shutdown_grace_seconds > self.request_timeout:
+            raise ValueError(
+                f"LLMGW_SHUTDOWN_GRACE_SECONDS ({self.shutdown_grace_seconds} s) must not exceed "
+                f"LLMGW_REQUEST_TIMEOUT ({self.request_timeout} s): no request runs longer")
 
     @property
     def scheme(self) -> str:

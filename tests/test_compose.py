@@ -8,6 +8,7 @@ runs in front of real gateways."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,24 @@ from typing import Any
 import pytest
 import yaml
 
+from app.cli import _CUT_SLACK
+from app.settings import Settings
 from app.store.etcd_endpoints import parse_endpoints
 from tests.support.procs import ROOT
 from tests.test_haproxy import SHIPPED_CONFIG
 
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
+GATEWAY_UNIT = ROOT / "deploy" / "systemd" / "llmgw-gateway.service"
+
+
+def stop_takes() -> float:
+    """The longest a gateway's clean stop takes with the default settings:
+    the notice, the grace, the cut's slack (docs/architecture.md, "Stopping")."""
+    fields = Settings.model_fields
+    notice = fields["shutdown_notice_seconds"].default
+    grace = fields["shutdown_grace_seconds"].default
+    assert isinstance(notice, float) and isinstance(grace, float)
+    return notice + grace + _CUT_SLACK
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +127,29 @@ def test_etcd_compaction_is_chosen_and_the_way_out_of_nospace_is_written(
     text = COMPOSE.read_text()
     for words in ("LLMGW_ETCD_COMPACTION_INTERVAL", "etcdctl defrag", "etcdctl alarm disarm"):
         assert words in text, words
+
+
+def seconds(text: str) -> float:
+    """A duration as compose and systemd write them here: "640s", "10m40s", "640"."""
+    m = re.fullmatch(r"(?:(\d+)min|(\d+)m)?(?:(\d+)s?)?", text.strip())
+    assert m and text.strip(), f"unreadable duration {text!r}"
+    minutes = int(m.group(1) or m.group(2) or 0)
+    return 60 * minutes + int(m.group(3) or 0)
+
+
+def test_gateways_are_given_their_whole_stop(compose: dict[str, Any]) -> None:
+    gateways = {name: svc for name, svc in compose["services"].items()
+                if "LLMGW_ETCD_ENDPOINTS" in (svc.get("environment") or {})}
+    for name, service in gateways.items():
+        given = seconds(str(service.get("stop_grace_period", "10s")))  # compose's default
+        # Docker sends SIGKILL at the end: it must come after the cut.
+        assert stop_takes() < given <= stop_takes() + 60, (name, given, stop_takes())
+
+
+def test_the_gateway_unit_gives_the_whole_stop() -> None:
+    unit = GATEWAY_UNIT.read_text()
+    found = re.findall(r"^TimeoutStopSec=(\S+)$", unit, re.M)
+    assert len(found) == 1, found
+    assert stop_takes() < seconds(found[0]) <= stop_takes() + 60, (found, stop_takes())
+    # SIGTERM to the gateway; a second one would stop it at once.
+    assert re.search(r"^KillSignal=SIGTERM$", unit, re.M)

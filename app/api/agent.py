@@ -174,6 +174,10 @@ def routes(gw: Gateway) -> APIRouter:
         across its restarts, so failing over to a gateway whose watch lags
         cannot roll it back."""
         authorize(request, node)
+        if wait > 0 and gw.closing.is_set():
+            # A long poll here would answer at once, again and again, until
+            # the stop ends: the agent moves to another gateway instead.
+            raise Problem(503, "Gateway stopping", "this gateway is stopping; ask another")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
         while True:

@@ -29,7 +29,15 @@ from dataclasses import dataclass
 
 from app.control import state as s
 from app.control.mirror import Mirror
-from app.store.base import Compare, LeaseExpired, Put, Store, StoreError, StoreUnavailable
+from app.store.base import (
+    Compare,
+    Delete,
+    LeaseExpired,
+    Put,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +194,23 @@ class Elector:
             self._leader_revision = current.create_revision
         else:
             self._leader_revision = 0
+
+    async def step_down(self) -> None:
+        """A stop begins: gives up the lead at once but keeps the lease, which
+        still binds this gateway's record and usage snapshot while its open
+        requests run (drains elsewhere count them; docs/architecture.md,
+        "Stopping"). The campaign loop must be stopped first, or it would
+        take the lead again. Another gateway campaigns once its mirror shows
+        no `leader` key: within an election interval."""
+        revision, self._leader_revision = self._leader_revision, 0
+        self._note()
+        if revision:
+            try:
+                await self._store.txn([Compare.created_at(s.LEADER, revision)],
+                                      [Delete(s.LEADER)])
+            except StoreError as exc:
+                logger.warning("could not give up the lead on stop (%s); it passes when "
+                               "the lease is revoked or expires", exc)
 
     async def resign(self) -> None:
         """Clean stop: revoke the lease so that another gateway leads at once."""

@@ -129,6 +129,8 @@ class Proxy:
         # Engines' own load, read off the request path with our session.
         self.loads = EngineLoadPoller(table, lambda: self._session)
         self._polling: asyncio.Task[None] | None = None
+        # The watches of requests being forwarded, for `cut_open()`.
+        self._open: set[Watch] = set()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -148,6 +150,15 @@ class Proxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def cut_open(self) -> int:
+        """Ends every request still being forwarded as its deadline would (a
+        stream with an error event, code `gateway_stopping`): the end of a
+        stop's grace period (docs/architecture.md, "Stopping"). Returns how many."""
+        open_now = list(self._open)
+        for watch in open_now:
+            watch.cut()
+        return len(open_now)
 
     async def stop_counting(self) -> None:
         """Ends the prompt counts still running: their prompts are estimated."""
@@ -185,6 +196,7 @@ class Proxy:
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
             ticket = self._admit(grant, model, path, body)  # released below, however it ends
             watch = Watch(receive, self._timeouts, started)
+            self._open.add(watch)
             try:
                 # OpenAI's own `prompt_cache_key` names a conversation too.
                 cache_key = body.get("prompt_cache_key")
@@ -195,6 +207,7 @@ class Proxy:
                     watch, model, url_tail, body,
                     body.get("stream") is True, send, affinity, meter=ticket)
             finally:
+                self._open.discard(watch)
                 watch.close()
                 ticket.release()
                 if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine

@@ -81,6 +81,8 @@ class Upstreams:
                         raise  # not ours: the server is stopping
                     if why is Why.CLIENT_GONE:
                         return CLIENT_GONE
+                    if why is Why.SHUTDOWN:
+                        raise _stopping() from None
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
@@ -199,6 +201,8 @@ class Upstreams:
         status for metrics when the client left, else the error it gets."""
         if why is Why.CLIENT_GONE:
             return CLIENT_GONE
+        if why is Why.SHUTDOWN:
+            raise _stopping()
         if why is Why.FIRST_BYTE:
             self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
             message = (f"Replica {ep.replica_id} sent no first token within "
@@ -281,6 +285,11 @@ class Upstreams:
                 logger.warning("client of a stream from replica %s took nothing for %g s: "
                                "stream dropped", ep.replica_id, self._timeouts.idle)
                 return CLIENT_GONE
+            if why is Why.SHUTDOWN:
+                logger.warning("stream from replica %s cut: the gateway's stop ran out of "
+                               "grace", ep.replica_id)
+                await _end_badly(send, framed, _STOPPING, "gateway_stopping")
+                return 503
             if why is Why.IDLE:
                 self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
                 message = (f"Replica {ep.replica_id} sent nothing for "
@@ -308,6 +317,15 @@ def _whole_events(data: bytes) -> tuple[bytes, bytes]:
     """`data` cut after its last complete SSE event: (whole events, the rest)."""
     cut = max(data.rfind(end) + len(end) if end in data else 0 for end in _EVENT_ENDS)
     return data[:cut], data[cut:]
+
+
+# What a request still open at the end of the gateway's grace period is told
+# (docs/architecture.md, "Stopping"): another gateway can take it again.
+_STOPPING = "The gateway stopped before the answer was complete; retry."
+
+
+def _stopping() -> Reply:
+    return error(503, _STOPPING, "service_unavailable", "gateway_stopping", retry_after=1)
 
 
 async def _end_badly(send: Send, framed: bool, message: str, code: str) -> None:

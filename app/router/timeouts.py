@@ -1,9 +1,10 @@
 """The limits on one request's life, and the watch that enforces them.
 
 `Watch` ends a request's work by cancelling the task that serves it, for one
-of five reasons (`Why`): the client went away, the request's deadline passed,
-a stream's first byte did not come in time, a stream went silent, or its
-client stopped taking what it is sent. One
+of six reasons (`Why`): the client went away, the request's deadline passed,
+a stream's first byte did not come in time, a stream went silent, its
+client stopped taking what it is sent, or the gateway's stop ran out of
+grace (`cut()`). One
 watch per request, armed once its body is read: one listener task on the
 ASGI `receive` and one timer handle. The per-chunk cost of a stream is four
 attribute writes (`read_since`, `send_since`), not a timer per chunk.
@@ -50,6 +51,8 @@ class Why(enum.Enum):
     FIRST_BYTE = "first byte"
     IDLE = "idle"
     CLIENT_STALLED = "client stalled"
+    # The gateway is stopping and its grace period ran out (cli.py).
+    SHUTDOWN = "shutdown"
 
 
 class Watch:
@@ -113,6 +116,11 @@ class Watch:
         self._task.uncancel()
         self.close()
         return self.why
+
+    def cut(self) -> None:
+        """The gateway stops: the request ends as a timeout would end it (a
+        stream with an error event), unless its answer is already complete."""
+        self._fire(Why.SHUTDOWN)
 
     def close(self) -> None:
         if self._armed:

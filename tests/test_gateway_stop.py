@@ -1,0 +1,140 @@
+"""A gateway's stop (docs/architecture.md, "Stopping"), seen by its clients:
+SIGTERM makes /readyz say 503 at once while requests are still served for
+the notice period; open streams then run to their end; the lead passes on
+at the signal; what outlives the grace period is cut with an error event; a
+second signal stops at once. Clients here talk to the gateway directly (the
+balancer in front is tests/test_haproxy_stop.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings
+from tests.support.procs import Cluster, GatewayProc, make_key, put_model, routes, wait_for
+
+# Seconds the stand-in engine takes per word: a reply of n words takes n x this.
+TOKEN_DELAY = 0.25
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{i}" for i in range(n))
+
+
+class Streams:
+    """Streams read to their end in threads; each one's text or error."""
+
+    def __init__(self, gw: GatewayProc, key: str, count: int, length: int) -> None:
+        self.results: dict[int, str | BaseException] = {}
+        self._client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        self._threads = [threading.Thread(target=self._one, args=(i, length), daemon=True)
+                         for i in range(count)]
+        for t in self._threads:
+            t.start()
+
+    def _one(self, i: int, length: int) -> None:
+        try:
+            text = "".join(c.choices[0].delta.content or "" for c in
+                           self._client.chat.completions.create(
+                               model="m", stream=True,
+                               messages=[{"role": "user", "content": f"s{i} {words(length)}"}])
+                           if c.choices)
+            self.results[i] = text
+        except Exception as exc:  # what the client saw is the result
+            self.results[i] = exc
+
+    def join(self, timeout: float) -> dict[int, str | BaseException]:
+        for t in self._threads:
+            t.join(timeout)
+        assert len(self.results) == len(self._threads), "streams still running"
+        return self.results
+
+
+@pytest.fixture
+def fleet(cluster: Cluster) -> tuple[Cluster, str]:
+    """One slow engine (a word per TOKEN_DELAY) behind the cluster's gateways."""
+    gw = cluster.gateway("gw-a", shutdown_notice_seconds="2")
+    cluster.gateway("gw-b")
+    wait_for(lambda: gw.leader()["leader"] == "gw-a", 10, "gw-a leading")
+    cluster.agent("node-1", cluster.procs[:2], "--gpus", "1",  # type: ignore[arg-type]
+                  env_extra={"FAKE_VLLM_TOKEN_DELAY": str(TOKEN_DELAY)})
+    key = make_key(gw)
+    put_model(gw, "m", {"model": "acme/m", "gpus": 1})
+    wait_for(lambda: routes(gw, key, "m"), 30, "gw-a routing")
+    return cluster, key
+
+
+def test_a_stopping_gateway_serves_on_then_lets_its_streams_end(
+    fleet: tuple[Cluster, str],
+) -> None:
+    cluster, key = fleet
+    gw, other = cluster.procs[0], cluster.procs[1]
+    assert isinstance(gw, GatewayProc) and isinstance(other, GatewayProc)
+    streams = Streams(gw, key, count=3, length=30)  # ~8 s each: past uvicorn's old 5 s
+    time.sleep(1.0)
+    gw.signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    # At once: balancers' checks see it going, while it still answers.
+    ready = httpx.get(gw.url + "/readyz", timeout=2)
+    assert ready.status_code == 503 and ready.json()["status"] == "stopping", ready.text
+    # A request a balancer sends before it noticed is still served.
+    plain = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "late"}]})
+    assert plain.status_code == 200, plain.text
+    # The lead passes on at the signal, not when the streams are done.
+    wait_for(lambda: other.leader()["is_leader"], 6, "gw-b leading")
+    assert gw.popen is not None and gw.popen.poll() is None, "gw-a gone before its streams"
+    results = streams.join(30)
+    for i, text in results.items():
+        assert isinstance(text, str) and text.endswith(f"s{i} {words(30)}"), (i, text)
+    gw.wait(10)
+    assert time.monotonic() - signalled > 2.0  # the notice period was served
+
+
+def test_the_grace_period_ends_in_an_error_event_and_a_second_signal_stops_at_once(
+    fleet: tuple[Cluster, str],
+) -> None:
+    cluster, key = fleet
+    short = cluster.gateway("gw-c", shutdown_notice_seconds="0.5",
+                            shutdown_grace_seconds="1")
+    wait_for(lambda: routes(short, key, "m"), 30, "gw-c routing")
+    streams = Streams(short, key, count=1, length=40)  # ~10 s: cut after ~1.5 s
+    time.sleep(1.0)
+    short.signal(signal.SIGTERM)
+    (cut,) = streams.join(15).values()
+    # Not a closed connection: an error event, which the SDK raises.
+    assert isinstance(cut, openai.APIError) and not isinstance(cut, openai.APIConnectionError), (
+        repr(cut))
+    assert "stopped before the answer was complete" in cut.message, cut.message
+    assert short.wait(10) is not None
+
+    patient = cluster.gateway("gw-d", shutdown_notice_seconds="30")
+    wait_for(lambda: routes(patient, key, "m"), 30, "gw-d routing")
+    long = Streams(patient, key, count=1, length=40)
+    time.sleep(1.0)
+    patient.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    patient.signal(signal.SIGTERM)  # an operator who will not wait
+    try:
+        patient.wait(3)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a second SIGTERM did not stop the gateway at once")
+    long.join(5)
+
+
+def test_the_grace_period_is_at_most_the_request_timeout(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"LLMGW_SHUTDOWN_GRACE_SECONDS \(601.0 s\) must "
+                                              r"not exceed LLMGW_REQUEST_TIMEOUT \(600.0 s\)"):
+        Settings(data_dir=tmp_path, shutdown_grace_seconds=601)
+    Settings(data_dir=tmp_path, shutdown_grace_seconds=600)
+    Settings(data_dir=tmp_path, shutdown_grace_seconds=30, request_timeout=30,
+             drain_seconds=60)
