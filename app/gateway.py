@@ -33,6 +33,7 @@ from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
 from app.control.usage import UsagePublisher
+from app.key_shares import KeyShares
 from app.metrics import GatewayMetrics
 from app.publish import LastUse, Publisher, RouterUsage
 from app.router.proxy import Proxy
@@ -164,6 +165,9 @@ class Gateway:
         usage = UsagePublisher(self._store, self._mirror,
                                RouterUsage(self.table, self.last_use, publisher),
                                st.gateway_id, lambda: elector.lease, refresh=st.usage_refresh)
+        self.key_shares = KeyShares(self._store, self._mirror, self.proxy.limits, st.gateway_id,
+                                    lambda: elector.lease, refresh=st.key_share_interval)
+        self.key_shares.start()
         await self.proxy.start()
         self._tasks += [
             # Two loops: a renewal never waits behind a campaign stuck on a
@@ -174,6 +178,8 @@ class Gateway:
             asyncio.create_task(reconciler.run(), name="reconciler"),
             asyncio.create_task(publisher.run(st.publish_interval), name="publisher"),
             asyncio.create_task(usage.run(st.usage_interval), name="usage"),
+            asyncio.create_task(self.key_shares.run(st.key_share_interval),
+                                name="key-shares"),
         ]
         if st.local_agent:
             self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")
