@@ -35,6 +35,7 @@ from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
 from app.control.usage import UsagePublisher
+from app.key_shares import KeyShares
 from app.metrics import GatewayMetrics
 from app.publish import LastUse, NodeAgents, Publisher, RouterUsage
 from app.router.proxy import Proxy
@@ -182,6 +183,9 @@ class Gateway:
         # Engine loads come from each node's agent (docs/architecture.md,
         # "Choosing a replica").
         self.proxy.loads.directory = NodeAgents(self._mirror, self.secrets)
+        self.key_shares = KeyShares(self._store, self._mirror, self.proxy.limits, st.gateway_id,
+                                    lambda: elector.lease, refresh=st.key_share_interval)
+        self.key_shares.start()
         await self.proxy.start()
         self._leading = [
             asyncio.create_task(self._every(elector.campaign, "campaign"),
@@ -197,6 +201,8 @@ class Gateway:
             asyncio.create_task(usage.run(st.usage_interval), name="usage"),
             # Leader only (each pass asks): docs/architecture.md, A month of uptime.
             asyncio.create_task(compactor.run(), name="compaction"),
+            asyncio.create_task(self.key_shares.run(st.key_share_interval),
+                                name="key-shares"),
         ]
         if st.local_agent:
             self._agent_task = asyncio.create_task(self._run_local_agent(), name="local-agent")

@@ -38,7 +38,7 @@ from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 logger = logging.getLogger(__name__)
 
 # Keys whose change can alter what the router serves.
-# The gateway count too: each gateway enforces its share of every key's limits.
+# The gateway count too: a limiter's equal shares before its claims loop runs.
 _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
 
 
@@ -187,8 +187,9 @@ class Publisher:
             name for name in unavailable
             if name in coming or (name not in why and _starts_on_use(models[name])
                                   and "no replica is placed:" not in unavailable[name]))
-        # Live gateways (lease-bound keys) share each key's limits equally;
-        # this one counts even before its own key is seen.
+        # Live gateways (lease-bound keys): equal shares of each key's limits
+        # until the claims loop runs (app/key_shares.py); this one counts
+        # even before its own key is seen.
         gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
         grants = {
             digest: KeyGrant(rec.id, rec.name, frozenset(rec.models), Limits(

@@ -313,6 +313,12 @@ class Settings(BaseSettings):
     # store writes; GET /admin/keys/{id}/usage lags by up to this long, and a
     # crashed gateway loses up to this long of counts (a clean stop loses none).
     key_usage_interval: float = Field(5.0, gt=0)
+    # Seconds between passes of the loop that moves each gateway's claims on
+    # client keys' limits toward where their requests arrive (app/key_shares.py;
+    # it also runs at once on a refusal below a key's limit). Its record is
+    # written at most this often while only its load changes. Shorter: claims
+    # follow a client sooner, for more store writes from busy gateways.
+    key_share_interval: float = Field(0.5, gt=0)
     # A llama.cpp stream's prompt is counted by its engine after the stream
     # (app/router/counting.py): at most this many counts at once per
     # gateway, each waiting its turn behind the engine's requests for up to

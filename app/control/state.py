@@ -59,20 +59,23 @@ NODECONF = "nodeconf/"
 QUOTAS = "quotas/"
 # One usage snapshot per gateway, bound to its election lease (app/control/usage.py).
 USAGE = "usage/"
+# Each gateway's claims on client keys' limits, `keyshares/{gateway}`, bound
+# to its election lease (app/key_shares.py; docs/architecture.md, Client keys).
+KEY_SHARES = "keyshares/"
 # Fabric test results, `fabric/{from}/{to}`: the last TCP bandwidth measured
 # from one node's agent to another's, written by the gateway that ran the test
 # (app/api/fabric.py), kept for placing multi-node replicas.
 FABRIC = "fabric/"
 
 __all__ = [
-    "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_USAGE", "LEADER", "MAX_DETAIL",
-    "MAX_GPUS", "MAX_REPLICAS_REPORTED", "MAX_TEXT", "MODELS", "NODECONF",
+    "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_SHARES", "KEY_USAGE", "LEADER",
+    "MAX_DETAIL", "MAX_GPUS", "MAX_REPLICAS_REPORTED", "MAX_TEXT", "MODELS", "NODECONF",
     "NODES", "QUOTAS", "REPLICAS", "STATUS", "STORE_ID", "USAGE", "ClientKey", "Engine",
-    "EngineArg", "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyUsage",
-    "LeaderInfo", "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo", "Phase", "Profile", "Quota",
-    "Replica", "ReplicaRange", "ReplicaStatus", "StoreId", "StoredModel", "Usage", "check_address",
-    "check_engine_arg", "check_labels", "check_name", "check_weights", "engine_arg_name",
-    "fit", "replica_phase",
+    "EngineArg", "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyShare",
+    "KeyShares", "KeyUsage", "LeaderInfo", "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo",
+    "Phase", "Profile", "Quota", "Replica", "ReplicaRange", "ReplicaStatus", "StoreId",
+    "StoredModel", "Usage", "check_address", "check_engine_arg", "check_labels", "check_name",
+    "check_weights", "engine_arg_name", "fit", "replica_phase",
 ]
 
 
@@ -322,6 +325,28 @@ class KeyUsage(_Stored):
     key: str
     gateway: str
     models: dict[str, ModelUsage] = Field(default_factory=dict)
+    updated: float = 0.0
+
+
+class KeyShare(_Stored):
+    """One gateway's part of one client key's limits. Keyed by limit name
+    (`requests_per_minute`, `tokens_per_minute`, `concurrent_requests`):
+    `claims`, what this gateway may admit (all gateways' claims together stay
+    within the limit: raised only by a transaction conditioned on every
+    other gateway's record); `used`, what it holds now (requests and tokens
+    in its window, requests in flight)."""
+
+    claims: dict[str, int] = Field(default_factory=dict)
+    used: dict[str, int] = Field(default_factory=dict)
+    asked: int = 0  # requests asked for (admitted or refused) lately
+    refused: list[str] = Field(default_factory=list)  # limits it refused on lately
+
+
+class KeyShares(_Stored):
+    """`keyshares/{gateway}`: a gateway's claims, by key id."""
+
+    gateway: str
+    keys: dict[str, KeyShare] = Field(default_factory=dict)
     updated: float = 0.0
 
 

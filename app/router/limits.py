@@ -2,11 +2,13 @@
 
 The request path never waits on the store (DESIGN invariant 2), so gateways
 cannot ask each other, or etcd, how much of a key's minute is left. Instead
-each of the N live gateways enforces an equal share of each limit,
-`ceil(limit / N)`, locally (docs/architecture.md, "Client keys"): N gateways
-together admit at most `N * ceil(limit / N) <= limit + N - 1` per window,
-whatever way a load balancer spreads the requests. The price: a client whose
-requests all reach one gateway gets that gateway's share only.
+each gateway admits up to its claim on each limit (`set_claims`), moved by a
+background loop toward where the key's requests arrive (app/router/shares.py,
+app/key_shares.py; docs/architecture.md, "Client keys"): N gateways together
+admit at most `limit + N - 1` per window. The loop reads `key_loads()` and
+is woken (`on_short`) when a request is refused on a claim below the limit.
+Until the loop first sets claims (a Limiter alone, in tests), each gateway
+enforces an equal share, `ceil(limit / N)`.
 
 * requests per minute: a sliding window of admission times (exact, no
   bucket rounding); a request counts when admitted, whatever its outcome.
@@ -37,9 +39,13 @@ import re
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from app.router.estimates import ask_for_usage as ask_for_usage
+from app.router.estimates import estimate_usage as estimate_usage
+from app.router.shares import DEMAND_WINDOW, KINDS, KeyLoad, share_of
 
 WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
 # How long a client refused for concurrency is told to wait: no request's
@@ -72,31 +78,42 @@ def share(limit: int | None, gateways: int) -> int | None:
 class OverLimit(Exception):
     """The key is over one of its limits: a 429 with Retry-After."""
 
-    def __init__(self, kind: str, message: str, retry_after: float) -> None:
+    def __init__(self, kind: str, message: str, retry_after: float, limit: str = "",
+                 short: bool = False) -> None:
         super().__init__(message)
+        self.short = short  # refused on a part below the key's limit
         self.kind = kind  # "requests" or "tokens", OpenAI's error type
+        self.limit = limit  # the limit's name: requests_per_minute, ...
         self.message = message
         # Whole seconds, at least 1: what HTTP's Retry-After can say.
         self.retry_after = max(1, math.ceil(retry_after))
 
 
 class _KeyState:
-    __slots__ = ("inflight", "requests", "token_sum", "tokens")
+    __slots__ = ("asked", "inflight", "limited", "refused", "requests", "token_sum", "tokens")
 
     def __init__(self) -> None:
         self.requests: deque[float] = deque()  # admission times in the window
         self.tokens: deque[tuple[float, int]] = deque()  # (charged at, tokens)
         self.token_sum = 0
         self.inflight = 0
+        self.limited = False
+        # Times requests were asked for lately (a flood is counted up to the
+        # cap: its weight in the split is then as large as it gets anyway),
+        # and when each limit last refused one.
+        self.asked: deque[float] = deque(maxlen=4096)
+        self.refused: dict[str, float] = {}
 
     def prune(self, now: float, window: float) -> None:
         while self.requests and self.requests[0] <= now - window:
             self.requests.popleft()
         while self.tokens and self.tokens[0][0] <= now - window:
             self.token_sum -= self.tokens.popleft()[1]
+        while self.asked and self.asked[0] <= now - DEMAND_WINDOW:
+            self.asked.popleft()
 
     def idle(self) -> bool:
-        return not (self.requests or self.tokens or self.inflight)
+        return not (self.requests or self.tokens or self.inflight or self.asked)
 
 
 class Limiter:
@@ -113,6 +130,9 @@ class Limiter:
         self._keys: dict[str, _KeyState] = {}
         # (key id, model) -> [requests, prompt tokens, completion tokens, estimated]
         self._usage: dict[tuple[str, str], list[int]] = {}
+        # Key id -> limit name -> this gateway's claim; None: equal shares.
+        self._claims: dict[str, dict[str, int]] | None = None
+        self.on_short: Callable[[], None] | None = None
 
     def expired(self, expires: float | None) -> bool:
         return expires is not None and self._wall() >= expires
@@ -125,29 +145,83 @@ class Limiter:
         if st is None:
             st = self._keys[key_id] = _KeyState()
         st.prune(now, self._window)
-        of = f"of {gateways} gateways" if gateways > 1 else "gateway"
-        rpm = share(limits.requests_per_minute, gateways)
-        if rpm is not None and len(st.requests) >= rpm:
-            raise OverLimit("requests", (
-                f"Rate limit reached for requests per minute (RPM) on this key: limit "
-                f"{limits.requests_per_minute}, {rpm} on each {of}. Please try again later."),
-                st.requests[0] + self._window - now)
-        tpm = share(limits.tokens_per_minute, gateways)
-        if tpm is not None and st.token_sum >= tpm:
-            raise OverLimit("tokens", (
-                f"Rate limit reached for tokens per minute (TPM) on this key: limit "
-                f"{limits.tokens_per_minute}, {tpm} on each {of}, used {st.token_sum} "
-                "here. Please try again later."), self._tokens_free_at(st, tpm) - now)
-        conc = share(limits.concurrent_requests, gateways)
-        if conc is not None and st.inflight >= conc:
-            raise OverLimit("requests", (
-                f"Too many concurrent requests on this key: limit "
-                f"{limits.concurrent_requests}, {conc} on each {of}. Please try again "
-                "when one has finished."), _CONCURRENCY_RETRY)
+        st.limited = limits != NO_LIMITS
+        if st.limited:
+            st.asked.append(now)
+        try:
+            rpm, tpm = self._check(key_id, st, limits, gateways, now)
+        except OverLimit as over:
+            st.refused[over.limit] = now
+            if over.short and self.on_short is not None:
+                self.on_short()  # a claim below the limit: the loop may raise it now
+            raise
         if rpm is not None:  # unlimited keys keep no timestamps
             st.requests.append(now)
         st.inflight += 1
         return Ticket(self, key_id, model, st, charge_tokens=tpm is not None)
+
+    def _check(self, key_id: str, st: _KeyState, limits: Limits, gateways: int,
+               now: float) -> tuple[int | None, int | None]:
+        """OverLimit if a request now would pass one of this gateway's parts
+        of the limits; else its parts of requests and tokens per minute."""
+        if self._claims is None:
+            of = f"{{}} on each of {gateways} gateways" if gateways > 1 else "{} on this gateway"
+        else:
+            of = "{} held by this gateway now"
+        claims = self._claims.get(key_id, {}) if self._claims is not None else {}
+
+        def part(kind: str, limit: int | None) -> int | None:
+            if limit is None or self._claims is None:
+                return share(limit, gateways)
+            return min(limit, share_of(claims.get(kind)))
+
+        def retry(limit: int | None, got: int, after: float) -> float:
+            # Below the key's limit, a claim may be raised within a second.
+            return _CONCURRENCY_RETRY if got < (limit or 0) else after
+
+        rpm = part(KINDS[0], limits.requests_per_minute)
+        if rpm is not None and len(st.requests) >= rpm:
+            raise OverLimit("requests", (
+                f"Rate limit reached for requests per minute (RPM) on this key: limit "
+                f"{limits.requests_per_minute}, {of.format(rpm)}. Please try again later."),
+                retry(limits.requests_per_minute, rpm, st.requests[0] + self._window - now),
+                KINDS[0], rpm < (limits.requests_per_minute or 0))
+        tpm = part(KINDS[1], limits.tokens_per_minute)
+        if tpm is not None and st.token_sum >= tpm:
+            raise OverLimit("tokens", (
+                f"Rate limit reached for tokens per minute (TPM) on this key: limit "
+                f"{limits.tokens_per_minute}, {of.format(tpm)}, used {st.token_sum} "
+                "here. Please try again later."),
+                retry(limits.tokens_per_minute, tpm, self._tokens_free_at(st, tpm) - now),
+                KINDS[1], tpm < (limits.tokens_per_minute or 0))
+        conc = part(KINDS[2], limits.concurrent_requests)
+        if conc is not None and st.inflight >= conc:
+            raise OverLimit("requests", (
+                f"Too many concurrent requests on this key: limit "
+                f"{limits.concurrent_requests}, {of.format(conc)}. Please try again "
+                "when one has finished."), _CONCURRENCY_RETRY, KINDS[2],
+                conc < (limits.concurrent_requests or 0))
+        return rpm, tpm
+
+    def set_claims(self, claims: Mapping[str, Mapping[str, int]]) -> None:
+        """This gateway's claims by key id and limit name (app/key_shares.py);
+        a key or limit left out is claimed 0 (this gateway admits FLOOR)."""
+        self._claims = {k: dict(v) for k, v in claims.items()}
+
+    def key_loads(self) -> dict[str, KeyLoad]:
+        """What this gateway holds of each key with limits, and was asked lately."""
+        now = self._clock()
+        out: dict[str, KeyLoad] = {}
+        for key_id, st in list(self._keys.items()):
+            st.prune(now, self._window)
+            if st.idle():
+                del self._keys[key_id]
+            elif st.limited:
+                used = (len(st.requests), st.token_sum, st.inflight)
+                out[key_id] = KeyLoad(dict(zip(KINDS, used, strict=True)), len(st.asked),
+                                      frozenset(k for k, at in st.refused.items()
+                                                if at > now - DEMAND_WINDOW))
+        return out
 
     def _tokens_free_at(self, st: _KeyState, tpm: int) -> float:
         """When enough charged tokens leave the window to bring it under `tpm`."""
@@ -317,49 +391,3 @@ class Ticket:
         self.note(obj.get("usage"))
         return self.strip_usage and obj.get("choices") == [] and isinstance(
             obj.get("usage"), dict)
-
-
-# Characters per token of a prompt whose count the engine never reported:
-# OpenAI's rule of thumb for English text.
-_CHARS_PER_TOKEN = 4
-
-
-def estimate_usage(body: dict[str, Any], events: int) -> tuple[int, int]:
-    """(prompt, completion) tokens of a stream cut before its usage event.
-
-    Completion: one token per event after the first (vLLM sends one token an
-    event, after a first that carries the role only). Prompt: the text's
-    characters / 4, or the count of a prompt given as token ids. Rough, but
-    a key's limits and usage then see the work a cut stream made."""
-    chars = tokens = 0
-    messages = body.get("messages")
-    for m in messages if isinstance(messages, list) else ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(p["text"]) for p in content
-                         if isinstance(p, dict) and isinstance(p.get("text"), str))
-    prompt = body.get("prompt")
-    for p in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else ():
-        if isinstance(p, str):
-            chars += len(p)
-        elif isinstance(p, int):
-            tokens += 1
-        elif isinstance(p, list):
-            tokens += len(p)
-    return tokens + -(-chars // _CHARS_PER_TOKEN), max(0, events - 1)
-
-
-def ask_for_usage(body: dict[str, Any]) -> bool:
-    """Makes a streamed request ask the engine for its usage; True if the
-    client had not asked (its usage event must then be cut). `stream_options`
-    is an object or null here, its `include_usage` a boolean or null
-    (app/router/fields.py refused any other form)."""
-    opts = body.get("stream_options")
-    if opts is None:
-        opts = {}
-    if not isinstance(opts, dict) or opts.get("include_usage") is True:
-        return False
-    body["stream_options"] = opts | {"include_usage": True}
-    return True

@@ -60,8 +60,9 @@ class CatalogEntry:
 class KeyGrant:
     """What a client key may do. `models` empty means every model.
 
-    `limits` are the key's, for all gateways together; `gateways` is how many
-    share them (each enforces its share, app/router/limits.py). `expires`: a
+    `limits` are the key's, for all gateways together; each gateway admits
+    up to its claim on them (app/router/limits.py); `gateways`, the live
+    gateways, gives equal shares until the claims loop runs. `expires`: a
     Unix time, None for never."""
 
     id: str

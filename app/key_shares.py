@@ -1,0 +1,199 @@
+"""Each gateway's claims on client keys' limits: the loop that moves them.
+
+Where the control plane meets the router's limiter (like app/publish.py,
+wiring: neither side imports the other). The decisions are pure, in
+app/router/shares.py; this loop gathers, decides and writes
+(docs/architecture.md, "Client keys").
+
+Every step reads this gateway's load per key from the limiter (what it holds,
+what it was asked lately, what it refused) and every other gateway's record
+`keyshares/{gateway}` from the mirror, moves its claims, hands them to the
+limiter, and writes its record, bound to its election lease (a dead
+gateway's claims go with its lease). A claim is lowered in the limiter
+before it is written. It is raised only once written, in a transaction
+conditioned on `keyshares-serial` as read and bumping it: every raise by
+every gateway goes through that one key, so none is computed from claims
+another raise has since changed, and the claims of all gateways never
+sum past the limit. Lowers and plain updates do not touch it.
+
+Steps run every `interval`, and at once (at most every `_GAP`) when the
+limiter refuses a request on a claim below the key's limit, or another
+gateway's record changes. Writes: when claims or what was refused change,
+else at most every `refresh` seconds while the load changes; nothing while
+all is steady. The request path only reads the limiter's tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from app.control import state as s
+from app.control.mirror import Mirror
+from app.router.shares import KINDS, KeyLoad, next_claim, targets
+from app.store.base import Compare, Put, Store, StoreError, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+SERIAL = "keyshares-serial"
+_GAP = 0.02  # seconds between two steps woken at once: a flood of refusals costs this
+
+
+class ClaimSink(Protocol):
+    """The router's limiter, as this loop uses it."""
+
+    on_short: Callable[[], None] | None
+
+    def key_loads(self) -> Mapping[str, KeyLoad]: ...
+
+    def set_claims(self, claims: Mapping[str, Mapping[str, int]]) -> None: ...
+
+
+Claims = dict[str, dict[str, int]]
+
+
+class KeyShares:
+    """Moves this gateway's claims. `step()` is one pass; `run()` repeats it."""
+
+    def __init__(self, store: Store, mirror: Mirror, limiter: ClaimSink, gateway_id: str,
+                 lease: Callable[[], int], *, refresh: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._mirror = mirror
+        self._limiter = limiter
+        self._me = gateway_id
+        self._lease = lease
+        self._refresh = refresh
+        self._clock = clock
+        self.claims: Claims = {}
+        self.written: s.KeyShares | None = None
+        self._written_lease = 0
+        self._last_raise = 0  # revision of our last raise: the mirror must reach it first
+        self._wake: asyncio.Event | None = None
+
+    def start(self) -> None:
+        """From now on the limiter admits by claims (FLOOR until raised)."""
+        self._limiter.set_claims({})
+
+    def decide(self, loads: Mapping[str, KeyLoad], others: Mapping[str, s.KeyShares]) -> Claims:
+        """The claims this gateway should hold, from its loads and the
+        others' records (pure, given the mirror's keys and gateways)."""
+        limits = {rec.id: rec.limits for rec in self._mirror.client_keys().values()}
+        gateways = sorted(set(self._mirror.gateways()) | set(others) | {self._me})
+        wanted = {k for rec in others.values() for k, sh in rec.keys.items() if sh.refused}
+        out: Claims = {}
+        for key_id in sorted(set(loads) | set(self.claims) | wanted):
+            lim = limits.get(key_id)
+            if lim is None:
+                continue  # revoked: its claims go
+            mine = loads.get(key_id) or KeyLoad({})
+            theirs = {gw: rec.keys[key_id] for gw, rec in others.items() if key_id in rec.keys}
+            asked = {gw: sh.asked for gw, sh in theirs.items()} | {self._me: mine.asked}
+            current = self.claims.get(key_id, {})
+            new: dict[str, int] = {}
+            for kind in KINDS:
+                limit = getattr(lim, kind)
+                if limit is None:
+                    continue
+                used = {gw: sh.used.get(kind, 0) for gw, sh in theirs.items()}
+                used[self._me] = mine.used.get(kind, 0)
+                room = limit - sum(sh.claims.get(kind, 0) for sh in theirs.values())
+                claim = next_claim(current.get(kind, 0),
+                                   targets(limit, gateways, used, asked)[self._me],
+                                   used[self._me], room, kind in mine.refused,
+                                   any(kind in sh.refused for sh in theirs.values()))
+                if claim > 0:
+                    new[kind] = claim
+            if new:
+                out[key_id] = new
+        return out
+
+    def _record(self, claims: Claims, loads: Mapping[str, KeyLoad]) -> s.KeyShares:
+        keys = {}
+        for key_id in sorted(set(claims) | set(loads)):
+            load = loads.get(key_id) or KeyLoad({})
+            keys[key_id] = s.KeyShare(claims=claims.get(key_id, {}), used=dict(load.used),
+                                      asked=load.asked, refused=sorted(load.refused))
+        return s.KeyShares(gateway=self._me, keys=keys, updated=self._clock())
+
+    def _due(self, record: s.KeyShares, lease: int) -> bool:
+        old = self.written
+        if old is None or lease != self._written_lease:
+            return True
+        if {k: (v.claims, v.refused) for k, v in record.keys.items()} != {
+                k: (v.claims, v.refused) for k, v in old.keys.items()}:
+            return True  # the others move their claims on these: at once
+        return (record.keys != old.keys and record.updated - old.updated >= self._refresh)
+
+    async def step(self) -> bool:
+        """One pass; True when it wrote this gateway's record."""
+        lease = self._lease()
+        if lease == 0 or not self._mirror.ready:
+            return False
+        loads = self._limiter.key_loads()
+        others = {gw: rec for gw, rec in self._mirror.parsed(s.KEY_SHARES, s.KeyShares).items()
+                  if gw != self._me}
+        wanted = self.decide(loads, others)
+        # Lowers take effect at once; raises only once written.
+        lowered: Claims = {}
+        for key_id, kinds in wanted.items():
+            kept = {k: min(n, self.claims.get(key_id, {}).get(k, 0)) for k, n in kinds.items()}
+            if any(kept.values()):
+                lowered[key_id] = {k: n for k, n in kept.items() if n > 0}
+        raised = wanted != lowered
+        self.claims = lowered
+        self._limiter.set_claims(lowered)
+        key = s.KEY_SHARES + self._me
+        if raised and self._mirror.revision >= self._last_raise:
+            record = self._record(wanted, loads)
+            serial = self._mirror.get(SERIAL)
+            cond = (Compare.modified_at(SERIAL, serial.mod_revision) if serial is not None
+                    else Compare.absent(SERIAL))
+            res = await self._store.txn([cond], [
+                Put(key, record.model_dump_json().encode(), lease=lease),
+                Put(SERIAL, str(self._mirror.revision).encode())])
+            if res.succeeded:
+                self.claims = wanted
+                self._limiter.set_claims(wanted)
+                self._last_raise = res.revision
+                self.written, self._written_lease = record, lease
+                return True
+            # Another raise came first: decided again on the mirror that has it.
+        record = self._record(lowered, loads)
+        if not self._due(record, lease):
+            return False
+        await self._store.put(key, record.model_dump_json().encode(), lease=lease)
+        self.written, self._written_lease = record, lease
+        return True
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _on_change(self, keys: set[str]) -> None:
+        if any(k.startswith(s.KEY_SHARES) and k != s.KEY_SHARES + self._me for k in keys):
+            self.wake()
+
+    async def run(self, interval: float) -> None:
+        self._wake = asyncio.Event()
+        self._limiter.on_short = self.wake
+        self._mirror.subscribe(self._on_change)
+        self.start()
+        while True:
+            try:
+                await self.step()
+            except StoreUnavailable as exc:
+                logger.debug("key shares not written: %s", exc)  # the store says so once
+            except StoreError as exc:
+                logger.warning("key shares not written: %s", exc)  # a lease just expired
+            except Exception:
+                logger.exception("key shares step crashed")
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            await asyncio.sleep(_GAP)
