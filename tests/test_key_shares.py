@@ -85,7 +85,7 @@ class Fleet:
 
     def ask(self, gw: int, limits: Limits) -> Ticket | None:
         try:
-            return self.limiters[gw].admit("k1", "m", limits)
+            return self.limiters[gw].admit("k1", "m", limits, len(GWS))  # three live
         except OverLimit:
             return None
 
@@ -230,3 +230,27 @@ async def test_two_raises_from_one_snapshot_do_not_both_land(fleet: Fleet) -> No
     await fleet.steps()
     assert sum(fleet.claims("requests_per_minute")) <= 12
     assert fleet.claims("requests_per_minute")[1] > 0
+
+
+def test_a_lone_gateway_admits_the_whole_limit_before_any_claim() -> None:
+    """With one gateway the bound L + N - 1 is L: nothing is shared, so a
+    key's first burst is not cut to the floor while a claim is raised (an
+    all-in-one `llmgw serve` with a limited key)."""
+    clock = FakeClock()
+    lone = Limiter(clock=clock, wall=clock)
+    lone.set_claims({})  # the claim loop has run once: no claims yet
+    held = [t for _ in range(5) if (t := _try(lone, CONC, gateways=1)) is not None]
+    assert len(held) == 4
+    got = sum(1 for _ in range(13) if (t := _try(lone, RPM, gateways=1)) and (t.release() or True))
+    assert got == 12
+    # With a second gateway live the claims rule again: the floor until raised.
+    two = Limiter(clock=clock, wall=clock)
+    two.set_claims({})
+    assert [t is not None for t in (_try(two, CONC, 2), _try(two, CONC, 2))] == [True, False]
+
+
+def _try(limiter: Limiter, limits: Limits, gateways: int) -> Ticket | None:
+    try:
+        return limiter.admit("k1", "m", limits, gateways)
+    except OverLimit:
+        return None

@@ -171,7 +171,8 @@ class Limiter:
         claims = self._claims.get(key_id, {}) if self._claims is not None else {}
 
         def part(kind: str, limit: int | None) -> int | None:
-            if limit is None or self._claims is None:
+            # Alone, L + N - 1 is L: the whole limit, with no claim to wait for.
+            if limit is None or self._claims is None or gateways <= 1:
                 return share(limit, gateways)
             return min(limit, share_of(claims.get(kind)))
 
