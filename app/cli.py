@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.control.state import check_name
+from app.logs import configure
 from app.settings import Settings
 
 
@@ -36,13 +37,6 @@ def _positive(value: str) -> float:
     if not seconds > 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
     return seconds
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def _settings(**overrides: object) -> Settings:
@@ -73,7 +67,10 @@ def serve(args: argparse.Namespace) -> None:
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=args.log_level, access_log=False,
+                            # Its loggers propagate to ours (app/logs.py), so
+                            # they take LLMGW_LOG_FORMAT; its access log stays
+                            # off: the router writes its own (app.access).
+                            log_config=None, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5,
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
@@ -194,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     p = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"))
+    p.add_argument("--log-format",
+                   default=os.environ.get("LLMGW_LOG_FORMAT", "text"),
+                   help="text lines, or one JSON object a line (default: %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("serve", help="run a gateway (all-in-one without LLMGW_ETCD_ENDPOINTS)")
@@ -240,7 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     cp.set_defaults(func=ctl)
 
     args = p.parse_args(argv)
-    _logging(args.log_level)
+    try:
+        configure(args.log_level, args.log_format)
+    except ValueError as exc:
+        p.error(str(exc))
     args.func(args)
 
 
