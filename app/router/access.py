@@ -82,7 +82,9 @@ class Exchange:
         self.traceparent: bytes | None = None
         self.tracestate: bytes | None = None
         # Headers every attempt sends the engine beside ours: X-Request-Id
-        # and the client's trace context.
+        # (first: relay.py leaves it out for llama.cpp, whose server answers
+        # 400 to an X-Request-ID that is not a UUID) and the client's trace
+        # context.
         self.forwarded: list[tuple[bytes, bytes]] = []
         self.span: Any = None  # the request's span, when tracing (tracing.py)
         self.attempt_span: Any = None

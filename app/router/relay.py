@@ -165,7 +165,9 @@ class Upstreams:
                     # accepted more is valid HTTP (docs/architecture.md,
                     # "Security").
                     (b"Accept-Encoding", b"identity"),
-                    *ex.forwarded])  # X-Request-Id, the client's traceparent
+                    # X-Request-Id (not to llama.cpp: its server answers 400
+                    # to one that is not a UUID), the client's traceparent.
+                    *(ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:])])
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
