@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from app.control.state import check_name
 from app.logs import configure
+from app.logs import stop as stop_logging
 from app.settings import Settings
 
 
@@ -171,6 +172,7 @@ def agent(args: argparse.Namespace) -> None:
         argv = reexec_argv(sys.argv)
         logging.getLogger(__name__).info("re-executing on llmgw %s: %s", installed[0],
                                          shlex.join(argv))
+        stop_logging()  # the queued lines written before the process is replaced
         logging.shutdown()
         os.execv(argv[0], argv)
 
