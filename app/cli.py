@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"))
     p.add_argument("--log-format",
                    default=os.environ.get("LLMGW_LOG_FORMAT", "text"),
-                   help="text lines, or one JSON object a line (default: %(default)s)")
+                   help="text (lines) or json (one object a line; default: %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("serve", help="run a gateway (all-in-one without LLMGW_ETCD_ENDPOINTS)")
