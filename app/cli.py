@@ -17,6 +17,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.control.state import check_name
+from app.logs import configure
+from app.logs import stop as stop_logging
 from app.settings import Settings
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
@@ -41,13 +43,6 @@ def _positive(value: str) -> float:
     if not seconds > 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
     return seconds
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def _settings(**overrides: object) -> Settings:
@@ -123,7 +118,10 @@ def serve(args: argparse.Namespace) -> None:
                     log.warning("stopping: grace period over, %d open requests cut", cut)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=args.log_level, access_log=False,
+                            # Its loggers propagate to ours (app/logs.py), so
+                            # they take LLMGW_LOG_FORMAT; its access log stays
+                            # off: the router writes its own (app.access).
+                            log_config=None, log_level=args.log_level, access_log=False,
                             # A backstop: the cut above ends /v1 requests at
                             # `grace`; whatever is still open after this is
                             # cancelled without a word.
@@ -229,6 +227,7 @@ def agent(args: argparse.Namespace) -> None:
         argv = reexec_argv(sys.argv)
         logging.getLogger(__name__).info("re-executing on llmgw %s: %s", installed[0],
                                          shlex.join(argv))
+        stop_logging()  # the queued lines written before the process is replaced
         logging.shutdown()
         os.execv(argv[0], argv)
 
@@ -249,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     p = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"))
+    p.add_argument("--log-format",
+                   default=os.environ.get("LLMGW_LOG_FORMAT", "text"),
+                   help="text (lines) or json (one object a line; default: %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("serve", help="run a gateway (all-in-one without LLMGW_ETCD_ENDPOINTS)")
@@ -295,7 +297,10 @@ def main(argv: list[str] | None = None) -> None:
     cp.set_defaults(func=ctl)
 
     args = p.parse_args(argv)
-    _logging(args.log_level)
+    try:
+        configure(args.log_level, args.log_format)
+    except ValueError as exc:
+        p.error(str(exc))
     args.func(args)
 
 

@@ -15,7 +15,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -44,6 +44,9 @@ from app.router.timeouts import Timeouts
 from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
 from app.tls import pinned_context
+
+if TYPE_CHECKING:
+    from app.router.tracing import OtelTracer
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,11 @@ class Gateway:
         # Notes each model's last use for the usage snapshots, then counts
         # the request in the metrics.
         self.last_use = LastUse(then=self.metrics)
+        self.tracer: OtelTracer | None = None
+        if settings.otlp_endpoint:  # imported only then: zero cost when unset
+            from app.router.tracing import otlp_tracer
+
+            self.tracer = otlp_tracer(settings.otlp_endpoint, settings.gateway_id)
         self.proxy = Proxy(self.table, hash_client_key, Timeouts(
             connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
             idle=settings.stream_idle_timeout, request=settings.request_timeout,
@@ -98,7 +106,7 @@ class Gateway:
             cold_start_held=settings.cold_start_max_held), observer=self.last_use,
             affinity=settings.router_affinity,
             count_concurrency=settings.prompt_count_concurrency,
-            count_timeout=settings.prompt_count_timeout)
+            count_timeout=settings.prompt_count_timeout, tracer=self.tracer)
         self._store: Store | None = None
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None
@@ -325,6 +333,8 @@ class Gateway:
         if self._mirror is not None:
             await self._mirror.stop()
         await self.proxy.stop()
+        if self.tracer is not None:  # the last spans, sent off the event loop
+            await asyncio.to_thread(self.tracer.shutdown)
         if self._store is not None:
             await self._store.close()
         logger.info("gateway %s stopped", self.settings.gateway_id)

@@ -95,6 +95,13 @@ def create_app(settings: Settings) -> GatewayApp:
     docs.install(app)
     cluster.install(app)
 
+    @app.get("/health", tags=["probes"], summary="The process is up (as vLLM's /health)",
+             response_class=Response, responses={200: {"description": "an empty body"}})
+    async def health() -> Response:
+        """vLLM's probe, for the tools that check it before they start
+        (GuideLLM, vLLM's own benchmarks): 200 with an empty body."""
+        return Response(status_code=200)
+
     @app.get("/healthz", tags=["probes"], summary="The process is up")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}

@@ -240,6 +240,12 @@ class Settings(BaseSettings):
     # its load stays within 1.25x the mean, so the engine reuses its prefix
     # cache. Off: power of two choices alone (measured in bench/affinity.py).
     router_affinity: bool = True
+    # Base URL of an OTLP/HTTP collector (e.g. http://otel-collector:4318):
+    # a span per /v1 request and per attempt is exported there (needs the
+    # `otel` extra). Empty: no tracing, and OpenTelemetry is not even
+    # imported. Set, it costs some 20-40 us of CPU per request (the spans;
+    # export runs in the SDK's thread, in batches) and the collector's load.
+    otlp_endpoint: str = ""
     # The garbage collector's generation-0 threshold once the gateway has
     # started (its start-up objects are then frozen out of collections). With
     # 256 requests in flight, CPython's default (700) ran a full collection

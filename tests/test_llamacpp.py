@@ -100,6 +100,39 @@ def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
 
 
+def test_a_parameter_llamacpp_refuses_is_a_400_without_its_internals(solo: Cluster) -> None:
+    """llama-cpp-python answers 500 with its source file's path for a field
+    it does not take (app/router/engine_errors.py): the client gets a 400."""
+    gw, _ = serve_smollm2(solo)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=make_key(gw), max_retries=0,
+                           timeout=60)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="small", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": {"type": "object"}}})
+    err = refused.value
+    assert err.status_code == 400 and err.param == "response_format.type"
+    assert err.request_id and "json_object" in err.message
+    text = err.response.text
+    assert "site-packages" not in text and "File " not in text, text
+    with pytest.raises(openai.BadRequestError) as no_tool:
+        client.chat.completions.create(
+            model="small", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert no_tool.value.param == "tool_choice"
+    metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert 'llmgw_requests_total{code="400",model="smollm2"} 2.0' in metrics
+    assert 'code="500"' not in metrics
+    # The replica still serves, a request id of the client's kept by the
+    # gateway (llama-cpp-python refuses one that is not a UUID: not sent).
+    raw = client.chat.completions.with_raw_response.create(
+        model="small", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-Request-Id": "client-7"})
+    assert raw.http_response.status_code == 200 and raw.request_id == "client-7"
+
+
 def sse(url: str, key: str, body: dict[str, Any],
         first: threading.Event | None = None) -> dict[str, Any]:
     """Streams one chat completion; what arrived, and when."""

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from app.router.access import Exchange, Tracer
 from app.router.choice import affinity_key
 from app.router.counting import PromptCounter
 from app.router.engine_load import EngineLoadPoller
@@ -110,8 +111,10 @@ class Proxy:
         client: UpstreamClient | None = None,
         count_concurrency: int = 2,
         count_timeout: float = 120.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self._affinity = affinity
+        self._tracer = tracer  # None: no spans, and nothing of OpenTelemetry imported
         self._table = table
         # Client keys' limits and usage, decided here with no I/O.
         self.limits = limiter or Limiter()
@@ -120,7 +123,7 @@ class Proxy:
         self._observer = observer
         self._timeouts = timeouts
         self._upstreams = Upstreams(table, timeouts,
-                                    client or UpstreamClient(timeouts.connect))
+                                    client or UpstreamClient(timeouts.connect), tracer)
         # The prompts of streams whose engine reports no usage (llama.cpp).
         self._counts = PromptCounter(self._upstreams.client, self.limits,
                                      count_concurrency, count_timeout)
@@ -170,17 +173,21 @@ class Proxy:
         path, method = scope["path"], scope["method"]
         assert self._loop is not None, "Proxy.start() was not awaited"
         started = self._loop.time()
-        outcome = _Outcome()
+        ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         try:
-            token, session = _headers(scope)
+            token, session = _headers(scope, ex)
+            if self._tracer is not None:
+                self._tracer.begin(ex)
             grant = self._authenticate(token)
+            ex.key_id = grant.id
             if path == "/v1/models" or path.startswith("/v1/models/"):
                 if method != "GET":
                     raise error(405, f"{method} is not allowed on {path}.",
                                 "invalid_request_error")
                 ident = path[len("/v1/models/"):]
                 await send_whole(send, 200, self._model(grant, ident) if ident
-                                 else self._models(grant))
+                                 else self._models(grant), [ex.header])
+                ex.status = 200
                 return
             if path not in _FORWARDED:
                 raise error(404, f"Unknown path {path}.", "invalid_request_error",
@@ -189,12 +196,13 @@ class Proxy:
                 raise error(405, f"{method} is not allowed on {path}.",
                             "invalid_request_error")
             raw = await _read_body(receive)
-            outcome.body_read = True
+            ex.body_read = True
             body, model = self._request(grant, raw)
-            outcome.model = model
+            ex.model = model
             query = scope.get("query_string", b"")
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
             ticket = self._admit(grant, model, path, body)  # released below, however it ends
+            ex.ticket = ticket
             watch = Watch(receive, self._timeouts, started)
             self._open.add(watch)
             try:
@@ -203,9 +211,9 @@ class Proxy:
                 affinity = affinity_key(
                     body, session or (cache_key if isinstance(cache_key, str) else None),
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
-                outcome.status = await self._upstreams.forward(
+                ex.status = await self._upstreams.forward(
                     watch, model, url_tail, body,
-                    body.get("stream") is True, send, affinity, meter=ticket)
+                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex)
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -213,33 +221,36 @@ class Proxy:
                 if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
                     self._counts.submit(ticket)
         except OverLimit as over:
-            outcome.status = 429
+            ex.status = 429
             await send_whole(send, 429, openai_error_body(
                 over.message, over.kind, "rate_limit_exceeded"),
-                [(b"retry-after", str(over.retry_after).encode())])
+                [(b"retry-after", str(over.retry_after).encode()), ex.header])
         except Reply as r:
-            outcome.status = r.status
+            ex.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
-            if not outcome.body_read and _has_body(scope):
+            if not ex.body_read and _has_body(scope):
                 # Refused before its body was read (no key, too large): the
                 # connection closes rather than read the rest to reach a
                 # next request (docs/architecture.md, Security).
                 extra.append((b"connection", b"close"))
-            await send_whole(send, r.status, r.body, extra + r.headers)
+            await send_whole(send, r.status, r.body, [*extra, *r.headers, ex.header])
         except _ClientGone:
-            outcome.status = CLIENT_GONE
+            ex.status = CLIENT_GONE
         except Exception:
             logger.exception("unhandled error on %s %s", method, path)
-            outcome.status = 500
+            ex.status = 500
             try:
                 await send_whole(send, 500, openai_error_body("Internal error in the gateway.",
-                                                              "server_error"))
+                                                              "server_error"), [ex.header])
             except RuntimeError:
                 pass  # the response had started (a stream): the client sees it cut
         finally:
+            now = self._loop.time()
             if self._observer is not None and path in _FORWARDED:
-                self._observer.observe(outcome.model, outcome.status,
-                                       self._loop.time() - started)
+                self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started)
+            ex.log(now)
+            if self._tracer is not None and ex.span is not None:
+                self._tracer.end(ex)
 
     def _authenticate(self, token: str) -> KeyGrant:
         if not token:
@@ -297,30 +308,27 @@ class Proxy:
         return body, name
 
 
-class _Outcome:
-    """How one request ended, for the observer."""
-
-    __slots__ = ("body_read", "model", "status")
-
-    def __init__(self) -> None:
-        self.model = UNKNOWN_MODEL
-        self.status = 500
-        self.body_read = False
-
-
-def _headers(scope: Scope) -> tuple[str, str | None]:
+def _headers(scope: Scope, ex: Exchange) -> tuple[str, str | None]:
     """The client's bearer token ("" if none) and the session it names
-    (`X-Session-Id`), if any. Its `Accept-Encoding` is not passed on: the
-    engine is asked for identity (relay.py), so that every answer's usage
-    can be read."""
+    (`X-Session-Id`), if any; its request id and trace context go to `ex`.
+    Its `Accept-Encoding` is not passed on: the engine is asked for identity
+    (relay.py), so that every answer's usage can be read."""
     authorization: bytes | None = None
     session: str | None = None
+    rid = traceparent = tracestate = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             if authorization is None:  # the first one counts
                 authorization = value
         elif name == b"x-session-id":
             session = value.decode("latin-1")[:256]
+        elif name == b"x-request-id":
+            rid = value
+        elif name == b"traceparent":
+            traceparent = value
+        elif name == b"tracestate":
+            tracestate = value
+    ex.take_headers(rid, traceparent, tracestate)
     if authorization is None:
         return "", session
     scheme, _, rest = authorization.decode("latin-1").partition(" ")

@@ -27,8 +27,10 @@ import logging
 import zlib
 from typing import Any
 
+from app.router.access import Exchange, Tracer
+from app.router.engine_errors import client_fault, read_capped
 from app.router.limits import Ticket
-from app.router.replies import Reply, Send, error, error_event, send_whole
+from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
 from app.router.upstream import Response, UpstreamClient, UpstreamError
@@ -55,26 +57,31 @@ class _Retry(Exception):
 class Upstreams:
     """Sends requests to replicas with one shared client (app/router/upstream.py)."""
 
-    def __init__(self, table: RouteTable, timeouts: Timeouts, client: UpstreamClient) -> None:
+    def __init__(self, table: RouteTable, timeouts: Timeouts, client: UpstreamClient,
+                 tracer: Tracer | None = None) -> None:
         self._table = table
         self._timeouts = timeouts
         self.client = client
+        self._tracer = tracer
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                       stream: bool, send: Send,
-                      affinity: str | None = None, meter: Ticket | None = None) -> int:
+                      affinity: str | None = None, meter: Ticket | None = None, *,
+                      ex: Exchange) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
         model is the catalog name, which our engines serve; an external
         model's endpoint names the provider's model instead (encoded for
-        that attempt only). `meter` notes the usage the answer reports.
+        that attempt only). `meter` notes the usage the answer reports;
+        `ex` is told the replica and a stream's first byte, and gives the
+        request id and trace context sent to the engine.
         """
         started = [False]  # set by _hold once a held stream's response began
         try:
             if not self._table.endpoints(model) and self._table.holdable(model):
                 try:
-                    await self._hold(model, stream, send, started)
+                    await self._hold(model, stream, send, started, ex)
                 except asyncio.CancelledError:
                     why = watch.caught()
                     if why is None:
@@ -86,7 +93,7 @@ class Upstreams:
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
-                                        send, affinity, meter, started[0])
+                                        send, affinity, meter, started[0], ex)
         except Reply as r:
             if not started[0]:
                 raise
@@ -97,7 +104,8 @@ class Upstreams:
                         "body": error_event(err["message"], err.get("code") or "upstream_error")})
             return int(r.status)
 
-    async def _hold(self, model: str, stream: bool, send: Send, started: list[bool]) -> None:
+    async def _hold(self, model: str, stream: bool, send: Send, started: list[bool],
+                    ex: Exchange) -> None:
         """Scale from zero: holds a request while `model`'s replica is on its
         way, up to `cold_start` seconds. A stream's response starts at once
         (`started[0]` set): its headers, then SSE comments every few seconds,
@@ -112,7 +120,7 @@ class Upstreams:
             if stream:
                 await send({"type": "http.response.start", "status": 200, "headers": [
                     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                    (b"x-llmgw-held", b"cold-start")]})
+                    (b"x-llmgw-held", b"cold-start"), ex.header]})
                 started[0] = True
                 keepalive = asyncio.create_task(_keep_alive(send, model))
             if not await self._table.wait_routable(model, t.cold_start):
@@ -129,7 +137,8 @@ class Upstreams:
 
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                         stream: bool, send: Send,
-                        affinity: str | None, meter: Ticket | None, started: bool) -> int:
+                        affinity: str | None, meter: Ticket | None, started: bool,
+                        ex: Exchange) -> int:
         payload = json.dumps(body).encode()
         tried: set[str] = set()
         last_error = ""
@@ -140,6 +149,10 @@ class Upstreams:
             tried.add(ep.replica_id)
             lease = self._table.acquire(ep)
             upstream: Response | None = None
+            failed: str | None = None  # why this attempt failed, for its span
+            ex.replica = ep.replica_id
+            if ex.span is not None and self._tracer is not None:
+                self._tracer.attempt(ex, ep.replica_id)
             try:
                 if stream:
                     watch.expect_first_byte()
@@ -153,7 +166,10 @@ class Upstreams:
                     # with an error event. Identity to a client that
                     # accepted more is valid HTTP (docs/architecture.md,
                     # "Security").
-                    (b"Accept-Encoding", b"identity")])
+                    (b"Accept-Encoding", b"identity"),
+                    # X-Request-Id (not to llama.cpp: its server answers 400
+                    # to one that is not a UUID), the client's traceparent.
+                    *(ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:])])
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
@@ -162,22 +178,40 @@ class Upstreams:
                     logger.error("replica %s refused the engine key", ep.replica_id)
                     raise error(502, f"replica {ep.replica_id} refused the gateway",
                                 "server_error", "upstream_auth")
+                if upstream.status == 500 and ep.engine == "llamacpp":
+                    # Its answer to the client's parameters, or a failure:
+                    # engine_errors.py tells which. Neither is retried.
+                    answer = await read_capped(upstream)
+                    watch.close()
+                    fault = client_fault(answer)
+                    if fault is not None:
+                        logger.info("replica %s refused the request's parameters: %s",
+                                    ep.replica_id, fault.message)
+                        raise fault.reply
+                    if started:  # a held stream's response began: this ends it
+                        raise error(500, f"Replica {ep.replica_id} failed.", "server_error",
+                                    "upstream_error")
+                    await send_whole(send, 500, answer or openai_error_body(
+                        f"Replica {ep.replica_id} failed.", "server_error", "upstream_error"),
+                        _passed_on(upstream, ep, ex))
+                    return 500
                 if stream:
-                    return await self._relay(upstream, ep, watch, send, meter, started)
+                    return await self._relay(upstream, ep, watch, send, meter, started, ex)
                 # Read whole: nothing has reached the client yet, so a failure
                 # here is still retried, and the answer keeps its length.
                 answer = await upstream.read()
                 watch.close()  # the answer is whole: a client leaving now changes nothing
                 if meter is not None and upstream.status == 200:
                     meter.read_answer(answer, upstream.headers.get("content-encoding"))
-                await send_whole(send, upstream.status, answer, _passed_on(upstream, ep),
+                await send_whole(send, upstream.status, answer, _passed_on(upstream, ep, ex),
                                  upstream.headers.get("content-type",
                                                       "application/json").encode())
                 return upstream.status
             except (UpstreamError, _Retry) as exc:
                 # Connect timeouts are the client's (UpstreamError): reads are
                 # timed by the watch, which cancels instead.
-                last_error = f"replica {ep.replica_id} failed ({exc or type(exc).__name__})"
+                failed = f"{exc or type(exc).__name__}"
+                last_error = f"replica {ep.replica_id} failed ({failed})"
                 logger.warning("%s; trying another", last_error)
                 self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
             except asyncio.CancelledError:
@@ -189,6 +223,9 @@ class Upstreams:
                 if upstream is not None:
                     upstream.close()  # no-op once read whole; else the engine sees it closed
                 lease.release()  # also when the client left (cancellation)
+                if ex.span is not None and self._tracer is not None:
+                    self._tracer.attempt_end(ex, None if upstream is None else upstream.status,
+                                             failed)
         if tried:
             message = f"No replica of '{model}' can take the request now: {last_error}."
         else:  # none routable: say why when the control plane told the table
@@ -216,14 +253,16 @@ class Upstreams:
         """What a client whose request ran out of its whole deadline is told."""
         return f"The request did not finish within {self._timeouts.request:g} s."
 
-    async def _relay(self, upstream: Response, ep: Endpoint, watch: Watch,
-                     send: Send, meter: Ticket | None = None, started: bool = False) -> int:
+    async def _relay(self, upstream: Response, ep: Endpoint, watch: Watch, send: Send,
+                     meter: Ticket | None, started: bool, ex: Exchange) -> int:
         """Streams the engine's bytes as they come; returns the status for metrics.
         `started`: the response began while the request was held (its
         headers are out): only the body follows."""
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
         chunk = await upstream.readany()
+        loop = asyncio.get_running_loop()
+        ex.first_byte = loop.time()
         watch.streaming()
         if meter is not None and ep.engine == "llamacpp":
             meter.count_at = (ep.url, ep.key)  # no usage event: counted (limits.py)
@@ -235,14 +274,13 @@ class Upstreams:
         decoder = (zlib.decompressobj(wbits=47)  # gzip or zlib, by its header
                    if encoding is not None and encoding.lower() in ("gzip", "deflate")
                    else None)
-        headers = _passed_on(upstream, ep, decoded=decoder is not None)
+        headers = _passed_on(upstream, ep, ex, decoded=decoder is not None)
         content_type = upstream.headers.get("content-type", "text/event-stream")
         headers += [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
         # Whole events only, so that an error event can follow a failure: not
         # for a compressed body, which no event can be appended to in clear.
         framed = (content_type.startswith("text/event-stream")
                   and (encoding is None or decoder is not None))
-        loop = asyncio.get_running_loop()
         tail = b""  # the start of an event not yet whole (framed only)
         try:
             if not started:
@@ -304,9 +342,9 @@ class Upstreams:
         return upstream.status
 
 
-def _passed_on(upstream: Response, ep: Endpoint,
+def _passed_on(upstream: Response, ep: Endpoint, ex: Exchange,
                decoded: bool = False) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-llmgw-replica", ep.replica_id.encode())]
+    headers = [(b"x-llmgw-replica", ep.replica_id.encode()), ex.header]
     encoding = upstream.headers.get("content-encoding")
     if encoding is not None and not decoded:  # bytes pass as the engine encoded them
         headers.append((b"content-encoding", encoding.encode()))

@@ -506,6 +506,11 @@ class FakeVLLM:
             return None, _error(404, f"The model `{model}` does not exist.", "NotFoundError",
                                 "model")
         body["model"] = model
+        # vLLM takes X-Request-Id as its request's id (and the trace context
+        # when it traces): logged, so tests see what reached the engine.
+        _log(f"Added request {request.headers.get('X-Request-Id', '-')} traceparent="
+             f"{request.headers.get('traceparent', '-')} tracestate="
+             f"{request.headers.get('tracestate', '-')}")
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             return None, _error(400, f"max_tokens must be at least 1, got {limit}.",

@@ -18,6 +18,7 @@ import httpx
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from app.router.access import Tracer
 from app.router.proxy import Proxy
 from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable
 from app.router.timeouts import Timeouts
@@ -45,7 +46,8 @@ class Upstream:
     set; "endless" streams until the connection closes; "silent" sends one
     chunk, then nothing; "silent-start" sends headers, then nothing; "die"
     sends `TORN` and drops the connection; "die-early" sends headers and
-    drops it; "die-plain" sends half a JSON answer and drops it. `closed` is
+    drops it; "die-plain" sends half a JSON answer and drops it; "500:TEXT"
+    answers 500 as llama-cpp-python does, TEXT its message. `closed` is
     set when a held connection is closed by the proxy.
     """
 
@@ -84,6 +86,10 @@ class Upstream:
                    or self.mode.endswith("-anyway"))
         if self.mode in ("502", "503"):
             return web.json_response({"error": "busy"}, status=int(self.mode))
+        if self.mode.startswith("500:"):  # llama-cpp-python's answer to any exception
+            return web.json_response({"error": {
+                "message": self.mode[4:], "type": "internal_server_error", "param": None,
+                "code": None}}, status=500)
         if self.mode == "ok":
             return web.json_response({"served_by": self.name, "model": body.get("model")})
         if self.mode == "gzip":
@@ -164,7 +170,7 @@ class FakeClock:
 class Rig:
     """A proxy over a hand-filled table, its upstreams, and what its session tried."""
 
-    def __init__(self, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, timeouts: Timeouts | None = None, tracer: Tracer | None = None) -> None:
         self.clock = FakeClock()  # the route table's (cooldowns)
         self.table = RouteTable(clock=self.clock)
         # Draws always start at the first endpoint: with equal loads the
@@ -181,7 +187,7 @@ class Rig:
         client = UpstreamClient(self.timeouts.connect)
         client.on_request = self.attempts.append
         self.proxy = Proxy(self.table, hash_key, self.timeouts, observer=self.observed,
-                           client=client)
+                           client=client, tracer=tracer)
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.proxy),
                                       base_url="http://gateway")
 

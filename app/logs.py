@@ -1,0 +1,169 @@
+"""How every llmgw process logs: `llmgw serve` and `llmgw agent` both call
+`configure()` (app/cli.py), so their lines look alike.
+
+* `LLMGW_LOG_FORMAT=text` (the default): `TIME LEVEL LOGGER: MESSAGE`, then
+  the record's extra fields as ` name=value` (the request id, the access
+  line's fields).
+* `LLMGW_LOG_FORMAT=json`: one JSON object a line, `time` (ISO 8601 UTC,
+  milliseconds), `level`, `logger`, `message`, the extra fields, and an
+  exception's traceback as `exc_info`: what a log shipper (Vector, Fluent
+  Bit, Loki's promtail) reads without a parsing rule.
+
+`request_id` holds the id of the `/v1` request the running task serves (the
+router sets it, app/router/access.py); a filter on the handler puts it on
+every record logged while it is set, whichever logger wrote it. A context
+variable, so each request's task, and the tasks it starts, see their own.
+
+Uvicorn's loggers are made to propagate here (`uvicorn.Config(log_config=
+None)` in the CLI), so its lines take the same format. No secret is ever
+passed to a logger: the access line names a client key by its id.
+docs/architecture.md, "Logs".
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import logging.handlers
+import queue
+import sys
+import time
+from contextvars import ContextVar
+from typing import Any
+
+FORMATS = ("text", "json")
+
+request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+# What every LogRecord has: anything else on one came from `extra=` or a filter.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message", "asctime", "taskName",
+    "color_message"}  # uvicorn's copy of its message with terminal colours
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the current request's id on the record, when there is one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = request_id.get()
+        if rid is not None and not hasattr(record, "request_id"):
+            record.request_id = rid
+        return True
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    """The record's own fields, the request id first (the filter adds it last)."""
+    extras = {k: v for k, v in vars(record).items() if k not in _STANDARD}
+    rid = extras.pop("request_id", None)
+    return extras if rid is None else {"request_id": rid, **extras}
+
+
+class TextFormatter(logging.Formatter):
+    """The classic line, then the extra fields as name=value."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = _extras(record)
+        if not extras:
+            return line
+        fields = " ".join(f"{k}={_text(v)}" for k, v in extras.items())
+        head, sep, rest = line.partition("\n")  # a traceback stays below the fields
+        return f"{head} {fields}{sep}{rest}"
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    s = str(value)
+    return json.dumps(s) if (" " in s or not s) else s
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": _iso(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for k, v in _extras(record).items():
+            out.setdefault(k, v)
+        if record.exc_info:
+            out["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def _iso(created: float) -> str:
+    seconds = int(created)
+    millis = int((created - seconds) * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
+def handler(fmt: str, stream: Any = None) -> logging.Handler:
+    """A stream handler writing `fmt` ("text" or "json"), request ids added."""
+    if fmt not in FORMATS:
+        raise ValueError(f"LLMGW_LOG_FORMAT must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    h = logging.StreamHandler(stream or sys.stderr)
+    h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    h.addFilter(RequestIdFilter())
+    return h
+
+
+class _Enqueue(logging.handlers.QueueHandler):
+    """Hands records to the writer thread as they are: formatted there, the
+    exception a field of the JSON line (the stock `prepare` would format it
+    here, into the message)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+_listener: logging.handlers.QueueListener | None = None
+
+
+def configure(level: str, fmt: str) -> None:
+    """The root logger writes `fmt` to stderr at `level` (a name: "info").
+
+    The event loop only makes each record and queues it: a thread formats
+    and writes it, so a slow stderr (a full pipe to a log shipper) never
+    stalls requests, and a line costs the loop a few microseconds
+    (docs/architecture.md, "Logs"). The record's caller, thread and process
+    names are not looked up (the logging HOWTO's "Optimization"): no line
+    shows them. `stop()` writes what is queued (also run at exit)."""
+    global _listener
+    stop()
+    logging._srcfile = None  # no frame walk per record for funcName/lineno
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    out = handler(fmt)
+    out.removeFilter(out.filters[0])  # the request id is read in the request's task
+    queued: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    enqueue = _Enqueue(queued)
+    enqueue.addFilter(RequestIdFilter())
+    root.addHandler(enqueue)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    _listener = logging.handlers.QueueListener(queued, out)
+    _listener.start()
+    atexit.register(stop)
+
+
+def stop() -> None:
+    """Writes the queued records and stops the writer thread."""
+    global _listener
+    if _listener is not None:
+        _listener.stop()
+        _listener = None

@@ -1,0 +1,106 @@
+"""An engine's 500 that the client's parameters caused, told from a failure.
+
+llama-cpp-python's server (0.3.36) answers *every* exception raised while it
+serves a request as `500 {"error": {"message": str(exc), "type":
+"internal_server_error", "param": null, "code": null}}`
+(llama_cpp/server/errors.py), including those the request itself caused:
+
+* a field its request model does not take, e.g. OpenAI's
+  `response_format: {"type": "json_schema", ...}` (it knows "text" and
+  "json_object" only) or `"temperature": "hot"`: FastAPI's validation error,
+  whose text is `N validation error(s):` then each error's repr (`'loc'`,
+  `'msg'`, the client's `'input'`), then the server's source file and line
+  (`File "/.../llama_cpp/server/app.py", line 376`);
+* a `tool_choice` naming no tool of `tools`: `Tool choice 'NAME' not found
+  in tools.`
+
+Those are answered 400 `invalid_request_error`, the field named where the
+engine named it, and nothing else of the engine's text (no file paths, no
+echo of the input); they are not retried on another replica (it would fail
+the same way) nor count as a server error (the metric's code is 400) nor
+cool the replica down. Any other 500 is the engine's failure and passes as
+the engine wrote it. vLLM needs none of this: it answers 400 for what
+it refuses. docs/architecture.md, "Errors".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import NamedTuple
+
+from app.router.replies import Reply, error
+from app.router.upstream import Response
+
+# The most of an engine's error answer read: its errors are a few hundred bytes.
+MAX_ERROR_ANSWER = 64 * 1024
+# How long a message taken from the engine may be (a pydantic `msg`, a tool name).
+_MAX_TOLD = 300
+
+_VALIDATION = re.compile(r"\d+ validation errors?:")
+_LOC = re.compile(r"'loc': \(([^)]*)\)")
+_LOC_PART = re.compile(r"'([^'\\]*)'|(\d+)")
+_MSG = re.compile(r"""'msg': (?:'((?:[^'\\]|\\.)*)'|"((?:[^"\\]|\\.)*)")""")
+_TOOL_CHOICE = re.compile(r"Tool choice '(.{0,200})' not found in tools\.")
+
+
+class Fault(NamedTuple):
+    """The client's fault: what it is told, as a Reply, and in words."""
+
+    reply: Reply
+    message: str
+
+
+async def read_capped(upstream: Response) -> bytes | None:
+    """The error answer whole, or None past `MAX_ERROR_ANSWER` bytes."""
+    raw = b""
+    while chunk := await upstream.readany():
+        raw += chunk
+        if len(raw) > MAX_ERROR_ANSWER:
+            return None
+    return raw
+
+
+def client_fault(answer: bytes | None) -> Fault | None:
+    """The 400 to answer instead of llama-cpp-python's 500 `answer`, when
+    the request's parameters caused it; None for an engine failure."""
+    if answer is None:
+        return None
+    try:
+        parsed = json.loads(answer)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(err, dict) or err.get("type") != "internal_server_error":
+        return None
+    text = err.get("message")
+    if not isinstance(text, str):
+        return None
+    if _VALIDATION.match(text):
+        return _invalid(*_first_error(text))
+    tool = _TOOL_CHOICE.fullmatch(text)
+    if tool is not None:
+        return _invalid("tool_choice", f"no tool named '{tool.group(1)}' in 'tools'")
+    return None
+
+
+def _first_error(text: str) -> tuple[str | None, str]:
+    """(the field, what is wrong with it) of a validation error's first entry."""
+    loc = _LOC.search(text)
+    param: str | None = None
+    if loc is not None:
+        parts = [a or b for a, b in _LOC_PART.findall(loc.group(1))]
+        if parts and parts[0] == "body":
+            parts = parts[1:]
+        param = ".".join(parts) or None
+    found = _MSG.search(text)
+    what = (found.group(1) or found.group(2)) if found is not None else ""
+    return param, what[:_MAX_TOLD] or "a value the engine does not take"
+
+
+def _invalid(param: str | None, what: str) -> Fault:
+    message = (f"Invalid '{param}': {what}." if param
+               else f"Invalid request: {what}.")
+    message = "The engine serving this model refused a parameter. " + message
+    return Fault(error(400, message, "invalid_request_error", "invalid_parameter", param),
+                 message)
