@@ -122,6 +122,13 @@ def test_a_parameter_llamacpp_refuses_is_a_400_without_its_internals(solo: Clust
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
             tool_choice={"type": "function", "function": {"name": "nope"}})
     assert no_tool.value.param == "tool_choice"
+    # llama-cpp-python's own `grammar` field: a malformed one makes its server
+    # process exit, so one client would stop the replica for everyone.
+    with pytest.raises(openai.BadRequestError) as grammar:
+        client.chat.completions.create(
+            model="small", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"grammar": "root ::= nonsense ("})
+    assert grammar.value.param == "grammar"
     metrics = httpx.get(gw.url + "/metrics", timeout=10).text
     assert 'llmgw_requests_total{code="400",model="smollm2"} 2.0' in metrics
     assert 'code="500"' not in metrics

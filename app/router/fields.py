@@ -52,6 +52,14 @@ def checked_model(body: dict[str, Any]) -> str:
                 raise error(400, f"Invalid '{name}': integer below minimum value. Expected "
                             f"a value >= 1, but got {value} instead.",
                             "invalid_request_error", "integer_below_min_value", name)
+    if body.get("grammar") is not None:
+        # llama-cpp-python's own extension: a malformed grammar makes its
+        # server process exit, stopping the replica for every client
+        # (docs/architecture.md, Security). Structured output goes through
+        # `response_format`.
+        raise error(400, "The 'grammar' parameter is not accepted by this gateway; use "
+                    "'response_format' for structured output.", "invalid_request_error",
+                    "unsupported_parameter", "grammar")
     opts = body.get("stream_options")
     if opts is not None:
         if type(opts) is not dict:
