@@ -88,7 +88,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self)
         # Notes each model's last use for the usage snapshots, then counts
         # the request in the metrics.
-        self.last_use = LastUse(then=self.metrics)
+        self.last_use = LastUse(then=self.metrics.requests)
         self.proxy = Proxy(self.table, hash_client_key, Timeouts(
             connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
             idle=settings.stream_idle_timeout, request=settings.request_timeout,

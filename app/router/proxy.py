@@ -74,10 +74,19 @@ class RequestObserver(Protocol):
 
     `status` is what the client got, or: 499 the client left first; 502 the
     engine broke off a stream already answered 200; 504 a stream stalled or
-    ran past its deadline after its 200.
+    ran past its deadline after its 200. `first_byte`: a stream's seconds
+    from arrival to the engine's first body byte (None: not a stream, or
+    none came). `prompt` and `completion`: the tokens its answer reported
+    (estimated for a stream cut short; a llama.cpp stream's prompt comes
+    later, through `prompt_counted`).
     """
 
-    def observe(self, model: str, status: int, seconds: float) -> None: ...
+    def observe(self, model: str, status: int, seconds: float,
+                first_byte: float | None = None, prompt: int = 0,
+                completion: int = 0) -> None: ...
+
+    def prompt_counted(self, model: str, tokens: int) -> None:
+        """A stream's prompt tokens, counted by its engine after it ended."""
 
 
 # The model label of a request whose model is unknown: client-chosen strings
@@ -123,7 +132,8 @@ class Proxy:
                                     client or UpstreamClient(timeouts.connect))
         # The prompts of streams whose engine reports no usage (llama.cpp).
         self._counts = PromptCounter(self._upstreams.client, self.limits,
-                                     count_concurrency, count_timeout)
+                                     count_concurrency, count_timeout,
+                                     observer.prompt_counted if observer else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         # Engines' own load, read off the request path with our session.
@@ -195,6 +205,9 @@ class Proxy:
             finally:
                 watch.close()
                 ticket.release()
+                outcome.prompt = ticket.prompt_tokens
+                outcome.completion = ticket.completion_tokens
+                outcome.first_byte = watch.first_byte
                 if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
                     self._counts.submit(ticket)
         except OverLimit as over:
@@ -218,8 +231,11 @@ class Proxy:
                 pass  # the response had started (a stream): the client sees it cut
         finally:
             if self._observer is not None and path in _FORWARDED:
+                first = outcome.first_byte
                 self._observer.observe(outcome.model, outcome.status,
-                                       self._loop.time() - started)
+                                       self._loop.time() - started,
+                                       first - started if first else None,
+                                       outcome.prompt, outcome.completion)
 
     def _authenticate(self, token: str) -> KeyGrant:
         if not token:
@@ -280,11 +296,13 @@ class Proxy:
 class _Outcome:
     """How one request ended, for the observer."""
 
-    __slots__ = ("model", "status")
+    __slots__ = ("completion", "first_byte", "model", "prompt", "status")
 
     def __init__(self) -> None:
         self.model = UNKNOWN_MODEL
         self.status = 500
+        self.first_byte = 0.0  # the loop's time of a stream's first byte; 0.0: none
+        self.prompt = self.completion = 0
 
 
 def _headers(scope: Scope) -> tuple[str, str | None]:

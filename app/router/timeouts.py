@@ -72,7 +72,7 @@ class Watch:
     """
 
     __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listener", "_loop", "_task",
-                 "_timeouts", "_timer", "read_since", "send_since", "why")
+                 "_timeouts", "_timer", "first_byte", "read_since", "send_since", "why")
 
     def __init__(self, receive: Receive, timeouts: Timeouts, started: float) -> None:
         """`started`: the loop's time at the request's arrival."""
@@ -86,6 +86,9 @@ class Watch:
         self._first = False  # the limit is the first byte's, not idle
         self.read_since = 0.0
         self.send_since = 0.0
+        # The loop's time a stream's first body byte came from the engine
+        # (0.0: none yet): its time to first token, for the metrics.
+        self.first_byte = 0.0
         self.why: Why | None = None
         self._armed = True
         self._timer = self._loop.call_at(self._deadline, self._check)
@@ -101,10 +104,12 @@ class Watch:
 
     def streaming(self) -> None:
         """The first byte came: from now on no read may stay pending `idle` seconds."""
+        now = self._loop.time()
+        self.first_byte = now
         self._limit = self._timeouts.idle
         self._first = False
         self.read_since = 0.0
-        self._schedule(self._loop.time() + self._limit)
+        self._schedule(now + self._limit)
 
     def caught(self) -> Why | None:
         """After a CancelledError: why the watch cancelled, or None if it did not."""
