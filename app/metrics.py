@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from app.control import fleet
+from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import Replica, replica_phase
 from app.request_metrics import RequestMetrics
@@ -91,10 +92,22 @@ class _FleetCollector(Collector):
         for rep in replicas.values():
             if rep.draining_since is None:
                 serving.setdefault(rep.model, []).append(rep)
+        unplaceable = GaugeMetricFamily(
+            "llmgw_model_unplaceable", "1 while a model has no replica, wants one and no "
+            "node fits it (GET /admin/models says why, node by node)", labels=["model"])
         for name, spec in sorted(models.items()):
-            wanted.add_metric([name], wanted_now(
-                spec, serving.get(name, []), usages, now,
-                settings.usage_refresh + settings.usage_interval, settings.default_load_target))
+            mine = serving.get(name, [])
+            want = wanted_now(spec, mine, usages, now,
+                              settings.usage_refresh + settings.usage_interval,
+                              settings.default_load_target)
+            wanted.add_metric([name], want)
+            # As the admin API's health: placement is a pure function of the
+            # mirrored state, asked only for a model short of all replicas.
+            stuck = not mine and want > 0 and spec.external is None and isinstance(
+                place(name, spec, nodes, replicas, nodeconfs=mirror.nodeconfs(),
+                      quotas=mirror.quotas(), models=models,
+                      agent_versions=gw.agent_window), NoFit)
+            unplaceable.add_metric([name], 1 if stuck else 0)
 
         gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports, free or "
                                  "used (held by a replica, draining ones included)",
@@ -104,7 +117,7 @@ class _FleetCollector(Collector):
             free, used = fleet.gpu_use(node, holders.get(name, {}))
             gpus.add_metric([name, "free"], free)
             gpus.add_metric([name, "used"], used)
-        yield from (leader, ready, revision, by_phase, wanted, inflight, gpus)
+        yield from (leader, ready, revision, by_phase, wanted, unplaceable, inflight, gpus)
         yield from _held(gw)
         yield from _engine_loads(gw, replicas)
 

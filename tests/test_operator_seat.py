@@ -49,6 +49,12 @@ def test_nodes_show_free_gpus_and_the_replica_holding_each(cluster: Cluster,
     assert m[("llmgw_node_gpus", (("node", NODE), ("state", "free")))] == 1
     assert m[("llmgw_node_gpus", (("node", NODE), ("state", "used")))] == 2
 
+    # A model no node fits (4 GPUs) is unplaceable; the placed one is not.
+    put_model(gw, "big", {"model": "acme/big", "gpus": 4})
+    m = wait_for(lambda: (got := samples(scrape_text(gw.url))).get(
+        ("llmgw_model_unplaceable", (("model", "big"),))) == 1 and got, 10, "big unplaceable")
+    assert m[("llmgw_model_unplaceable", (("model", "m"),))] == 0
+
 
 def test_token_metrics_per_model_through_the_openai_client(cluster: Cluster,
                                                            tmp_path: Path) -> None:
