@@ -39,7 +39,6 @@ def test_nodes_show_free_gpus_and_the_replica_holding_each(cluster: Cluster,
     assert (node["gpus_free"], node["gpus_used"]) == (1, 2)
     held = {g["index"]: g["replica"] for g in node["gpus"]}
     assert held == {i: (rep["id"] if i in rep["gpus"] else None) for i in range(3)}
-    assert sorted(i for i, r in held.items() if r is None) != []
 
     # `llmgw ctl nodes`: FREE, as free of total.
     row = next(ln for ln in ok_on(gw, "nodes").splitlines() if NODE in ln)
