@@ -93,7 +93,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self)
         # Notes each model's last use for the usage snapshots, then counts
         # the request in the metrics.
-        self.last_use = LastUse(then=self.metrics)
+        self.last_use = LastUse(then=self.metrics.requests)
         self.tracer: OtelTracer | None = None
         if settings.otlp_endpoint:  # imported only then: zero cost when unset
             from app.router.tracing import otlp_tracer

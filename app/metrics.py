@@ -2,8 +2,9 @@
 
 Each gateway has a registry of its own (no global one), so a process can hold
 several gateways. Per-request figures are counted on the request path as the
-proxy reports them (`RequestObserver`); the fleet's state is read from the
-mirror when Prometheus scrapes, so it costs nothing between scrapes.
+proxy reports them (`RequestObserver`, app/request_metrics.py); the fleet's
+state is read from the mirror when Prometheus scrapes, so it costs nothing
+between scrapes.
 
 Every gateway reports the whole fleet as its mirror sees it; sum requests
 over gateways, but take the state gauges from any one of them.
@@ -14,51 +15,29 @@ from __future__ import annotations
 import time
 from collections import Counter as Tally
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.control import fleet
+from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import Replica, replica_phase
+from app.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
-
-# Whole-request durations: plain answers take tenths of seconds, long
-# generations minutes.
-_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
 
 class GatewayMetrics:
     def __init__(self, gw: Gateway) -> None:
         # No auto-describe: it would collect at registration, before the gateway runs.
         self.registry = CollectorRegistry(auto_describe=False)
-        self._requests = Counter(
-            "llmgw_requests", "OpenAI API requests forwarded by this gateway, by status",
-            ["model", "code"], registry=self.registry,
-        )
-        self._seconds = Histogram(
-            "llmgw_request_duration_seconds",
-            "Time from a request's arrival to the end of its answer (streams included)",
-            ["model"], buckets=_BUCKETS, registry=self.registry,
-        )
+        # The proxy's `RequestObserver` (app/request_metrics.py).
+        self.requests = RequestMetrics()
+        self.registry.register(self.requests)
         self.registry.register(_FleetCollector(gw))
-        # Labelled children, kept: `labels()` locks and builds a key each call.
-        self._counted: dict[tuple[str, int], Any] = {}
-        self._timed: dict[str, Any] = {}
-
-    def observe(self, model: str, status: int, seconds: float) -> None:
-        """`RequestObserver` for the proxy; on the request path, so cheap."""
-        counter = self._counted.get((model, status))
-        if counter is None:
-            counter = self._counted[model, status] = self._requests.labels(model, str(status))
-        counter.inc()
-        timer = self._timed.get(model)
-        if timer is None:
-            timer = self._timed[model] = self._seconds.labels(model)
-        timer.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -74,7 +53,7 @@ class _FleetCollector(Collector):
         gw = self._gw
         leader = GaugeMetricFamily("llmgw_leader", "1 while this gateway leads")
         ready = GaugeMetricFamily("llmgw_mirror_ready", "1 once the state mirror is loaded")
-        yield _store_nospace(gw)
+        yield from _store_health(gw)
         if not gw.ready:
             leader.add_metric([], 0)
             ready.add_metric([], 0)
@@ -113,28 +92,65 @@ class _FleetCollector(Collector):
         for rep in replicas.values():
             if rep.draining_since is None:
                 serving.setdefault(rep.model, []).append(rep)
+        unplaceable = GaugeMetricFamily(
+            "llmgw_model_unplaceable", "1 while a model has no replica, wants one and no "
+            "node fits it (GET /admin/models says why, node by node)", labels=["model"])
         for name, spec in sorted(models.items()):
-            wanted.add_metric([name], wanted_now(
-                spec, serving.get(name, []), usages, now,
-                settings.usage_refresh + settings.usage_interval, settings.default_load_target))
+            mine = serving.get(name, [])
+            want = wanted_now(spec, mine, usages, now,
+                              settings.usage_refresh + settings.usage_interval,
+                              settings.default_load_target)
+            wanted.add_metric([name], want)
+            # As the admin API's health: placement is a pure function of the
+            # mirrored state, asked only for a model short of all replicas.
+            stuck = not mine and want > 0 and spec.external is None and isinstance(
+                place(name, spec, nodes, replicas, nodeconfs=mirror.nodeconfs(),
+                      quotas=mirror.quotas(), models=models,
+                      agent_versions=gw.agent_window), NoFit)
+            unplaceable.add_metric([name], 1 if stuck else 0)
 
-        nodes = mirror.nodes()
-        gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports",
-                                 labels=["node"])
+        gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports, free or "
+                                 "used (held by a replica, draining ones included)",
+                                 labels=["node", "state"])
+        holders = fleet.gpu_holders(replicas)
         for name, node in sorted(nodes.items()):
-            gpus.add_metric([name], len(node.gpus))
-        yield from (leader, ready, revision, by_phase, wanted, inflight, gpus)
+            free, used = fleet.gpu_use(node, holders.get(name, {}))
+            gpus.add_metric([name, "free"], free)
+            gpus.add_metric([name, "used"], used)
+        yield from (leader, ready, revision, by_phase, wanted, unplaceable, inflight, gpus)
+        yield from _held(gw)
         yield from _engine_loads(gw, replicas)
 
 
-def _store_nospace(gw: Gateway) -> Metric:
+def _store_health(gw: Gateway) -> Iterator[Metric]:
     """1 while the store refuses writes for lack of space (etcd's NOSPACE
     alarm): alert on it, since the fleet cannot change until an operator
-    acts (docs/architecture.md, A month of uptime)."""
+    acts (docs/architecture.md, A month of uptime). And 1 while the store's
+    last call failed (etcd unreachable from this gateway)."""
+    state = gw.store.health().state if gw.started else "unknown"
     nospace = GaugeMetricFamily("llmgw_store_nospace", "1 while the store (etcd) refuses "
                                 "writes for lack of space: its NOSPACE alarm is raised")
-    nospace.add_metric([], 1 if gw.started and gw.store.health().state == "nospace" else 0)
-    return nospace
+    nospace.add_metric([], 1 if state == "nospace" else 0)
+    unreachable = GaugeMetricFamily("llmgw_store_unreachable", "1 while this gateway's "
+                                    "last call to the store (etcd) failed")
+    unreachable.add_metric([], 1 if state == "unreachable" else 0)
+    yield from (nospace, unreachable)
+
+
+def _held(gw: Gateway) -> Iterator[Metric]:
+    """Scale from zero: requests this gateway holds for a replica on its
+    way, and those it held that got none in time."""
+    held = GaugeMetricFamily("llmgw_requests_held", "Requests this gateway holds while "
+                             "their model's replica starts (scale from zero)",
+                             labels=["model"])
+    for model, n in sorted(gw.table.held().items()):
+        held.add_metric([model], n)
+    timeouts = CounterMetricFamily("llmgw_held_timeouts", "Held requests that got no "
+                                   "ready replica in time (answered 503 or 504)",
+                                   labels=["model"])
+    for model, n in sorted(gw.table.hold_timeouts.items()):
+        timeouts.add_metric([model], n)
+    yield from (held, timeouts)
 
 
 def _engine_loads(gw: Gateway, replicas: Mapping[str, Replica]) -> Iterator[Metric]:
@@ -146,6 +162,9 @@ def _engine_loads(gw: Gateway, replicas: Mapping[str, Replica]) -> Iterator[Metr
                                 labels=["model", "replica"])
     kv = GaugeMetricFamily("llmgw_engine_kv_cache_usage", "An engine's KV-cache use, 0 to 1",
                            labels=["model", "replica"])
+    # Per model, as vLLM names them: the sums of its engines' queues and
+    # the fullest KV cache (where the next request is likely to wait).
+    sums: dict[str, list[float]] = {}
     for rid, load in sorted(gw.table.fresh_loads().items()):
         rep = replicas.get(rid)
         if rep is None:
@@ -153,4 +172,18 @@ def _engine_loads(gw: Gateway, replicas: Mapping[str, Replica]) -> Iterator[Metr
         running.add_metric([rep.model, rid], load.running)
         waiting.add_metric([rep.model, rid], load.waiting)
         kv.add_metric([rep.model, rid], load.kv_cache)
-    yield from (running, waiting, kv)
+        got = sums.setdefault(rep.model, [0.0, 0.0, 0.0])
+        got[0] += load.running
+        got[1] += load.waiting
+        got[2] = max(got[2], load.kv_cache)
+    m_running = GaugeMetricFamily("llmgw_num_requests_running", "Requests a model's "
+                                  "engines run, summed", labels=["model"])
+    m_waiting = GaugeMetricFamily("llmgw_num_requests_waiting", "Requests waiting in a "
+                                  "model's engines, summed", labels=["model"])
+    m_kv = GaugeMetricFamily("llmgw_kv_cache_usage_perc", "The fullest KV cache among a "
+                             "model's engines, 0 to 1", labels=["model"])
+    for model, (r, w, k) in sorted(sums.items()):
+        m_running.add_metric([model], r)
+        m_waiting.add_metric([model], w)
+        m_kv.add_metric([model], k)
+    yield from (running, waiting, kv, m_running, m_waiting, m_kv)

@@ -235,14 +235,20 @@ class LastUse:
         self._wall = wall
         self.by_model: dict[str, float] = {}
 
-    def observe(self, model: str, status: int, seconds: float) -> None:
+    def observe(self, model: str, status: int, seconds: float,
+                first_byte: float | None = None, prompt: int = 0,
+                completion: int = 0) -> None:
         # Every request that named a catalog model counts, a 503 for want of
         # a replica included: it asked for the model (docs/architecture.md,
         # Reconciler). An unknown model's label is dropped by the snapshot,
         # which keeps catalog models only.
         self.by_model[model] = self._wall()
         if self._then is not None:
-            self._then.observe(model, status, seconds)
+            self._then.observe(model, status, seconds, first_byte, prompt, completion)
+
+    def prompt_counted(self, model: str, tokens: int) -> None:
+        if self._then is not None:
+            self._then.prompt_counted(model, tokens)
 
 
 class RouterUsage:

@@ -14,6 +14,8 @@ command -v etcd >/dev/null || need_apt+=(etcd-server)
 # haproxy: the load balancer tests run compose/haproxy.cfg in front of gateways.
 [ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null || need_apt+=(haproxy)
 command -v curl >/dev/null || need_apt+=(curl)
+# promtool (Debian's prometheus package): CI checks deploy/prometheus/alerts.yml.
+command -v promtool >/dev/null || need_apt+=(prometheus)
 # Chromium: tests/test_cluster_page.py drives the cluster page in it (Playwright).
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)
 command -v gcc >/dev/null || need_apt+=(build-essential)

@@ -41,7 +41,8 @@ def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:
     assert m[("llmgw_leader", ())] == 1 and m[("llmgw_mirror_ready", ())] == 1
     assert m[("llmgw_replicas", (("model", "m"), ("phase", "ready")))] == 1
     assert m[("llmgw_replicas_wanted", (("model", "m"),))] == 1
-    assert m[("llmgw_node_gpus", (("node", "gpu-1"),))] == 2
+    assert m[("llmgw_node_gpus", (("node", "gpu-1"), ("state", "used")))] == 1
+    assert m[("llmgw_node_gpus", (("node", "gpu-1"), ("state", "free")))] == 1
     (inflight,) = [v for (name, _), v in m.items() if name == "llmgw_replica_inflight"]
     assert inflight == 0
 

@@ -141,16 +141,22 @@ def test_drain_inflight_counts_only_gateways_that_let_go_of_the_replica() -> Non
 
 
 def test_last_use_notes_each_request_and_passes_it_on() -> None:
-    seen: list[tuple[str, int, float]] = []
+    seen: list[tuple[object, ...]] = []
 
     class Then:
-        def observe(self, model: str, status: int, seconds: float) -> None:
-            seen.append((model, status, seconds))
+        def observe(self, model: str, status: int, seconds: float,
+                    first_byte: float | None = None, prompt: int = 0,
+                    completion: int = 0) -> None:
+            seen.append((model, status, seconds, first_byte, prompt, completion))
+
+        def prompt_counted(self, model: str, tokens: int) -> None:
+            seen.append((model, tokens))
 
     wall = Clock(5.0)
     lu = LastUse(then=Then(), wall=wall)
-    lu.observe("m", 200, 0.5)
+    lu.observe("m", 200, 0.5, 0.2, 7, 3)
     wall.now = 9.0
     lu.observe("m", 503, 0.1)  # asked for, even unanswered: a use
+    lu.prompt_counted("m", 11)
     assert lu.by_model == {"m": 9.0}
-    assert seen == [("m", 200, 0.5), ("m", 503, 0.1)]
+    assert seen == [("m", 200, 0.5, 0.2, 7, 3), ("m", 503, 0.1, None, 0, 0), ("m", 11)]

@@ -210,11 +210,19 @@ def routes(gw: Gateway) -> APIRouter:
         engine build), which outlive its agent."""
         replicas = gw.mirror.replicas()
         confs = gw.mirror.nodeconfs()
+        holders = fleet.gpu_holders(replicas)
         out = []
         for node in gw.mirror.nodes().values():
             mine = sorted(rid for rid, rep in replicas.items() if rep.node == node.name)
             conf = confs.get(node.name) or s.NodeConf()
-            out.append(node.model_dump() | {"replicas": mine, "conf": conf.model_dump()})
+            held = holders.get(node.name, {})
+            free, used = fleet.gpu_use(node, held)
+            view = node.model_dump() | {"replicas": mine, "conf": conf.model_dump(),
+                                        "gpus_free": free, "gpus_used": used}
+            # Which replica holds each GPU (None: free).
+            for gpu in view["gpus"]:
+                gpu["replica"] = held.get(gpu["index"])
+            out.append(view)
         return out
 
     @r.get("/routes")

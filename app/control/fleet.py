@@ -43,6 +43,24 @@ def free_gpus(node: s.NodeInfo, held: set[int]) -> dict[int, int | None]:
     return {g.index: gpu_free_mib(g) for g in node.gpus if g.index not in held}
 
 
+def gpu_holders(replicas: Mapping[str, s.Replica]) -> dict[str, dict[int, str]]:
+    """Node -> GPU index -> the replica holding it. Draining replicas hold
+    theirs until stopped, as in placement (`placement.used_gpus`)."""
+    held: dict[str, dict[int, str]] = {}
+    for rid in sorted(replicas):
+        rep = replicas[rid]
+        on = held.setdefault(rep.node, {})
+        for index in rep.gpus:
+            on.setdefault(index, rid)
+    return held
+
+
+def gpu_use(node: s.NodeInfo, holders: Mapping[int, str]) -> tuple[int, int]:
+    """(free, used) GPUs of `node`: used ones are held by a replica."""
+    used = sum(1 for g in node.gpus if g.index in holders)
+    return len(node.gpus) - used, used
+
+
 def node_pool(conf: s.NodeConf | None) -> str:
     return conf.pool if conf is not None else DEFAULT_POOL
 

@@ -58,7 +58,7 @@ def _state(conf: dict[str, Any]) -> str:
 def nodes(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
     """Nodes: GPUs, versions, host and replicas."""
     data = request(gateway, "GET", "/admin/nodes")
-    table = Table("NODE", "ADDRESS", "GPUS", "VERSIONS", "HOST", "STATE", "REPLICAS")
+    table = Table("NODE", "ADDRESS", "GPUS", "FREE", "VERSIONS", "HOST", "STATE", "REPLICAS")
     for n in data:
         versions = f"llmgw {n.get('version') or '?'}"
         if n.get("driver_version"):
@@ -70,7 +70,12 @@ def nodes(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
             if n.get("vllm_version"):
                 versions += f" (vllm {n['vllm_version']})"
         host = f"{n.get('cpus') or '?'} CPUs, {_gib(n.get('memory_mib') or 0)}"
-        table.add_row(n["name"], n.get("address", ""), _gpus(n), versions, host,
+        # Free of total GPUs: those no replica holds (gateways older than
+        # this do not say: "?").
+        free = n.get("gpus_free")
+        table.add_row(n["name"], n.get("address", ""), _gpus(n),
+                      f"{'?' if free is None else free}/{len(n.get('gpus') or [])}",
+                      versions, host,
                       _state(n.get("conf") or {}), ", ".join(n.get("replicas", [])))
     out(data, as_json, table)
 

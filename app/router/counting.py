@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from app.router.limits import Limiter, Ticket, estimate_usage
@@ -52,8 +53,12 @@ class PromptCounter:
     """Counts released tickets' prompts (`Ticket.prompt_later`) with their engines."""
 
     def __init__(self, client: UpstreamClient, limiter: Limiter, concurrency: int,
-                 timeout: float) -> None:
+                 timeout: float,
+                 counted: Callable[[str, int], None] | None = None) -> None:
+        """`counted(model, tokens)` is told each prompt once counted or
+        estimated (the metrics' prompt tokens)."""
         self._client = client
+        self._counted = counted
         self._limiter = limiter
         self._slots = asyncio.Semaphore(concurrency)
         self._timeout = timeout
@@ -95,11 +100,16 @@ class PromptCounter:
         if tokens is None:
             self._estimate(ticket)
         else:
-            self._limiter.add_prompt(ticket, tokens, estimated=False)
+            self._add(ticket, tokens, estimated=False)
 
     def _estimate(self, ticket: Ticket) -> None:
         assert ticket.body is not None
-        self._limiter.add_prompt(ticket, estimate_usage(ticket.body, 0)[0], estimated=True)
+        self._add(ticket, estimate_usage(ticket.body, 0)[0], estimated=True)
+
+    def _add(self, ticket: Ticket, tokens: int, estimated: bool) -> None:
+        self._limiter.add_prompt(ticket, tokens, estimated)
+        if self._counted is not None:
+            self._counted(ticket.model, tokens)
 
     async def _ask(self, ticket: Ticket) -> int | None:
         """The engine's count of the ticket's prompt; None if it cannot say."""

@@ -75,10 +75,19 @@ class RequestObserver(Protocol):
 
     `status` is what the client got, or: 499 the client left first; 502 the
     engine broke off a stream already answered 200; 504 a stream stalled or
-    ran past its deadline after its 200.
+    ran past its deadline after its 200. `first_byte`: a stream's seconds
+    from arrival to the engine's first body byte (None: not a stream, or
+    none came). `prompt` and `completion`: the tokens its answer reported
+    (estimated for a stream cut short; a llama.cpp stream's prompt comes
+    later, through `prompt_counted`).
     """
 
-    def observe(self, model: str, status: int, seconds: float) -> None: ...
+    def observe(self, model: str, status: int, seconds: float,
+                first_byte: float | None = None, prompt: int = 0,
+                completion: int = 0) -> None: ...
+
+    def prompt_counted(self, model: str, tokens: int) -> None:
+        """A stream's prompt tokens, counted by its engine after it ended."""
 
 
 # The model label of a request whose model is unknown: client-chosen strings
@@ -126,7 +135,8 @@ class Proxy:
                                     client or UpstreamClient(timeouts.connect), tracer)
         # The prompts of streams whose engine reports no usage (llama.cpp).
         self._counts = PromptCounter(self._upstreams.client, self.limits,
-                                     count_concurrency, count_timeout)
+                                     count_concurrency, count_timeout,
+                                     observer.prompt_counted if observer else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         # Engines' own load, read off the request path with our session.
@@ -247,7 +257,11 @@ class Proxy:
         finally:
             now = self._loop.time()
             if self._observer is not None and path in _FORWARDED:
-                self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started)
+                first, t = ex.first_byte, ex.ticket
+                self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started,
+                                       first - started if first else None,
+                                       t.prompt_tokens if t else 0,
+                                       t.completion_tokens if t else 0)
             ex.log(now)
             if self._tracer is not None and ex.span is not None:
                 self._tracer.end(ex)

@@ -90,6 +90,7 @@ class Upstreams:
                         return CLIENT_GONE
                     if why is Why.SHUTDOWN:
                         raise _stopping() from None
+                    self._table.hold_timed_out(model)
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
@@ -124,6 +125,7 @@ class Upstreams:
                 started[0] = True
                 keepalive = asyncio.create_task(_keep_alive(send, model))
             if not await self._table.wait_routable(model, t.cold_start):
+                self._table.hold_timed_out(model)
                 why = self._table.unavailable(model)
                 raise error(503, f"No replica of '{model}' became ready within "
                             f"{t.cold_start:g} s" + (f": {why}" if why else "."),

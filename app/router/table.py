@@ -94,6 +94,9 @@ class RouteTable:
         # control side), requests held for each here, and their wake-ups.
         self._holdable: frozenset[str] = frozenset()
         self._held: dict[str, int] = {}
+        # Held requests that got no replica in time, per model, ever (a
+        # counter for the metrics).
+        self.hold_timeouts: dict[str, int] = {}
         self._routable: dict[str, asyncio.Event] = {}
         # Engine counts older than this are unknown (a poll every second).
         self.stale_after = 3.0
@@ -137,6 +140,11 @@ class RouteTable:
             return False
         self._held[model] = self._held.get(model, 0) + 1
         return True
+
+    def hold_timed_out(self, model: str) -> None:
+        """A held request for `model` ends without a replica (its wait or
+        its deadline ran out)."""
+        self.hold_timeouts[model] = self.hold_timeouts.get(model, 0) + 1
 
     def unhold(self, model: str) -> None:
         left = self._held.get(model, 0) - 1

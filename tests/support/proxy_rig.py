@@ -152,11 +152,20 @@ class Observed:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, int]] = []
+        # (seconds, first_byte, prompt, completion) of each, as `seen`.
+        self.details: list[tuple[float, float | None, int, int]] = []
+        self.prompts: list[tuple[str, int]] = []  # counted after their stream
         self.any = asyncio.Event()
 
-    def observe(self, model: str, status: int, seconds: float) -> None:
+    def observe(self, model: str, status: int, seconds: float,
+                first_byte: float | None = None, prompt: int = 0,
+                completion: int = 0) -> None:
         self.seen.append((model, status))
+        self.details.append((seconds, first_byte, prompt, completion))
         self.any.set()
+
+    def prompt_counted(self, model: str, tokens: int) -> None:
+        self.prompts.append((model, tokens))
 
 
 class FakeClock:

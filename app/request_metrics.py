@@ -1,0 +1,144 @@
+"""The per-request figures of `GET /metrics`, counted on the request path.
+
+The proxy reports each request once, at its end (`RequestObserver`); nothing
+is done per chunk. Counted in plain Python numbers, not prometheus_client's
+Counter and Histogram: those take a lock and search their buckets one by
+one on each call (1-2 µs a histogram observation on an idle core), which the
+router pays per request. Everything here runs on the gateway's event loop,
+the scrape included (app/main.py renders /metrics in the loop), so no lock
+is needed and a scrape never sees half an observation.
+docs/architecture.md, "Metrics", lists the series.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+# Whole-request durations: plain answers take tenths of seconds, long
+# generations minutes.
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# vLLM's own buckets (vllm/v1/metrics/loggers.py) for its
+# `vllm:time_to_first_token_seconds` and
+# `vllm:request_time_per_output_token_seconds`, so that the gateway's
+# figures and the engines' read side by side.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+# Status codes that are their own label value; any other is its class
+# ("4xx"): an engine or provider may answer any code, and each must not
+# mint a time series.
+_CODES = frozenset({200, 400, 401, 403, 404, 405, 408, 413, 422, 429, 499, 500, 502, 503, 504})
+
+
+def code_label(status: int) -> str:
+    return str(status) if status in _CODES else f"{status // 100}xx"
+
+
+class _Histogram:
+    """One label set's buckets (not cumulative; the last is +Inf) and sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # The first bound >= value: Prometheus buckets are `le`.
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, total = [], 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts,
+                            strict=True):
+            total += n
+            out.append((bound, float(total)))
+        return out
+
+
+class _Model:
+    """One model's figures."""
+
+    __slots__ = ("completion", "prompt", "seconds", "tpot", "ttft")
+
+    def __init__(self) -> None:
+        self.seconds = _Histogram(DURATION_BUCKETS)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.tpot = _Histogram(TPOT_BUCKETS)
+        self.prompt = 0
+        self.completion = 0
+
+
+class RequestMetrics(Collector):
+    """The `RequestObserver` the proxy reports to, and their collector."""
+
+    def __init__(self) -> None:
+        self._requests: dict[tuple[str, int], int] = {}
+        self._models: dict[str, _Model] = {}
+
+    def observe(self, model: str, status: int, seconds: float,
+                first_byte: float | None = None, prompt: int = 0,
+                completion: int = 0) -> None:
+        """On the request path: a dict update, a bisect per histogram."""
+        key = (model, status)
+        self._requests[key] = self._requests.get(key, 0) + 1
+        per = self._models.get(model)
+        if per is None:
+            per = self._models[model] = _Model()
+        per.seconds.observe(seconds)
+        per.prompt += prompt
+        per.completion += completion
+        if first_byte is not None:
+            per.ttft.observe(first_byte)
+            # The mean gap between its tokens, once per request, like
+            # vLLM's request_time_per_output_token (not its per-token
+            # inter_token_latency: that would be work per chunk).
+            if completion > 1 and status == 200:
+                per.tpot.observe((seconds - first_byte) / (completion - 1))
+
+    def prompt_counted(self, model: str, tokens: int) -> None:
+        per = self._models.get(model)
+        if per is None:
+            per = self._models[model] = _Model()
+        per.prompt += tokens
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "llmgw_requests", "OpenAI API requests forwarded by this gateway, by status",
+            labels=["model", "code"])
+        by_code: dict[tuple[str, str], int] = {}
+        for (model, status), n in self._requests.items():
+            label = (model, code_label(status))
+            by_code[label] = by_code.get(label, 0) + n
+        for labels, n in sorted(by_code.items()):
+            requests.add_metric(list(labels), n)
+        seconds = HistogramMetricFamily(
+            "llmgw_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer (streams included)",
+            labels=["model"])
+        ttft = HistogramMetricFamily(
+            "llmgw_time_to_first_token_seconds", "Streams: time from a request's arrival "
+            "to the engine's first body byte (a cold start's wait included)", labels=["model"])
+        tpot = HistogramMetricFamily(
+            "llmgw_request_time_per_output_token_seconds", "Streams answered 200: each "
+            "request's mean time between output tokens, (duration - time to first token) / "
+            "(completion tokens - 1), one observation per request", labels=["model"])
+        prompt = CounterMetricFamily("llmgw_prompt_tokens", "Prompt tokens of requests, as "
+                                     "their engines reported them", labels=["model"])
+        completion = CounterMetricFamily("llmgw_generation_tokens", "Completion tokens of "
+                                         "requests, as their engines reported them",
+                                         labels=["model"])
+        for model, per in sorted(self._models.items()):
+            for family, hist in ((seconds, per.seconds), (ttft, per.ttft), (tpot, per.tpot)):
+                family.add_metric([model], hist.cumulative(), hist.sum)
+            prompt.add_metric([model], per.prompt)
+            completion.add_metric([model], per.completion)
+        yield from (requests, seconds, ttft, tpot, prompt, completion)
