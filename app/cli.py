@@ -128,6 +128,7 @@ def serve(args: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
                             # httptools, cutting slow clients (app/slowclients.py).
                             http=protocol(settings.header_timeout, settings.body_timeout),
+                            timeout_keep_alive=settings.keep_alive_timeout,
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
                             ssl_keyfile=settings.tls_key_file)

@@ -279,6 +279,11 @@ class Settings(BaseSettings):
     # shorter cuts clients on very bad links.
     header_timeout: float = Field(30.0, gt=0)
     body_timeout: float = Field(30.0, gt=0)
+    # Seconds a kept-open connection may sit idle between requests before it
+    # is closed (uvicorn's timeout_keep_alive, whole seconds). Longer holds a
+    # descriptor per idle client that long; shorter makes clients reconnect
+    # more often. A balancer's pooled connections should idle out first.
+    keep_alive_timeout: int = Field(5, ge=1)
 
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on

@@ -14,12 +14,23 @@ The cost on the request path: a few attribute writes per request, and a
 clock read per read that leaves a request unfinished. A timer is armed when
 a connection opens and at most once per limit's period after that (never
 cancelled and re-armed per request); no task.
+
+And one fix to uvicorn's keep-alive timeout: a gateway paused (SIGSTOP, a
+frozen VM) past it, with a request arriving on an idle kept-open connection
+meanwhile, closed that connection on resume with the request unread: uvloop
+(libuv) runs overdue timers before it polls the sockets, so the timeout
+fired before the read that would have cancelled it, and the client saw a
+reset (a bare uvicorn app on uvloop does the same; asyncio's own loop reads
+first). The timeout now looks at the socket (one ioctl, only when it fires)
+and leaves a connection with bytes waiting open, to be read at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import termios
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -94,6 +105,16 @@ class TimedHttpTools(HttpToolsProtocol):
         self._in_body = False
         super().on_message_complete()
 
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing() and _unread(self.transport):
+            # A request came while the loop was held up (the process was
+            # paused): this iteration's poll, right after the timers, reads
+            # it and cancels this; the header timer takes it from there.
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            return
+        super().timeout_keep_alive_handler()
+
     def _check_headers(self) -> None:
         self._header_timer = None
         if self._headers_since is None or self.transport.is_closing():
@@ -124,6 +145,19 @@ class TimedHttpTools(HttpToolsProtocol):
         logger.info("closing a connection from %s: no body byte for %g s",
                     _peer(self.client), self.body_timeout)
         self.transport.close()  # the app's receive() answers http.disconnect
+
+
+def _unread(transport: asyncio.BaseTransport) -> bool:
+    """Whether the connection's socket holds bytes not yet read (for TLS,
+    encrypted ones: the same test). False where it cannot tell."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4))
+    except (OSError, ValueError):
+        return False  # closed under us: nothing to serve
+    return waiting != bytes(4)  # a count of bytes, nonzero whatever the byte order
 
 
 def _peer(client: tuple[str, int] | None) -> str:

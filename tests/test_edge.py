@@ -4,6 +4,7 @@ cut. Raw sockets against a real `llmgw serve`, as a hostile client would."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -158,13 +159,20 @@ def _whole_response(sock: socket.socket) -> bytes:
     sock.settimeout(5)
     got = b""
     while b"\r\n\r\n" not in got:
-        got += sock.recv(65536)
+        got += _recv(sock)
     head, _, body = got.partition(b"\r\n\r\n")
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                   if line.lower().startswith(b"content-length:"))
     while len(body) < length:
-        body += sock.recv(65536)
+        body += _recv(sock)
     return got
+
+
+def _recv(sock: socket.socket) -> bytes:
+    data = sock.recv(65536)
+    if not data:
+        raise ConnectionAbortedError("closed before the response's end")
+    return data
 
 
 def _trickle(sock: socket.socket, data: bytes) -> float | None:
@@ -203,6 +211,41 @@ def test_a_stalled_body_is_cut(quick: GatewayProc) -> None:
             sock.sendall(body[i:i + 4])
         sock.settimeout(5)
         assert _status(sock.recv(65536)) == 201
+
+
+@pytest.fixture
+def brief(solo: Cluster) -> Iterator[GatewayProc]:
+    """A gateway closing kept-open connections after 1 s idle."""
+    yield solo.gateway("gw-brief", local_agent="false", keep_alive_timeout="1")
+
+
+def test_a_request_sent_during_a_pause_is_served(brief: GatewayProc) -> None:
+    # A gateway paused (SIGSTOP: a debugger, a frozen VM, a swapped-out host)
+    # past the keep-alive timeout, with a request arriving meanwhile on a
+    # kept-open connection: on resume, uvloop ran the overdue keep-alive timer
+    # before reading the socket, and closed the connection on the request
+    # (the client saw a reset, and may not retry a POST). It is served.
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", brief.port)) as sock:
+        sock.sendall(get)
+        assert _status(_whole_response(sock)) == 200
+        for _ in range(2):  # on one connection, pause after pause
+            time.sleep(0.2)  # the gateway has armed its keep-alive timer
+            brief.signal(signal.SIGSTOP)
+            try:
+                time.sleep(0.2)
+                sock.sendall(get)
+                time.sleep(2.5)  # past the keep-alive timeout
+            finally:
+                brief.signal(signal.SIGCONT)
+            try:
+                answer = _whole_response(sock)
+            except OSError as exc:
+                raise AssertionError(f"request sent during the pause not served: {exc!r}") from exc
+            assert _status(answer) == 200, answer[:200]
+        # Idle, the connection is still closed after the keep-alive timeout.
+        took, got = _closed_within(sock, 5)
+    assert took < 3 and got == b"", (took, got)
 
 
 def test_v1_refusal_before_the_body_closes_the_connection(quick: GatewayProc) -> None:
