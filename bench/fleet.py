@@ -7,47 +7,32 @@ Each process runs in a session of its own; `stop()` ends them by id.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from peers import free_port
+from peers import http as peers_http
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_VLLM = ROOT / "tests" / "fakes" / "bin" / "vllm"
 MODEL = "chat"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http(method: str, url: str, body: Any = None, token: str = "",
          timeout: float = 5.0) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
+    """peers.http, with a connection that fails answered as status 0."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
+        return peers_http(method, url, body, token, timeout)
     except (urllib.error.URLError, OSError) as exc:
         return 0, str(exc)
 
