@@ -235,6 +235,9 @@ class Recorder(BaseHTTPRequestHandler):
     writes: ClassVar[list[tuple[str, str, dict[str, str]]]] = []
 
     def do_GET(self) -> None:
+        if self.path == "/admin/catalog":
+            self.reply(200, {"models": {"a": {"model": "acme/a", "gpus": 1}}})
+            return
         self.reply(200, [{"name": "a", "created": 1.0, "etag": '"7"', "status": {},
                           "model": "acme/a", "gpus": 1}])
 
