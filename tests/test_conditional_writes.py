@@ -15,6 +15,7 @@ import pytest
 
 from app.gateway import Gateway
 from tests.test_catalog import client, settings, started
+from tests.test_fleet_api import _add_node
 
 SPEC: dict[str, Any] = {"model": "acme/m", "gpus": 1, "replicas": {"min": 0, "max": 0}}
 
@@ -145,3 +146,37 @@ async def test_a_write_received_longer_ago_than_the_servers_bound_is_refused(
     finally:
         await c.aclose()
         await gw.stop()
+
+
+async def test_node_conf_and_quota_writes_take_if_match_and_deadlines(
+        gw: tuple[httpx.AsyncClient, Gateway]) -> None:
+    c, g = gw
+    await _add_node(g, "n1")
+    r = await c.get("/admin/nodes/n1/conf")
+    assert r.status_code == 200 and "etag" not in r.headers  # none stored yet
+    r = await c.put("/admin/nodes/n1/conf", json={"pool": "a"}, headers={"If-None-Match": "*"})
+    assert r.status_code == 200, r.text
+    first = r.headers["etag"]
+    assert (await c.get("/admin/nodes/n1/conf")).headers["etag"] == first
+    assert (await c.post("/admin/nodes/n1/cordon")).status_code == 200
+    r = await c.put("/admin/nodes/n1/conf", json={"pool": "b"}, headers={"If-Match": first})
+    assert r.status_code == 412, r.text
+    now = (await c.get("/admin/nodes/n1/conf")).headers["etag"]
+    assert r.json()["etag"] == now
+    conf = (await c.get("/admin/nodes/n1/conf")).json()
+    assert (conf["pool"], conf["cordoned"]) == ("a", True)
+    r = await c.put("/admin/nodes/n1/conf", json={"pool": "b"}, headers={"If-Match": now})
+    assert r.status_code == 200 and r.json()["pool"] == "b", r.text
+
+    r = await c.put("/admin/quotas/team", json={"max_gpus": 4})
+    assert r.status_code == 200, r.text
+    tag = r.headers["etag"]
+    assert [q["etag"] for q in (await c.get("/admin/quotas")).json()] == [tag]
+    r = await c.put("/admin/quotas/team", json={"max_gpus": 8}, headers={"If-None-Match": "*"})
+    assert r.status_code == 412, r.text
+    gone = {"X-Request-Deadline": f"{time.time() - 1:.3f}"}
+    assert (await c.delete("/admin/quotas/team", headers=gone)).status_code == 408
+    assert (await c.put("/admin/quotas/team", json={"max_gpus": 2},
+                        headers=gone)).status_code == 408
+    assert (await c.get("/admin/quotas")).json()[0]["max_gpus"] == 4
+    assert (await c.delete("/admin/quotas/team", headers={"If-Match": tag})).status_code == 204
