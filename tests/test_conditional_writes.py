@@ -180,3 +180,16 @@ async def test_node_conf_and_quota_writes_take_if_match_and_deadlines(
                         headers=gone)).status_code == 408
     assert (await c.get("/admin/quotas")).json()[0]["max_gpus"] == 4
     assert (await c.delete("/admin/quotas/team", headers={"If-Match": tag})).status_code == 204
+
+
+async def test_client_key_writes_past_their_deadline_are_refused(
+        gw: tuple[httpx.AsyncClient, Gateway]) -> None:
+    c, _ = gw
+    gone = {"X-Request-Deadline": f"{time.time() - 1:.3f}"}
+    r = await c.post("/admin/keys", json={"name": "late"}, headers=gone)
+    assert r.status_code == 408, r.text
+    assert (await c.get("/admin/keys")).json() == []
+    r = await c.post("/admin/keys", json={"name": "k"})
+    assert r.status_code == 201, r.text
+    assert (await c.delete(f"/admin/keys/{r.json()['id']}", headers=gone)).status_code == 408
+    assert [k["name"] for k in (await c.get("/admin/keys")).json()] == ["k"]
