@@ -227,6 +227,10 @@ def test_show_then_put_if_match_refuses_a_model_changed_since(
     assert get(gw, "/admin/models/e")["gpus"] == 2
     said = one_line_error(run(gw, "model", "put", "e", str(edited), "--create"))
     assert "412" in said, said
+    said = one_line_error(run(gw, "model", "delete", "e", "--if-match", now))
+    assert "412" in said, said
+    assert ok(gw, "model", "delete", "e", "--if-match", get(gw, "/admin/models/e")["etag"]) == [
+        "model e deleted"]
 
 
 class Recorder(BaseHTTPRequestHandler):

@@ -132,9 +132,14 @@ def show(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = 
 
 
 @model_app.command("delete")
-def delete(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY) -> None:
+def delete(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY,
+           if_match: Annotated[str | None, typer.Option(
+               "--if-match", metavar="ETAG",
+               help="delete only if NAME is still at ETAG (as `model show` printed it)")
+           ] = None) -> None:
     """Remove NAME from the catalog; the leader stops its replicas."""
-    send(gateway, "DELETE", model_path(name), about=f"model {name}: ")  # 204, no body
+    send(gateway, "DELETE", model_path(name), about=f"model {name}: ",  # 204, no body
+         headers={"If-Match": quoted(if_match)} if if_match is not None else None)
     sys.stdout.write(f"model {name} deleted\n")
 
 
