@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from app import __version__
 from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes
 from app.api.edge import Edge
+from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
 from app.router.proxy import Proxy, openapi_paths
@@ -43,6 +45,9 @@ class GatewayApp(FastAPI):
             if scope["path"].startswith("/v1/"):
                 await self.v1(scope, receive, send)
                 return
+            # When it arrived, before its body: an admin write is not applied
+            # LLMGW_ADMIN_WRITE_DEADLINE after it (app/api/writes.py).
+            scope[RECEIVED] = time.monotonic()
             # Tokens before bodies, bodies capped (app/api/edge.py).
             receive = await self.edge.admit(scope, receive, send)
             if receive is None:

@@ -284,6 +284,12 @@ class Settings(BaseSettings):
     # descriptor per idle client that long; shorter makes clients reconnect
     # more often. A balancer's pooled connections should idle out first.
     keep_alive_timeout: int = Field(5, ge=1)
+    # Seconds after its headers arrived (this process's monotonic clock, which
+    # runs on while the process is paused) past which an admin write is not
+    # applied: 408, nothing written (docs/architecture.md, Catalog writes).
+    # Longer lets a write held up (a paused gateway) land that much later,
+    # over newer edits; shorter refuses writes on a slow store or link.
+    admin_write_deadline: float = Field(30.0, gt=0)
 
     # --- the catalog ------------------------------------------------------------
     # Comma-separated folders a model given as a file path must lie under (on

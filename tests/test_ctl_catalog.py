@@ -5,17 +5,21 @@ operator runs them; the catalog checked over the admin API."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import typer
 import yaml
 
 from app.ctl.catalog import parse_catalog
+from app.ctl.common import TIMEOUT
 from tests.support.procs import FAKE_BIN, Cluster, GatewayProc, serve_one
-from tests.test_ctl import admin_get, ok_on, one_line_error, run_on
+from tests.test_ctl import admin_get, ctl, ok_json, ok_on, one_line_error, run_on
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,9 @@ def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Pa
     before = get(gw, "/admin/models/a")
     assert ok(gw, "model", "put", "a", "-", stdin="\n".join(shown))[0] == "model a updated"
     after = get(gw, "/admin/models/a")
-    assert {k: v for k, v in after.items() if k != "status"} == {
-        k: v for k, v in before.items() if k != "status"}
+    assert after["etag"] != before["etag"]  # written again, so a new revision
+    assert {k: v for k, v in after.items() if k not in ("status", "etag")} == {
+        k: v for k, v in before.items() if k not in ("status", "etag")}
 
     assert ok(gw, "model", "delete", "org/b") == ["model org/b deleted"]
     assert ok(gw, "model", "delete", "a") == ["model a deleted"]
@@ -197,3 +202,92 @@ def test_apply_is_not_held_to_the_seeds_limit(capsys: pytest.CaptureFixture[str]
         parse_catalog(many, "big.yaml")
     said = capsys.readouterr().err
     assert said.startswith("llmgw ctl: big.yaml: models.m7.gpus: ") and "130 models" not in said
+
+
+def test_show_then_put_if_match_refuses_a_model_changed_since(
+        gw: GatewayProc, tmp_path: Path) -> None:
+    ok(gw, "model", "put", "e", "-", stdin="model: acme/e\ngpus: 1\nreplicas: {min: 0, max: 0}")
+    shown = ok(gw, "model", "show", "e")
+    tag = shown[1].split()[2].rstrip(":")
+    assert shown[1] == f"# etag {tag}: put it back with --if-match '{tag}'", shown
+    assert ok_json("model", "show", "e", gateway=gw.url)["etag"] == tag
+    edited = tmp_path / "e.yaml"
+    edited.write_text("\n".join(shown).replace("gpus: 1", "gpus: 2") + "\n")
+
+    # Someone else's edit lands between show and put: the put is refused.
+    ok(gw, "model", "put", "e", "-", stdin="model: acme/e\ngpus: 3\nreplicas: {min: 0, max: 0}")
+    said = one_line_error(run(gw, "model", "put", "e", str(edited), "--if-match", tag))
+    now = get(gw, "/admin/models/e")["etag"]
+    assert "412" in said and now in said, said
+    assert get(gw, "/admin/models/e")["gpus"] == 3
+
+    # Shown again, put with the ETag shown (unquoted, as a shell may leave it).
+    assert ok(gw, "model", "put", "e", str(edited), "--if-match", now.strip('"'))[0] == (
+        "model e updated")
+    assert get(gw, "/admin/models/e")["gpus"] == 2
+    said = one_line_error(run(gw, "model", "put", "e", str(edited), "--create"))
+    assert "412" in said, said
+    said = one_line_error(run(gw, "model", "delete", "e", "--if-match", now))
+    assert "412" in said, said
+    assert ok(gw, "model", "delete", "e", "--if-match", get(gw, "/admin/models/e")["etag"]) == [
+        "model e deleted"]
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """A stand-in gateway: one model "a" at ETag "7"; records each write."""
+
+    writes: ClassVar[list[tuple[str, str, dict[str, str]]]] = []
+
+    def do_GET(self) -> None:
+        if self.path == "/admin/catalog":
+            self.reply(200, {"models": {"a": {"model": "acme/a", "gpus": 1}}})
+            return
+        self.reply(200, [{"name": "a", "created": 1.0, "etag": '"7"', "status": {},
+                          "model": "acme/a", "gpus": 1}])
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.writes.append(("PUT", self.path, {k.lower(): v for k, v in self.headers.items()}))
+        self.reply(200, {})
+
+    def do_DELETE(self) -> None:
+        self.writes.append(("DELETE", self.path, {k.lower(): v for k, v in self.headers.items()}))
+        self.send_response(204)
+        self.end_headers()
+
+    def reply(self, status: int, body: Any) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_every_write_carries_a_deadline_and_apply_conditions_each_on_what_it_read(
+        tmp_path: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        catalog = tmp_path / "c.yaml"
+        catalog.write_text("models:\n  a: {model: acme/a, gpus: 2}\n  b: {model: acme/b}\n")
+        before = time.time()
+        done = ctl("catalog", "apply", str(catalog), gateway=url)
+        assert done.returncode == 0, done.stderr
+        done = ctl("catalog", "apply", "-", "--prune", gateway=url, stdin="models: {}")
+        assert done.returncode == 0, done.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+    writes = {(m, p): h for m, p, h in Recorder.writes}
+    assert sorted(writes) == [("DELETE", "/admin/models/a"), ("PUT", "/admin/models/a"),
+                              ("PUT", "/admin/models/b")], sorted(writes)
+    assert writes["PUT", "/admin/models/a"]["if-match"] == '"7"'
+    assert writes["PUT", "/admin/models/b"]["if-none-match"] == "*"
+    assert writes["DELETE", "/admin/models/a"]["if-match"] == '"7"'
+    for headers in writes.values():
+        deadline = float(headers["x-request-deadline"])
+        assert before + TIMEOUT - 1 < deadline < time.time() + TIMEOUT, headers

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from app.api.auth import admin_guard
 from app.api.errors import Problem
+from app.api.writes import Deadline, Precondition, etag
 from app.control import catalog, fleet
 from app.control import state as s
 from app.control.placement import NoFit, place
@@ -97,16 +98,23 @@ def routes(gw: Gateway) -> APIRouter:
         """The spec as given (fields left out stay out), its name and creation."""
         return {"name": model.name, "created": model.created} | model.spec_dump()
 
+    def model_etag(name: str) -> str | None:
+        """What `If-Match` takes to replace or delete the model (writes.py)."""
+        return etag(gw.mirror.get(s.MODELS + name))
+
     @r.get("/models")
     async def list_models() -> list[dict[str, Any]]:
-        return [with_status(m) for m in gw.mirror.models().values()]
+        return [with_status(m) | {"etag": model_etag(m.name)}
+                for m in gw.mirror.models().values()]
 
     @r.get("/models/{name:path}")
-    async def get_model(name: str) -> dict[str, Any]:
+    async def get_model(name: str, response: Response) -> dict[str, Any]:
         model = gw.mirror.models().get(name)
-        if model is None:
+        tag = model_etag(name)
+        if model is None or tag is None:
             raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
-        return with_status(model)
+        response.headers["ETag"] = tag
+        return with_status(model) | {"etag": tag}
 
     @r.get("/catalog", responses={200: {"content": {"application/yaml": {}}}})
     async def export_catalog(request: Request) -> Response:
@@ -141,17 +149,27 @@ def routes(gw: Gateway) -> APIRouter:
                 f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors),
                 errors=[e.as_dict(("body",)) for e in errors])
 
-    async def write_catalog(decide: Callable[[], list[Op]]) -> int:
+    async def write_catalog(decide: Callable[[], list[Op]], request: Request,
+                            conditioned: bool = False) -> int:
         """Applies a catalog change decided on the mirror's catalog, conditioned
         on that catalog being the one the decision read (`catalog/serial`, see
         state.py). On a race lost to another gateway it waits for the winner's
         write and decides again, so the loser gets the answer the new catalog
-        gives (409: the alias is now taken) rather than an overwrite."""
+        gives (409: the alias is now taken; 412: If-Match no longer holds)
+        rather than an overwrite. Never after the request's deadline (408).
+        A `conditioned` write first brings the mirror up to the store, so an
+        ETag read on another gateway is compared with what is stored now."""
+        deadline = Deadline(request, gw.settings.admin_write_deadline)
+        if conditioned:
+            current = await gw.store.get(s.CATALOG_SERIAL)
+            if current is not None:
+                await settle(current.mod_revision)
         for _ in range(5):
             serial = gw.mirror.get(s.CATALOG_SERIAL)
             seen = serial.mod_revision if serial is not None else 0
             ops = decide()
             bump = Put(s.CATALOG_SERIAL, json.dumps({"by": gw.settings.gateway_id}).encode())
+            deadline.check()  # the client may have given up while this waited
             res = await gw.store.txn([Compare.modified_at(s.CATALOG_SERIAL, seen)], [*ops, bump])
             if res.succeeded:
                 await settle(res.revision)
@@ -163,7 +181,9 @@ def routes(gw: Gateway) -> APIRouter:
 
     @r.put("/models/{name:path}", response_model=s.StoredModel,
            response_model_exclude_none=True, response_model_exclude_unset=True)
-    async def put_model(name: str, spec: s.ModelSpec, response: Response) -> dict[str, Any]:
+    async def put_model(name: str, spec: s.ModelSpec, request: Request,
+                        response: Response) -> dict[str, Any]:
+        cond = Precondition.of(request)
         try:
             s.check_name(name, "model name")
         except ValueError as exc:
@@ -172,6 +192,7 @@ def routes(gw: Gateway) -> APIRouter:
         result: dict[str, Any] = {}
 
         def decide() -> list[Op]:
+            cond.check(gw.mirror.get(s.MODELS + name), f"model {name!r}")
             models = gw.mirror.models()
             taken = {n: n for n in models} | {
                 a: m.name for m in models.values() for a in m.aliases}
@@ -186,19 +207,24 @@ def routes(gw: Gateway) -> APIRouter:
             result.update(stored=json.loads(value), existed=existed)
             return [Put(s.MODELS + name, value)]
 
-        await write_catalog(decide)
+        await write_catalog(decide, request, cond.given)
         response.status_code = 200 if result["existed"] else 201
+        if (tag := model_etag(name)) is not None:
+            response.headers["ETag"] = tag
         stored: dict[str, Any] = result["stored"]
         return stored
 
     @r.delete("/models/{name:path}", status_code=204)
-    async def delete_model(name: str) -> Response:
+    async def delete_model(name: str, request: Request) -> Response:
+        cond = Precondition.of(request)
+
         def decide() -> list[Op]:
+            cond.check(gw.mirror.get(s.MODELS + name), f"model {name!r}")
             if name not in gw.mirror.models():
                 raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
             return [Delete(s.MODELS + name)]
 
-        await write_catalog(decide)
+        await write_catalog(decide, request, cond.given)
         return Response(status_code=204)
 
     # --- fleet -----------------------------------------------------------------------

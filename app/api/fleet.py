@@ -7,6 +7,9 @@ cannot overwrite each other's change unseen; the loser decides again on
 the winner's value. Every route answers 503 until the gateway's mirror has
 loaded: a node conf decided on an empty mirror would overwrite the stored
 one with defaults (uncordoning the node, moving it to the default pool).
+A node's conf and a quota have an ETag (writes.py): a write may be made
+conditional on it (If-Match, If-None-Match: *); none is applied past its
+request's deadline (docs/architecture.md, Catalog writes).
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.api.auth import admin_guard, bearer
 from app.api.errors import Problem
+from app.api.writes import Deadline, Precondition, etag
 from app.control import fleet
 from app.control import state as s
 from app.store.base import Compare, Delete, Put
@@ -82,17 +86,28 @@ def routes(gw: Gateway) -> APIRouter:
 
     r = APIRouter(prefix="/admin", tags=["fleet"], dependencies=[Depends(require_admin)])
 
-    async def write(key: str, decide: Callable[[bytes | None], bytes | None]) -> None:
+    async def write(key: str, decide: Callable[[bytes | None], bytes | None],
+                    request: Request) -> None:
         """Writes `decide(value read)` (None: delete) to `key`, conditioned on
-        the key's revision as read (absent: on its absence). A race lost to
-        another gateway waits for the winner's write and decides again."""
+        the key's revision as read (absent: on its absence), which the
+        request's If-Match / If-None-Match must accept (412). A race lost to
+        another gateway waits for the winner's write and decides again.
+        Nothing is written past the request's deadline (408)."""
+        pre = Precondition.of(request)
+        deadline = Deadline(request, gw.settings.admin_write_deadline)
+        if pre.given:  # an ETag read elsewhere is compared with the store's
+            latest = await gw.store.get(key)
+            if latest is not None:
+                await gw.mirror.wait_for(latest.mod_revision, _SETTLE)
         for _ in range(_TRIES):
             kv = gw.mirror.get(key)
+            pre.check(kv, key)
             new = decide(kv.value if kv is not None else None)
             if new == (kv.value if kv is not None else None):
                 return
             cond = (Compare.modified_at(key, kv.mod_revision) if kv is not None
                     else Compare.absent(key))
+            deadline.check()
             res = await gw.store.txn([cond], [Put(key, new) if new is not None else Delete(key)])
             if res.succeeded:
                 await gw.mirror.wait_for(res.revision, _SETTLE)
@@ -111,11 +126,15 @@ def routes(gw: Gateway) -> APIRouter:
                 and not any(rep.node == node for rep in gw.mirror.replicas().values())):
             raise Problem(404, "No such node", f"no node {node!r} is known to the fleet")
 
-    def conf_view(node: str) -> dict[str, Any]:
+    def conf_view(node: str, response: Response) -> dict[str, Any]:
+        """The conf (defaults if none is stored), its ETag in the header."""
         conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+        if (tag := etag(gw.mirror.get(s.NODECONF + node))) is not None:
+            response.headers["ETag"] = tag
         return {"node": node} | conf.model_dump()
 
-    async def change(node: str, edit: Callable[[s.NodeConf], s.NodeConf]) -> dict[str, Any]:
+    async def change(node: str, edit: Callable[[s.NodeConf], s.NodeConf], request: Request,
+                     response: Response) -> dict[str, Any]:
         known(node)
 
         def decide(value: bytes | None) -> bytes:
@@ -127,44 +146,48 @@ def routes(gw: Gateway) -> APIRouter:
                     pass  # unreadable (the mirror logs it): replaced by this write
             return edit(conf).model_dump_json().encode()
 
-        await write(s.NODECONF + node, decide)
-        return conf_view(node)
+        await write(s.NODECONF + node, decide, request)
+        return conf_view(node, response)
 
     @r.get("/nodes/{node}/conf")
-    async def get_conf(node: str) -> dict[str, Any]:
+    async def get_conf(node: str, response: Response) -> dict[str, Any]:
         known(node)
-        return conf_view(node)
+        return conf_view(node, response)
 
     @r.put("/nodes/{node}/conf")
-    async def put_conf(node: str, body: NodeConfBody) -> dict[str, Any]:
+    async def put_conf(node: str, body: NodeConfBody, request: Request,
+                       response: Response) -> dict[str, Any]:
         return await change(node, lambda c: c.model_copy(
-            update={"pool": body.pool, "labels": body.labels}))
+            update={"pool": body.pool, "labels": body.labels}), request, response)
 
     @r.put("/nodes/{node}/engine-build")
-    async def put_engine_build(node: str, body: EngineBuildBody) -> dict[str, Any]:
+    async def put_engine_build(node: str, body: EngineBuildBody, request: Request,
+                               response: Response) -> dict[str, Any]:
         """auto (the newest build the driver runs), cu13, cu129, or none (no
         vLLM replicas), and the vLLM version it installs (omitted: the
         gateways' LLMGW_VLLM_VERSION). The node's agent is told within its
         long poll."""
         return await change(node, lambda c: c.model_copy(
-            update={"engine_build": body.build, "vllm_version": body.vllm_version}))
+            update={"engine_build": body.build, "vllm_version": body.vllm_version}),
+            request, response)
 
     @r.post("/nodes/{node}/cordon")
-    async def cordon(node: str) -> dict[str, Any]:
+    async def cordon(node: str, request: Request, response: Response) -> dict[str, Any]:
         """No new replicas go to the node; those on it stay."""
-        return await change(node, lambda c: c.model_copy(update={"cordoned": True}))
+        return await change(node, lambda c: c.model_copy(update={"cordoned": True}),
+                            request, response)
 
     @r.post("/nodes/{node}/uncordon")
-    async def uncordon(node: str) -> dict[str, Any]:
+    async def uncordon(node: str, request: Request, response: Response) -> dict[str, Any]:
         """Replicas may be placed on the node again; ends a drain."""
         return await change(node, lambda c: c.model_copy(
-            update={"cordoned": False, "draining": False}))
+            update={"cordoned": False, "draining": False}), request, response)
 
     @r.post("/nodes/{node}/drain")
-    async def drain(node: str) -> dict[str, Any]:
+    async def drain(node: str, request: Request, response: Response) -> dict[str, Any]:
         """Cordons the node and moves its replicas to other nodes."""
         return await change(node, lambda c: c.model_copy(
-            update={"cordoned": True, "draining": True}))
+            update={"cordoned": True, "draining": True}), request, response)
 
     # --- quotas ------------------------------------------------------------------
 
@@ -172,7 +195,10 @@ def routes(gw: Gateway) -> APIRouter:
     async def quotas() -> list[dict[str, Any]]:
         """Every scope: its limit (null: none), GPUs held by its models'
         replicas (draining ones excluded) and those models."""
-        return fleet.quota_report(gw.mirror.models(), gw.mirror.replicas(), gw.mirror.quotas())
+        return [q | ({"etag": tag} if (tag := etag(gw.mirror.get(s.QUOTAS + q["scope"])))
+                     else {})
+                for q in fleet.quota_report(gw.mirror.models(), gw.mirror.replicas(),
+                                            gw.mirror.quotas())]
 
     def check_scope(scope: str) -> None:
         try:
@@ -181,19 +207,22 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(400, "Invalid quota scope", str(exc)) from None
 
     @r.put("/quotas/{scope}")
-    async def put_quota(scope: str, body: QuotaBody) -> dict[str, Any]:
+    async def put_quota(scope: str, body: QuotaBody, request: Request,
+                        response: Response) -> dict[str, Any]:
         check_scope(scope)
         value = s.Quota(max_gpus=body.max_gpus).model_dump_json().encode()
-        await write(s.QUOTAS + scope, lambda _: value)
+        await write(s.QUOTAS + scope, lambda _: value, request)
+        if (tag := etag(gw.mirror.get(s.QUOTAS + scope))) is not None:
+            response.headers["ETag"] = tag
         return {"scope": scope, "max_gpus": body.max_gpus}
 
     @r.delete("/quotas/{scope}", status_code=204)
-    async def delete_quota(scope: str) -> Response:
+    async def delete_quota(scope: str, request: Request) -> Response:
         def decide(value: bytes | None) -> None:
             if value is None:
                 raise Problem(404, "No such quota", f"no quota is set for scope {scope!r}")
 
-        await write(s.QUOTAS + scope, decide)
+        await write(s.QUOTAS + scope, decide, request)
         return Response(status_code=204)
 
     return r

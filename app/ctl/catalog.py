@@ -1,11 +1,15 @@
 """`llmgw ctl model put|delete` and `llmgw ctl catalog export|apply`: the
 catalog written over PUT and DELETE /admin/models/{name} and read from GET
-/admin/catalog (app/api/admin.py). Registered by app/ctl/__init__.py.
+/admin/catalog and /admin/models (app/api/admin.py). Registered by
+app/ctl/__init__.py.
 
 `model put` sends a spec as written and the gateway checks it (its 422
-names the field). `catalog apply` checks the whole file here first, with the
-gateway's own rules (app/control/catalog.py), so that a bad file changes
-nothing; only the gateway's model roots are left to the gateway.
+names the field); with `--if-match` (the ETag `model show` prints) only if
+the model is still as read (412 otherwise). `catalog apply` checks the
+whole file here first, with the gateway's own rules
+(app/control/catalog.py), so that a bad file changes nothing; only the
+gateway's model roots are left to the gateway. Each of its writes is
+conditioned on the model's ETag as it compared it.
 """
 
 from __future__ import annotations
@@ -74,9 +78,21 @@ def status_line(m: dict[str, Any]) -> str:
     return " ".join(line.split())
 
 
+def quoted(tag: str) -> str:
+    """An ETag as If-Match takes it: "*", or quoted (the shell may eat the quotes)."""
+    tag = tag.strip()
+    return tag if tag == "*" or tag.startswith(('"', 'W/"')) else f'"{tag}"'
+
+
 @model_app.command("put")
 def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
-        as_json: AsJson = False) -> None:
+        as_json: AsJson = False,
+        if_match: Annotated[str | None, typer.Option(
+            "--if-match", metavar="ETAG",
+            help="replace only if NAME is still at ETAG (as `model show` printed it); "
+                 "'*': only if it exists")] = None,
+        create: Annotated[bool, typer.Option(
+            "--create", help="only create: refused if NAME exists")] = False) -> None:
     """Create or replace NAME's spec from FILE (fields as PUT /admin/models/NAME takes)."""
     where = "stdin" if file == "-" else file
     spec = read_document(file)
@@ -88,7 +104,11 @@ def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
         json.dumps(spec)
     except (TypeError, ValueError) as exc:  # YAML reads dates and sets too
         fail(f"{where}: a value JSON cannot carry: {exc}")
-    status, _ = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ")
+    conditions = {"If-None-Match": "*"} if create else {}
+    if if_match is not None:
+        conditions["If-Match"] = quoted(if_match)
+    status, _ = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ",
+                     headers=conditions)
     result = "created" if status == 201 else "updated"
     data = request(gateway, "GET", model_path(name))
     if as_json:
@@ -104,15 +124,22 @@ def show(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = 
     if as_json:
         out(data, True)
         return
-    spec = {k: v for k, v in data.items() if k not in ("name", "created", "status")}
+    spec = {k: v for k, v in data.items() if k not in ("name", "created", "status", "etag")}
+    tag = data.get("etag")
     sys.stdout.write(f"# {status_line(data)}\n"
+                     + (f"# etag {tag}: put it back with --if-match '{tag}'\n" if tag else "")
                      + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
 
 
 @model_app.command("delete")
-def delete(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY) -> None:
+def delete(name: ModelName, gateway: Gateway = DEFAULT_GATEWAY,
+           if_match: Annotated[str | None, typer.Option(
+               "--if-match", metavar="ETAG",
+               help="delete only if NAME is still at ETAG (as `model show` printed it)")
+           ] = None) -> None:
     """Remove NAME from the catalog; the leader stops its replicas."""
-    send(gateway, "DELETE", model_path(name), about=f"model {name}: ")  # 204, no body
+    send(gateway, "DELETE", model_path(name), about=f"model {name}: ",  # 204, no body
+         headers={"If-Match": quoted(if_match)} if if_match is not None else None)
     sys.stdout.write(f"model {name} deleted\n")
 
 
@@ -143,10 +170,13 @@ def parse_catalog(data: Any, where: str) -> dict[str, s.ModelSpec]:
                 for n, raw in data["models"].items()}
 
 
-def current_catalog(gateway: str) -> dict[str, dict[str, Any]]:
-    """The gateway's catalog, as export gives it: name -> spec as written."""
-    models = request(gateway, "GET", "/admin/catalog").get("models")
-    return dict(models) if isinstance(models, dict) else {}
+def current_catalog(gateway: str) -> dict[str, tuple[dict[str, Any], str]]:
+    """The gateway's catalog: name -> (spec as written, as export gives it; its ETag)."""
+    listed = request(gateway, "GET", "/admin/models")
+    return {str(m["name"]): ({k: v for k, v in m.items()
+                              if k not in ("name", "created", "status", "etag")},
+                             str(m.get("etag") or "*"))
+            for m in (listed if isinstance(listed, list) else []) if isinstance(m, dict)}
 
 
 @catalog_app.command("apply")
@@ -173,18 +203,24 @@ def apply(
     current = current_catalog(gateway)
     for name, spec in specs.items():
         body = spec.spec_dump()
-        if current.get(name) == body:
+        seen = current.get(name)
+        if seen is not None and seen[0] == body:
             # Not written again: a write would bump the catalog's serial and
             # wake every gateway's mirror for nothing.
             result = "unchanged"
         else:
+            # Conditioned on what was compared: a model changed (or created)
+            # meanwhile by someone else is a 412, not overwritten.
             status, _ = send(gateway, "PUT", model_path(name), body=body,
-                             about=f"model {name}: ")
+                             about=f"model {name}: ", headers=(
+                                 {"If-Match": seen[1]} if seen is not None
+                                 else {"If-None-Match": "*"}))
             result = "created" if status == 201 else "updated"
         sys.stdout.write(f"model {name} {result}\n")
     for name in sorted(set(current) - set(specs)):
         if prune:
-            send(gateway, "DELETE", model_path(name), about=f"model {name}: ")
+            send(gateway, "DELETE", model_path(name), about=f"model {name}: ",
+                 headers={"If-Match": current[name][1]})
             sys.stdout.write(f"model {name} deleted\n")
         else:
             sys.stdout.write(f"model {name} kept: not in {where} (--prune deletes it)\n")

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from app.tls import client_context, verify_message
 
+DEADLINE_HEADER = "X-Request-Deadline"  # app/api/writes.py
 TIMEOUT = 60.0  # the gateway waits up to LLMGW_NODE_API_TIMEOUT (30 s) on an agent
 
 Gateway = Annotated[str, typer.Option(
@@ -49,19 +50,25 @@ def _admin_token() -> str:
 
 def send(gateway: str, method: str, path: str, body: Any = None,
          params: dict[str, str] | None = None, timeout: float = TIMEOUT,
-         accept: str | None = None, about: str = "") -> tuple[int, bytes]:
+         accept: str | None = None, about: str = "",
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """One admin API call: its status and raw body. Fails with the gateway's
     problem detail (each field named when the body did not match the schema),
-    after `about` ("model m: ") when given."""
+    after `about` ("model m: ") when given. A write carries this call's
+    deadline (X-Request-Deadline: now + `timeout`), so that a gateway does
+    not apply it once this has given up (docs/architecture.md, Catalog writes)."""
     if shown(gateway) != gateway:
         fail(f"the gateway URL {shown(gateway)} holds credentials (user:password@), which "
              "llmgw ctl neither sends nor prints: the admin token goes in LLMGW_ADMIN_TOKEN")
     url = gateway.rstrip("/") + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
     data = json.dumps(body).encode() if body is not None else None
-    headers = {"Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"}
+    sent = {"Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json",
+            **(headers or {})}
     if accept is not None:
-        headers["Accept"] = accept
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        sent["Accept"] = accept
+    if method not in ("GET", "HEAD"):
+        sent[DEADLINE_HEADER] = f"{time.time() + timeout:.3f}"
+    req = urllib.request.Request(url, data=data, method=method, headers=sent)
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=_tls()) as resp:
             return resp.status, resp.read()
