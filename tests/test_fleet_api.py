@@ -49,7 +49,8 @@ async def test_cordon_drain_and_uncordon_a_node(
         r = await c.post("/admin/nodes/h1/cordon")
         assert r.status_code == 200, r.text
         assert r.json() == {"node": "h1", "cordoned": True, "draining": False,
-                            "pool": "default", "labels": {}, "engine_build": "auto"}
+                            "pool": "default", "labels": {}, "engine_build": "auto",
+                            "vllm_version": ""}
         assert (await _stored(gw, s.NODECONF + "h1"))["cordoned"] is True  # type: ignore[index]
         # Placement, on this gateway's mirror, now refuses the node and says why.
         spec = s.StoredModel(name="m", model="org/m")
@@ -86,7 +87,8 @@ async def test_pool_and_labels_and_their_bad_bodies(
         # The cordon is kept: the conf route sets only pool and labels.
         assert r.json() == {"node": "r1", "cordoned": True, "draining": False,
                             "pool": "research", "labels": {"rack": "b7"},
-                            "engine_build": "auto"}
+                            "engine_build": "auto",
+                            "vllm_version": ""}
         for bad in ({"pool": "-x"}, {"labels": {"rack": "a\nb"}}, {"colour": "blue"},
                     {"labels": {" ": "x"}}, {"pool": 3}):
             body = _problem(await c.put("/admin/nodes/r1/conf", json=bad), 422)
@@ -149,7 +151,8 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
         assert outcomes == [False, True]
         assert await _stored(ga, s.NODECONF + "h1") == {
             "cordoned": True, "draining": False, "pool": "research", "labels": {},
-            "engine_build": "auto"}
+            "engine_build": "auto",
+                            "vllm_version": ""}
 
 
 async def test_fleet_routes_answer_503_until_the_state_is_loaded(tmp_path: Path) -> None:
