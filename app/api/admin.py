@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from app.api.auth import admin_guard
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.control import catalog, fleet
 from app.control import state as s
 from app.control.placement import NoFit, place
@@ -101,7 +102,7 @@ def routes(gw: Gateway) -> APIRouter:
     async def list_models() -> list[dict[str, Any]]:
         return [with_status(m) for m in gw.mirror.models().values()]
 
-    @r.get("/models/{name:path}")
+    @r.get("/models/{name:path}", responses=problems(404))
     async def get_model(name: str) -> dict[str, Any]:
         model = gw.mirror.models().get(name)
         if model is None:
@@ -161,7 +162,7 @@ def routes(gw: Gateway) -> APIRouter:
             await settle(current.mod_revision if current is not None else res.revision)
         raise Problem(409, "Catalog busy", "the catalog kept changing under this request; retry")
 
-    @r.put("/models/{name:path}", response_model=s.StoredModel,
+    @r.put("/models/{name:path}", response_model=s.StoredModel, responses=problems(400, 409),
            response_model_exclude_none=True, response_model_exclude_unset=True)
     async def put_model(name: str, spec: s.ModelSpec, response: Response) -> dict[str, Any]:
         try:
@@ -191,7 +192,7 @@ def routes(gw: Gateway) -> APIRouter:
         stored: dict[str, Any] = result["stored"]
         return stored
 
-    @r.delete("/models/{name:path}", status_code=204)
+    @r.delete("/models/{name:path}", status_code=204, responses=problems(404, 409))
     async def delete_model(name: str) -> Response:
         def decide() -> list[Op]:
             if name not in gw.mirror.models():
@@ -217,7 +218,7 @@ def routes(gw: Gateway) -> APIRouter:
             out.append(node.model_dump() | {"replicas": mine, "conf": conf.model_dump()})
         return out
 
-    @r.get("/routes")
+    @r.get("/routes", responses=problems(404))
     async def routes_for(model: str) -> dict[str, Any]:
         """How this gateway routes `model` now: each endpoint's load, cooldown,
         affinity share, and whether it is being chosen and why (not)."""

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.control import state as s
 from app.store.base import Compare, LeaseExpired, Put
 
@@ -126,7 +127,7 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
-    @r.put("")
+    @r.put("", responses=problems(400, 409))
     async def heartbeat(node: str, info: s.NodeInfo, request: Request) -> dict[str, Any]:
         authorize(request, node)
         if info.name != node:

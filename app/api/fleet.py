@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.api.auth import admin_guard, bearer
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.control import fleet
 from app.control import state as s
 from app.store.base import Compare, Delete, Put
@@ -130,17 +131,17 @@ def routes(gw: Gateway) -> APIRouter:
         await write(s.NODECONF + node, decide)
         return conf_view(node)
 
-    @r.get("/nodes/{node}/conf")
+    @r.get("/nodes/{node}/conf", responses=problems(404))
     async def get_conf(node: str) -> dict[str, Any]:
         known(node)
         return conf_view(node)
 
-    @r.put("/nodes/{node}/conf")
+    @r.put("/nodes/{node}/conf", responses=problems(404, 409))
     async def put_conf(node: str, body: NodeConfBody) -> dict[str, Any]:
         return await change(node, lambda c: c.model_copy(
             update={"pool": body.pool, "labels": body.labels}))
 
-    @r.put("/nodes/{node}/engine-build")
+    @r.put("/nodes/{node}/engine-build", responses=problems(404, 409))
     async def put_engine_build(node: str, body: EngineBuildBody) -> dict[str, Any]:
         """auto (the newest build the driver runs), cu13, cu129, or none (no
         vLLM replicas), and the vLLM version it installs (omitted: the
@@ -149,18 +150,18 @@ def routes(gw: Gateway) -> APIRouter:
         return await change(node, lambda c: c.model_copy(
             update={"engine_build": body.build, "vllm_version": body.vllm_version}))
 
-    @r.post("/nodes/{node}/cordon")
+    @r.post("/nodes/{node}/cordon", responses=problems(404, 409))
     async def cordon(node: str) -> dict[str, Any]:
         """No new replicas go to the node; those on it stay."""
         return await change(node, lambda c: c.model_copy(update={"cordoned": True}))
 
-    @r.post("/nodes/{node}/uncordon")
+    @r.post("/nodes/{node}/uncordon", responses=problems(404, 409))
     async def uncordon(node: str) -> dict[str, Any]:
         """Replicas may be placed on the node again; ends a drain."""
         return await change(node, lambda c: c.model_copy(
             update={"cordoned": False, "draining": False}))
 
-    @r.post("/nodes/{node}/drain")
+    @r.post("/nodes/{node}/drain", responses=problems(404, 409))
     async def drain(node: str) -> dict[str, Any]:
         """Cordons the node and moves its replicas to other nodes."""
         return await change(node, lambda c: c.model_copy(
@@ -180,14 +181,14 @@ def routes(gw: Gateway) -> APIRouter:
         except ValueError as exc:
             raise Problem(400, "Invalid quota scope", str(exc)) from None
 
-    @r.put("/quotas/{scope}")
+    @r.put("/quotas/{scope}", responses=problems(400, 409))
     async def put_quota(scope: str, body: QuotaBody) -> dict[str, Any]:
         check_scope(scope)
         value = s.Quota(max_gpus=body.max_gpus).model_dump_json().encode()
         await write(s.QUOTAS + scope, lambda _: value)
         return {"scope": scope, "max_gpus": body.max_gpus}
 
-    @r.delete("/quotas/{scope}", status_code=204)
+    @r.delete("/quotas/{scope}", status_code=204, responses=problems(400, 404, 409))
     async def delete_quota(scope: str) -> Response:
         def decide(value: bytes | None) -> None:
             if value is None:
