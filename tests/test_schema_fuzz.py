@@ -90,6 +90,53 @@ def _fuzz(operation: Any, mode: GenerationMode, url: str, key: str,
     return None
 
 
+# Requests that succeed, which random input seldom makes: each answer is
+# checked like the fuzzed ones, and must have the status given.
+_SUCCESSES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None, int]] = [
+    ("PUT", "/admin/models/{name}", {"name": "fuzz-m"}, {"model": "acme/m", "gpus": 1}, 201),
+    ("PUT", "/admin/models/{name}", {"name": "fuzz-m"},
+     {"model": "acme/m", "gpus": 1, "aliases": ["fuzz-alias"]}, 200),
+    ("GET", "/admin/models/{name}", {"name": "fuzz-m"}, None, 200),
+    ("GET", "/v1/models", {}, None, 200),
+    ("GET", "/v1/models/{model}", {"model": "fuzz-alias"}, None, 200),
+    ("PUT", "/agent/v1/nodes/{node}", {"node": NODE}, {"name": NODE}, 200),
+    ("GET", "/admin/nodes/{node}/conf", {"node": NODE}, None, 200),
+    ("POST", "/admin/nodes/{node}/cordon", {"node": NODE}, None, 200),
+    ("POST", "/admin/nodes/{node}/uncordon", {"node": NODE}, None, 200),
+    ("GET", "/agent/v1/nodes/{node}/assignments", {"node": NODE}, None, 200),
+    ("PUT", "/agent/v1/nodes/{node}/status", {"node": NODE}, {"replicas": []}, 200),
+    ("GET", "/admin/catalog", {}, None, 200),
+    ("PUT", "/admin/quotas/{scope}", {"scope": "fuzz-m"}, {"max_gpus": 1}, 200),
+    ("DELETE", "/admin/quotas/{scope}", {"scope": "fuzz-m"}, None, 204),
+    ("DELETE", "/admin/models/{name}", {"name": "fuzz-m"}, None, 204),
+]
+
+
+def test_successes_answer_as_documented(gateway: tuple[GatewayProc, str]) -> None:
+    gw, key = gateway
+    schema = schemathesis.openapi.from_url(gw.url + "/openapi.json")
+    with requests.Session() as http:
+        for method, path, params, body, status in _SUCCESSES:
+            op = schema[path][method]
+            case = op.Case(path_parameters=params, **({} if body is None else {"body": body}))
+            headers = {"Authorization": f"Bearer {_credential(path, key)}"}
+            r = case.call_and_validate(base_url=gw.url, session=http, headers=headers,
+                                       checks=CHECKS, timeout=30)
+            assert r.status_code == status, (method, path, r.text)
+        made = schema["/admin/keys"]["POST"].Case(body={"name": "fuzz-k"}).call_and_validate(
+            base_url=gw.url, session=http, headers={"Authorization": f"Bearer {ADMIN}"},
+            checks=CHECKS, timeout=30)
+        assert made.status_code == 201, made.text
+        for method, path, status in (("GET", "/admin/keys/{key_id}", 200),
+                                     ("GET", "/admin/keys/{key_id}/usage", 200),
+                                     ("DELETE", "/admin/keys/{key_id}", 204)):
+            r = schema[path][method].Case(path_parameters={"key_id": made.json()["id"]}
+                                          ).call_and_validate(
+                base_url=gw.url, session=http, headers={"Authorization": f"Bearer {ADMIN}"},
+                checks=CHECKS, timeout=30)
+            assert r.status_code == status, (method, path, r.text)
+
+
 def test_every_operation_answers_as_documented(gateway: tuple[GatewayProc, str]) -> None:
     gw, key = gateway
     url = gw.url

@@ -162,7 +162,9 @@ def routes(gw: Gateway) -> APIRouter:
             await settle(current.mod_revision if current is not None else res.revision)
         raise Problem(409, "Catalog busy", "the catalog kept changing under this request; retry")
 
-    @r.put("/models/{name:path}", response_model=s.StoredModel, responses=problems(400, 409),
+    @r.put("/models/{name:path}", response_model=s.StoredModel,
+           responses={201: {"model": s.StoredModel, "description": "created"},
+                      **problems(400, 409)},
            response_model_exclude_none=True, response_model_exclude_unset=True)
     async def put_model(name: str, spec: s.ModelSpec, response: Response) -> dict[str, Any]:
         try:
