@@ -17,10 +17,10 @@ import hashlib
 import json
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
@@ -167,7 +167,9 @@ def routes(gw: Gateway) -> APIRouter:
 
     @r.get("/assignments")
     async def get_assignments(
-        node: str, request: Request, since: str = "", wait: float = 0.0
+        node: str, request: Request, since: str = "",
+        # NaN would pass min/max below unclamped and leave the poll no deadline.
+        wait: Annotated[float, Query(allow_inf_nan=False)] = 0.0,
     ) -> dict[str, Any]:
         """This node's replicas. `revision` is the store revision they were
         read at and `store` the store's id ("" until created): an agent never
