@@ -49,8 +49,10 @@ class KeyRequest(BaseModel):
                               description="model names this key may use; empty: all")
     limits: LimitsBody = Field(default_factory=LimitsBody,
                                 description="for all gateways together; left out: none")
-    expires: float | None = Field(default=None, description="Unix time the key stops working")
-    expires_in: float | None = Field(default=None, gt=0,
+    # NaN or Infinity (Python's JSON takes them) would be stored as null: never.
+    expires: float | None = Field(default=None, allow_inf_nan=False,
+                                  description="Unix time the key stops working")
+    expires_in: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                      description="or: seconds from now until it does")
 
 
