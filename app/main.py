@@ -20,11 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
 from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes
+from app.api import openapi as api_openapi
 from app.api.edge import Edge
 from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
-from app.router.proxy import Proxy, openapi_paths
+from app.router import openapi as v1_openapi
+from app.router.proxy import Proxy
 from app.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -149,7 +151,8 @@ def create_app(settings: Settings) -> GatewayApp:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
-            schema["paths"] = openapi_paths() | schema["paths"]
+            v1_openapi.complete(schema)
+            api_openapi.complete(schema)
         return app.openapi_schema or schema
 
     app.openapi = openapi  # type: ignore[method-assign]

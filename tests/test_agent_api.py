@@ -298,3 +298,4 @@ async def test_replicas_wanted_is_what_the_model_wants_now_not_its_floor(
         rev = await gw.store.put(s.USAGE + "gw-other", used.model_dump_json().encode())
         await gw.mirror.wait_for(rev, 5)
         assert await shown() == (1, 'llmgw_replicas_wanted{model="z"} 1.0')
+

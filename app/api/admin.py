@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from app.api.auth import admin_guard
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.api.writes import Deadline, Precondition, etag
 from app.control import catalog, fleet
 from app.control import state as s
@@ -107,7 +108,7 @@ def routes(gw: Gateway) -> APIRouter:
         return [with_status(m) | {"etag": model_etag(m.name)}
                 for m in gw.mirror.models().values()]
 
-    @r.get("/models/{name:path}")
+    @r.get("/models/{name:path}", responses=problems(404))
     async def get_model(name: str, response: Response) -> dict[str, Any]:
         model = gw.mirror.models().get(name)
         tag = model_etag(name)
@@ -180,6 +181,8 @@ def routes(gw: Gateway) -> APIRouter:
         raise Problem(409, "Catalog busy", "the catalog kept changing under this request; retry")
 
     @r.put("/models/{name:path}", response_model=s.StoredModel,
+           responses={201: {"model": s.StoredModel, "description": "created"},
+                      **problems(400, 409)},
            response_model_exclude_none=True, response_model_exclude_unset=True)
     async def put_model(name: str, spec: s.ModelSpec, request: Request,
                         response: Response) -> dict[str, Any]:
@@ -214,7 +217,7 @@ def routes(gw: Gateway) -> APIRouter:
         stored: dict[str, Any] = result["stored"]
         return stored
 
-    @r.delete("/models/{name:path}", status_code=204)
+    @r.delete("/models/{name:path}", status_code=204, responses=problems(404, 409))
     async def delete_model(name: str, request: Request) -> Response:
         cond = Precondition.of(request)
 
@@ -251,7 +254,7 @@ def routes(gw: Gateway) -> APIRouter:
             out.append(view)
         return out
 
-    @r.get("/routes")
+    @r.get("/routes", responses=problems(404))
     async def routes_for(model: str) -> dict[str, Any]:
         """How this gateway routes `model` now: each endpoint's load, cooldown,
         affinity share, and whether it is being chosen and why (not)."""

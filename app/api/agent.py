@@ -17,13 +17,14 @@ import hashlib
 import json
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.control import state as s
 from app.store.base import Compare, LeaseExpired, Put
 
@@ -126,7 +127,7 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
-    @r.put("")
+    @r.put("", responses=problems(400, 409))
     async def heartbeat(node: str, info: s.NodeInfo, request: Request) -> dict[str, Any]:
         authorize(request, node)
         if info.name != node:
@@ -166,7 +167,9 @@ def routes(gw: Gateway) -> APIRouter:
 
     @r.get("/assignments")
     async def get_assignments(
-        node: str, request: Request, since: str = "", wait: float = 0.0
+        node: str, request: Request, since: str = "",
+        # NaN would pass min/max below unclamped and leave the poll no deadline.
+        wait: Annotated[float, Query(allow_inf_nan=False)] = 0.0,
     ) -> dict[str, Any]:
         """This node's replicas. `revision` is the store revision they were
         read at and `store` the store's id ("" until created): an agent never

@@ -28,6 +28,7 @@ from app.agent.fabric import MAX_BYTES, MAX_SECONDS, SINK_PATH
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.api.nodes import agent_url, call_agent
+from app.api.openapi import problems
 from app.control import state as s
 from app.store.base import StoreUnavailable
 
@@ -59,7 +60,8 @@ def directions(nodes: list[str]) -> list[tuple[str, str]]:
 
 
 def routes(gw: Gateway) -> APIRouter:
-    r = APIRouter(prefix="/admin", tags=["nodes"], dependencies=[Depends(admin_guard(gw))])
+    r = APIRouter(prefix="/admin", tags=["nodes"], dependencies=[Depends(admin_guard(gw))],
+                  responses=problems(400, 404, 409, 502, 504))
     running = asyncio.Lock()
 
     async def measure(src: str, dst: str, req: FabricTest) -> s.FabricResult:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.api.auth import admin_guard, bearer
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.api.writes import Deadline, Precondition, etag
 from app.control import fleet
 from app.control import state as s
@@ -149,18 +150,18 @@ def routes(gw: Gateway) -> APIRouter:
         await write(s.NODECONF + node, decide, request)
         return conf_view(node, response)
 
-    @r.get("/nodes/{node}/conf")
+    @r.get("/nodes/{node}/conf", responses=problems(404))
     async def get_conf(node: str, response: Response) -> dict[str, Any]:
         known(node)
         return conf_view(node, response)
 
-    @r.put("/nodes/{node}/conf")
+    @r.put("/nodes/{node}/conf", responses=problems(404, 409))
     async def put_conf(node: str, body: NodeConfBody, request: Request,
                        response: Response) -> dict[str, Any]:
         return await change(node, lambda c: c.model_copy(
             update={"pool": body.pool, "labels": body.labels}), request, response)
 
-    @r.put("/nodes/{node}/engine-build")
+    @r.put("/nodes/{node}/engine-build", responses=problems(404, 409))
     async def put_engine_build(node: str, body: EngineBuildBody, request: Request,
                                response: Response) -> dict[str, Any]:
         """auto (the newest build the driver runs), cu13, cu129, or none (no
@@ -171,19 +172,19 @@ def routes(gw: Gateway) -> APIRouter:
             update={"engine_build": body.build, "vllm_version": body.vllm_version}),
             request, response)
 
-    @r.post("/nodes/{node}/cordon")
+    @r.post("/nodes/{node}/cordon", responses=problems(404, 409))
     async def cordon(node: str, request: Request, response: Response) -> dict[str, Any]:
         """No new replicas go to the node; those on it stay."""
         return await change(node, lambda c: c.model_copy(update={"cordoned": True}),
                             request, response)
 
-    @r.post("/nodes/{node}/uncordon")
+    @r.post("/nodes/{node}/uncordon", responses=problems(404, 409))
     async def uncordon(node: str, request: Request, response: Response) -> dict[str, Any]:
         """Replicas may be placed on the node again; ends a drain."""
         return await change(node, lambda c: c.model_copy(
             update={"cordoned": False, "draining": False}), request, response)
 
-    @r.post("/nodes/{node}/drain")
+    @r.post("/nodes/{node}/drain", responses=problems(404, 409))
     async def drain(node: str, request: Request, response: Response) -> dict[str, Any]:
         """Cordons the node and moves its replicas to other nodes."""
         return await change(node, lambda c: c.model_copy(
@@ -206,7 +207,7 @@ def routes(gw: Gateway) -> APIRouter:
         except ValueError as exc:
             raise Problem(400, "Invalid quota scope", str(exc)) from None
 
-    @r.put("/quotas/{scope}")
+    @r.put("/quotas/{scope}", responses=problems(400, 409))
     async def put_quota(scope: str, body: QuotaBody, request: Request,
                         response: Response) -> dict[str, Any]:
         check_scope(scope)
@@ -216,7 +217,7 @@ def routes(gw: Gateway) -> APIRouter:
             response.headers["ETag"] = tag
         return {"scope": scope, "max_gpus": body.max_gpus}
 
-    @r.delete("/quotas/{scope}", status_code=204)
+    @r.delete("/quotas/{scope}", status_code=204, responses=problems(400, 404, 409))
     async def delete_quota(scope: str, request: Request) -> Response:
         def decide(value: bytes | None) -> None:
             if value is None:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.auth import admin_guard
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.api.writes import Deadline
 from app.control import state as s
 from app.control.key_usage import add, totals
@@ -49,8 +50,10 @@ class KeyRequest(BaseModel):
                               description="model names this key may use; empty: all")
     limits: LimitsBody = Field(default_factory=LimitsBody,
                                 description="for all gateways together; left out: none")
-    expires: float | None = Field(default=None, description="Unix time the key stops working")
-    expires_in: float | None = Field(default=None, gt=0,
+    # NaN or Infinity (Python's JSON takes them) would be stored as null: never.
+    expires: float | None = Field(default=None, allow_inf_nan=False,
+                                  description="Unix time the key stops working")
+    expires_in: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                      description="or: seconds from now until it does")
 
 
@@ -169,7 +172,7 @@ def routes(gw: Gateway) -> APIRouter:
         loaded()
         return [view(rec) for rec in gw.mirror.client_keys().values()]
 
-    @r.get("/keys/{key_id}")
+    @r.get("/keys/{key_id}", responses=problems(404))
     async def get_key(key_id: str) -> dict[str, Any]:
         loaded()
         rec = find(key_id)
@@ -177,7 +180,7 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(404, "No such key", f"no client key has id {key_id!r}")
         return view(rec)
 
-    @r.get("/keys/{key_id}/usage")
+    @r.get("/keys/{key_id}/usage", responses=problems(404))
     async def key_usage(key_id: str) -> dict[str, Any]:
         """Requests and tokens per model, every gateway's counts together.
         Gateways write theirs every LLMGW_KEY_USAGE_INTERVAL seconds, so the
@@ -198,7 +201,7 @@ def routes(gw: Gateway) -> APIRouter:
                 "total": total.model_dump(),
                 "gateways": {g: r.updated for g, r in sorted(records.items())}}
 
-    @r.delete("/keys/{key_id}", status_code=204)
+    @r.delete("/keys/{key_id}", status_code=204, responses=problems(404))
     async def delete_key(key_id: str, request: Request) -> Response:
         """Revokes the key on every gateway (by watch, within a fraction of a
         second); its usage records stay."""

@@ -36,6 +36,7 @@ from app.agent.logfiles import mask
 from app.api.agent import check_engine_url
 from app.api.auth import admin_guard
 from app.api.errors import Problem
+from app.api.openapi import problems
 from app.control.agentversion import default_window
 
 if TYPE_CHECKING:
@@ -155,7 +156,9 @@ async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
 def routes(gw: Gateway) -> APIRouter:
     require_admin = admin_guard(gw)
 
-    r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)])
+    # The agent's own 4xx pass through (`call_agent`).
+    r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)],
+                  responses=problems(400, 404, 409, 502, 504))
 
     async def call(node: str, method: str, path: str, *,
                    params: dict[str, str] | None = None, body: Any = None) -> dict[str, Any]:

@@ -388,31 +388,3 @@ def _parse(raw: bytes) -> dict[str, Any]:
         raise error(400, "The request body must be a JSON object.", "invalid_request_error")
     return body
 
-
-def openapi_paths() -> dict[str, Any]:
-    """OpenAPI entries for /v1, which FastAPI does not route (see `main`)."""
-    def op(summary: str, method: str) -> dict[str, Any]:
-        entry: dict[str, Any] = {
-            "tags": ["OpenAI API"], "summary": summary,
-            "security": [{"HTTPBearer": []}],
-            "responses": {"200": {"description": "the engine's answer, as OpenAI's API"},
-                          "401": {"description": "missing or wrong client key"},
-                          "404": {"description": "unknown model"},
-                          "429": {"description": "the key is over a limit (Retry-After)"},
-                          "503": {"description": "no ready replica"},
-                          "504": {"description": "the engine timed out (upstream_timeout)"}},
-        }
-        if method == "post":
-            entry["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"type": "object", "required": ["model"],
-                           "properties": {"model": {"type": "string"},
-                                          "stream": {"type": "boolean"}}}}}}
-        return {method: entry}
-
-    return {
-        "/v1/models": op("List the models this key may use", "get"),
-        "/v1/models/{model}": op("One model, by name or alias", "get"),
-        "/v1/chat/completions": op("Chat completion, forwarded to a replica", "post"),
-        "/v1/completions": op("Text completion, forwarded to a replica", "post"),
-        "/v1/embeddings": op("Embeddings, forwarded to a replica", "post"),
-    }

@@ -1,0 +1,112 @@
+"""OpenAPI entries for /v1, which FastAPI does not route (app/main.py).
+
+They say what the plain ASGI router (proxy.py) really takes and answers:
+the body fields it type-checks (fields.py) with the same types, the
+statuses it answers itself, and OpenAI's error shape. Anything else in a
+body is the engine's to judge, and its own answers pass through.
+Schemathesis checks this against the running gateway in CI
+(tests/test_schema_fuzz.py, docs/architecture.md "Errors").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_JSON = "application/json"
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_COUNT = _nullable({"type": "integer", "minimum": 1})
+_BODY: dict[str, Any] = {
+    "type": "object", "required": ["model"],
+    "description": "OpenAI's request body; the gateway checks these fields, the engine the rest",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "description": "a model name or alias"},
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {
+            "include_usage": _nullable({"type": "boolean"})}}),
+        "n": _COUNT, "max_tokens": _COUNT, "max_completion_tokens": _COUNT,
+    },
+}
+_ERROR: dict[str, Any] = {
+    "type": "object", "required": ["error"], "title": "OpenAIError",
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "null"]}}}},
+}
+_MODEL: dict[str, Any] = {
+    "type": "object", "required": ["id", "object", "created", "owned_by"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                   "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                   "root": {"type": "string", "description": "the catalog name"}},
+}
+_LIST: dict[str, Any] = {
+    "type": "object", "required": ["object", "data"],
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
+}
+_WHY = {
+    400: "a field the gateway reads has the wrong type or value, the body is not a JSON "
+         "object; or the engine refused the request",
+    401: "missing, wrong or expired client key",
+    404: "unknown model, or one this key may not use",
+    413: "the body is over 32 MiB",
+    429: "the key is over a limit (Retry-After says when to retry)",
+    502: "the replica refused the gateway, or broke off",
+    503: "no ready replica, too many waiting for one, or the gateway is stopping",
+    504: "the engine did not answer in time (upstream_timeout)",
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for code in codes:
+        out[str(code)] = {"description": _WHY[code],
+                          "content": {_JSON: {"schema": _ERROR}}}
+    out.get("429", {})["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    out.get("401", {})["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    return out
+
+
+def _op(summary: str, ok: dict[str, Any], *codes: int) -> dict[str, Any]:
+    return {"tags": ["OpenAI API"], "summary": summary, "security": [{"ClientKey": []}],
+            "responses": {"200": ok, **_errors(401, *codes)}}
+
+
+def _forwarded(summary: str) -> dict[str, Any]:
+    entry = _op(summary, {"description": "the engine's answer, as OpenAI's API; an SSE "
+                          "stream when the body asks for one", "content": {
+                              _JSON: {"schema": {"type": "object"}},
+                              "text/event-stream": {"schema": {"type": "string"}}}},
+                400, 404, 413, 429, 502, 503, 504)
+    entry["requestBody"] = {"required": True, "content": {_JSON: {"schema": _BODY}}}
+    return {"post": entry}
+
+
+def openapi_paths() -> dict[str, Any]:
+    """The /v1 paths, merged into FastAPI's by `main.create_app`."""
+    one = _op("One model, by name or alias",
+              {"description": "the model", "content": {_JSON: {"schema": _MODEL}}}, 404)
+    one["parameters"] = [{"name": "model", "in": "path", "required": True,
+                          "schema": {"type": "string", "minLength": 1}}]
+    return {
+        "/v1/models": {"get": _op(
+            "List the models this key may use",
+            {"description": "the models", "content": {_JSON: {"schema": _LIST}}})},
+        "/v1/models/{model}": {"get": one},
+        "/v1/chat/completions": _forwarded("Chat completion, forwarded to a replica"),
+        "/v1/completions": _forwarded("Text completion, forwarded to a replica"),
+        "/v1/embeddings": _forwarded("Embeddings, forwarded to a replica"),
+    }
+
+
+def complete(schema: dict[str, Any]) -> dict[str, Any]:
+    """Adds /v1's paths and its client key's security scheme to `schema`."""
+    schema["paths"] = openapi_paths() | schema["paths"]
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})["ClientKey"] = {
+        "type": "http", "scheme": "bearer", "description": "a client key (POST /admin/keys)"}
+    return schema

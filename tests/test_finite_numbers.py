@@ -1,0 +1,64 @@
+"""NaN and infinities, which Python's JSON parser and FastAPI's query
+parsing accept, are refused where they would change a meaning: a long poll
+left without a deadline, a key meant to expire that never does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+
+from app.control.keys import node_token
+from app.main import GatewayApp, create_app
+from app.settings import Settings
+from tests.support.procs import until
+
+SECRET = "finite-secret-0123456789"
+ADMIN = "finite-admin-0123456789"
+
+
+@asynccontextmanager
+async def gateway(tmp: Path, token: str) -> AsyncIterator[tuple[GatewayApp, httpx.AsyncClient]]:
+    app = create_app(Settings(secret=SECRET, admin_token=ADMIN, data_dir=tmp,
+                              local_agent=False, port=19010))
+    await app.state.gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                                     headers={"Authorization": f"Bearer {token}"}) as c:
+            await until(lambda: app.state.gateway.ready, "state loaded")
+            yield app, c
+    finally:
+        await app.state.gateway.stop()
+
+
+async def test_a_long_poll_s_wait_must_be_a_finite_number(tmp_path: Path) -> None:
+    """`wait=nan` passed min/max unclamped, and the poll had no deadline."""
+    async with gateway(tmp_path, node_token(SECRET, "n1")) as (_, c):
+        url = "/agent/v1/nodes/n1/assignments"
+        fp = (await c.get(url)).json()["fingerprint"]
+        for wait in ("nan", "inf", "-inf"):
+            r = await asyncio.wait_for(c.get(url, params={"since": fp, "wait": wait}), 5)
+            assert r.status_code == 422, (wait, r.text)
+            assert r.json()["errors"][0]["loc"] == ["query", "wait"]
+        started = time.monotonic()
+        r = await c.get(url, params={"since": fp, "wait": "0.2"})
+        assert r.status_code == 200 and r.json()["fingerprint"] == fp
+        assert 0.15 < time.monotonic() - started < 3
+
+
+async def test_a_key_s_expiry_must_be_a_finite_number(tmp_path: Path) -> None:
+    """`"expires": NaN` made a key that never expires (stored as null)."""
+    async with gateway(tmp_path, ADMIN) as (_, c):
+        for body in ('{"name": "a", "expires": NaN}', '{"name": "b", "expires": Infinity}',
+                     '{"name": "c", "expires_in": Infinity}'):
+            r = await c.post("/admin/keys", content=body,
+                             headers={"content-type": "application/json"})
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["errors"][0]["loc"][:1] == ["body"], r.text
+        assert (await c.get("/admin/keys")).json() == []
+        r = await c.post("/admin/keys", json={"name": "d", "expires_in": 60})
+        assert r.status_code == 201 and r.json()["expires"] > time.time()
