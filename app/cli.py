@@ -81,6 +81,10 @@ def serve(args: argparse.Namespace) -> None:
         print(f"llmgw serve: a gateway (pid {exc.pid}) is already running on "
               f"{settings.data_dir}; `llmgw stop` stops it", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as exc:
+        print(f"llmgw serve: cannot write {settings.data_dir / pidfile.NAME}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         _serve(args, settings, held.release)
     finally:
