@@ -11,6 +11,7 @@ import shlex
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,15 @@ def _positive(value: str) -> float:
     return seconds
 
 
+def _stop_wait(notice: str, grace: str) -> float:
+    """What a stop of the gateway may take: the notice and grace periods,
+    then the cut's slack (docs/architecture.md, "Stopping")."""
+    try:
+        return float(notice) + float(grace) + _CUT_SLACK
+    except ValueError:
+        return 3 + 600 + _CUT_SLACK
+
+
 def _settings(**overrides: object) -> Settings:
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
@@ -56,12 +66,33 @@ def _settings(**overrides: object) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> None:
+    from app import pidfile
+
+    settings = _settings(host=args.host, port=args.port)
+    try:
+        # DATA_DIR/llmgw.pid, locked while this gateway runs (`llmgw stop`).
+        held = pidfile.hold(settings.data_dir)
+    except pidfile.AlreadyRunning as exc:
+        print(f"llmgw serve: a gateway (pid {exc.pid}) is already running on "
+              f"{settings.data_dir}; `llmgw stop` stops it", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as exc:
+        print(f"llmgw serve: cannot write {settings.data_dir / pidfile.NAME}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        _serve(args, settings, held.release)
+    finally:
+        held.release()
+
+
+def _serve(args: argparse.Namespace, settings: Settings,
+           stopped: Callable[[], None]) -> None:
     import uvicorn
 
     from app.main import create_app
     from app.slowclients import protocol
 
-    settings = _settings(host=args.host, port=args.port)
     app = create_app(settings)
     gateway = app.state.gateway
 
@@ -104,6 +135,9 @@ def serve(args: argparse.Namespace) -> None:
                 await super().shutdown(sockets)
             finally:
                 cutting.cancel()
+            # Before uvicorn raises the signal it caught again (the process
+            # then ends as killed by it): the pid file goes with a clean stop.
+            stopped()
 
         async def _wait(self, seconds: float) -> None:
             """Sleeps `seconds`, or less on a second signal."""
@@ -133,6 +167,15 @@ def serve(args: argparse.Namespace) -> None:
                             ssl_certfile=settings.tls_cert_file,
                             ssl_keyfile=settings.tls_key_file)
     Server(config).run()
+
+
+def stop(args: argparse.Namespace) -> None:
+    from app import pidfile
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    raise SystemExit(pidfile.stop(Path(args.data_dir).expanduser(), args.timeout, say))
 
 
 def agent(args: argparse.Namespace) -> None:
@@ -258,6 +301,19 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--host", default=None)
     sp.add_argument("--port", type=int, default=None)
     sp.set_defaults(func=serve)
+
+    stp = sub.add_parser("stop", help="stop the gateway running on a data dir (SIGTERM to "
+                         "the pid in DATA_DIR/llmgw.pid), waiting for it to exit")
+    stp.add_argument("--data-dir", default=os.environ.get("LLMGW_DATA_DIR")
+                     or Settings.model_fields["data_dir"].get_default(call_default_factory=True),
+                     help="the gateway's LLMGW_DATA_DIR (default: %(default)s)")
+    notice = os.environ.get("LLMGW_SHUTDOWN_NOTICE_SECONDS", "3")
+    grace = os.environ.get("LLMGW_SHUTDOWN_GRACE_SECONDS", "600")
+    stp.add_argument("--timeout", type=_positive,
+                     default=_stop_wait(notice, grace),
+                     help="seconds to wait for it to exit; exit status 1 past them "
+                     "(default: the notice and grace periods and %(default)s in all)")
+    stp.set_defaults(func=stop)
 
     ap = sub.add_parser("agent", help="run a node agent")
     ap.add_argument("--gateway", required=True, help="gateway URL(s), comma-separated")

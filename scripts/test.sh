@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lint, type-check, then the whole test suite (real etcd, gateways, agents,
-# engines). Expects scripts/install.sh to have run.
+# engines). Expects scripts/install.sh and scripts/install-test.sh to have run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m ruff check app tests bench

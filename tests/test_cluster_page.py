@@ -13,7 +13,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from tests.support.procs import ADMIN, FAKE_BIN, Cluster, GatewayProc, serve_one
 
-# Debian's Chromium (scripts/install.sh installs it); Playwright's own
+# Debian's Chromium (scripts/install-test.sh installs it); Playwright's own
 # browser downloads are not reachable from CI.
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # Without the background-networking flags Chromium keeps trying hosts that
@@ -36,7 +36,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), "Chromium is missing: run scripts/install.sh"
+    assert Path(CHROMIUM).exists(), "Chromium is missing: run scripts/install-test.sh"
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:

@@ -35,7 +35,7 @@ def haproxy_bin() -> str:
     found = shutil.which("haproxy") or ("/usr/sbin/haproxy"
                                          if Path("/usr/sbin/haproxy").exists() else None)
     if found is None:
-        msg = "haproxy is not installed (apt-get install haproxy; scripts/install.sh does)"
+        msg = "haproxy is not installed (apt-get install haproxy; scripts/install-test.sh does)"
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
         pytest.skip(msg)

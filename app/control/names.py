@@ -21,3 +21,12 @@ def check_name(value: str, what: str = "name") -> str:
             "starting with a letter or digit"
         )
     return value
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    """A node's labels, or a profile's node_selector that matches them."""
+    for k, val in labels.items():
+        check_name(k, "label name")
+        if len(val) > 256 or any(ord(c) < 0x20 or ord(c) == 0x7f for c in val):
+            raise ValueError(f"label {k!r}: its value must be at most 256 printable characters")
+    return labels

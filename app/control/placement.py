@@ -2,7 +2,7 @@
 
 `place()` takes the model and the fleet and returns a `Fit` or a `NoFit`
 whose reasons say why each node was refused, in the manner of Nomad's
-scheduler: feasibility (cordon, pool, engine) -> fit (free GPUs and their
+scheduler: feasibility (cordon, pool, node selector, engine) -> fit (free GPUs and their
 memory, quota) -> score (spread) -> pick. `displace()` says which
 lower-priority replicas give way when a model's minimum does not fit. The
 reconcile plan that calls both lives in plan.py.
@@ -71,8 +71,9 @@ def place(
     return placer.place(name, spec, profile=profile)
 
 
-# What a node's fit depends on besides the node: pool, engine, GPUs, MiB each.
-_Shape = tuple[str, str, int, int | None]
+# What a node's fit depends on besides the node: pool, engine, GPUs, MiB
+# each, the node selector's pairs.
+_Shape = tuple[str, str, int, int | None, tuple[tuple[str, str], ...]]
 
 
 class Placer:
@@ -201,7 +202,8 @@ class Placer:
         need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
         quota_refusal = _quota_refusal(name, spec, prof, self._replicas, self._quotas,
                                        self._models)
-        shape = (prof.pool, prof.engine, prof.gpu_count, need_mib)
+        shape = (prof.pool, prof.engine, prof.gpu_count, need_mib,
+                 tuple(sorted(prof.node_selector.items())))
         if not quota_refusal:
             quick = self._quick(name, shape, prof, need_mib)
             if quick is not None:
@@ -245,6 +247,11 @@ class Placer:
         pool = fleet.node_pool(conf)
         if pool != prof.pool:
             return f"in pool {pool}, the profile wants pool {prof.pool}"
+        labels = conf.labels if conf is not None else {}
+        unmatched = sorted((k, v) for k, v in prof.node_selector.items() if labels.get(k) != v)
+        if unmatched:
+            return ("labels do not match node_selector "
+                    + ",".join(f"{k}={v}" for k, v in unmatched))
         if prof.engine not in node.engines:
             return f"engine {prof.engine} not available"
         if prof.engine == "vllm" and (why := _no_vllm_build(node, conf)):

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.control.names import Engine, check_name
+from app.control.names import Engine, check_labels, check_name
 
 # A model hub id: "name" or "org/name", as Hugging Face spells them.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -113,11 +113,19 @@ class Profile(BaseModel):
         description="share of its priority's requests, relative to other profiles' replicas")
     pool: str = Field(
         default="default", max_length=64, description="the pool its replicas count in")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="labels a node must have (each label: value) for its replicas to go there")
 
     @field_validator("name", "pool")
     @classmethod
     def _names(cls, v: str) -> str:
         return check_name(v, "name")
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_labels(v)
 
     @property
     def gpu_count(self) -> int:

@@ -21,7 +21,7 @@ from pydantic import (
 
 # The spelling of names and the model spec live in modules of their own;
 # they are part of this vocabulary, so `state.X` names them too.
-from app.control.names import Engine, Phase, check_name
+from app.control.names import Engine, Phase, check_labels, check_name
 from app.control.spec import (
     EngineArg,
     External,
@@ -174,14 +174,6 @@ class NodeInfo(_Stored):
     @property
     def cpu_only(self) -> bool:
         return not self.gpus
-
-
-def check_labels(labels: dict[str, str]) -> dict[str, str]:
-    for k, val in labels.items():
-        check_name(k, "label name")
-        if len(val) > 256 or any(ord(c) < 0x20 or ord(c) == 0x7f for c in val):
-            raise ValueError(f"label {k!r}: its value must be at most 256 printable characters")
-    return labels
 
 
 EngineBuild = Literal["auto", "cu13", "cu129", "none"]

@@ -26,6 +26,7 @@ import yaml
 from app.control import catalog as rules
 from app.control import state as s
 from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, fail, out, request, send, sub_app
+from app.ctl.waiting import wait_ready
 
 model_app = sub_app("One model in the catalog: show, put (create or replace its "
                     "spec), delete.")
@@ -186,6 +187,12 @@ def apply(
         "--dry-run", help="check FILE and say what would be put; change nothing")] = False,
     prune: Annotated[bool, typer.Option(
         "--prune", help="also delete the models that FILE does not name")] = False,
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="then show progress until every model of FILE has the replicas it "
+        "wants ready; exit status 1 at --timeout, naming those not ready and why")] = False,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0, help="seconds --wait waits (an engine may load for "
+        "LLMGW_ENGINE_START_TIMEOUT, 1800 s)")] = 1800,
     gateway: Gateway = DEFAULT_GATEWAY,
 ) -> None:
     """Put each model of FILE (`catalog export`'s form: {models: {NAME: spec}})."""
@@ -224,3 +231,6 @@ def apply(
             sys.stdout.write(f"model {name} deleted\n")
         else:
             sys.stdout.write(f"model {name} kept: not in {where} (--prune deletes it)\n")
+    if wait:
+        sys.stdout.flush()
+        wait_ready(gateway, {name: spec.spec_dump() for name, spec in specs.items()}, timeout)

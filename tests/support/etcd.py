@@ -291,7 +291,8 @@ def etcd_binary() -> str:
     """The etcd to start: fails under CI, skips elsewhere, when there is none."""
     binary = find_etcd_binary()
     if binary is None:
-        missing_etcd("no etcd binary on PATH or at /usr/bin/etcd (apt-get install etcd-server)")
+        missing_etcd("no etcd binary on PATH or at /usr/bin/etcd "
+                     "(apt-get install etcd-server; scripts/install-test.sh does)")
         raise AssertionError("unreachable")
     return binary
 
