@@ -41,7 +41,8 @@ def test_standing_reads_the_status_against_the_spec_applied() -> None:
     spec = {"model": "acme/a", "gpus": 1}
 
     def item(**status: object) -> dict[str, object]:
-        return {"name": "a", "created": 1.0, **spec,
+        # The list carries each model's etag for If-Match: not part of its spec.
+        return {"name": "a", "created": 1.0, "etag": '"7"', **spec,
                 "status": {"wanted": 2, "ready": 0, "replicas": 0, "failed": [],
                            "unplaced": None} | status}
 

@@ -39,7 +39,7 @@ def standing(item: Mapping[str, Any] | None, applied: Mapping[str, Any]) -> Stan
     seen the write yet still shows the old one)."""
     if item is None:
         return Standing(False, 0, 0, "not in the gateway's catalog yet")
-    spec = {k: v for k, v in item.items() if k not in ("name", "created", "status")}
+    spec = {k: v for k, v in item.items() if k not in ("name", "created", "status", "etag")}
     st = item.get("status") or {}
     have, want = int(st.get("ready") or 0), int(st.get("wanted") or 0)
     if spec != applied:
