@@ -69,16 +69,20 @@ def test_dead_replica_is_skipped_before_the_first_byte(cluster: Cluster) -> None
     try:
         kill_engine(str(dead["url"]))
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-        for i in range(6):
+        # Each request its own conversation, so affinity spreads them over the
+        # ring: until the dead replica has been chosen (and the request retried)
+        # at least once, and no fewer than 6 (20 make missing it ~1e-6).
+        for i in range(20):
             raw = client.chat.completions.with_raw_response.create(
                 model="m", messages=[{"role": "user", "content": f"still here {i}"}])
             assert raw.headers["x-llmgw-replica"] == live["id"]
             assert f"still here {i}" in (raw.parse().choices[0].message.content or "")
+            if i >= 5 and f"replica {dead['id']} failed (" in gw.output():
+                break
         assert [r["id"] for r in replicas(gw) if r["phase"] == "ready"] == [dead["id"], live["id"]]
     finally:
         agent.signal(signal.SIGCONT)
-    # Least in-flight with round-robin ties sends idle requests to both replicas
-    # in turn: the dead one was chosen first, and the request retried.
+    # The dead one was chosen, and the request retried on the live one.
     assert gw.output().count(f"replica {dead['id']} failed (") >= 1
     # The agent notices and reports the replica failed, so it leaves the router.
     wait_for(lambda: any(r["phase"] == "failed" for r in replicas(gw)), 15, "failure seen")
