@@ -182,7 +182,7 @@ def test_a_long_generation_is_neither_cut_nor_flapped_while_another_stream_waits
                             "messages": [{"role": "user", "content": "Tell a story."}]})
     assert warm.status_code == 200, warm.text
     rate = warm.json()["usage"]["completion_tokens"] / (time.monotonic() - t0)
-    long_tokens = min(8000, int(rate * 34))
+    long_tokens = min(8000, int(rate * 40))  # margin: the rate measured may be a loaded moment's
     print(f"llama.cpp here: {rate:.0f} tokens/s; long stream: {long_tokens} tokens")
 
     phases: list[str] = []
