@@ -57,6 +57,7 @@ class Result:
     gpu_double_holds: list[str] = field(default_factory=list)
     writes_after_lease: list[str] = field(default_factory=list)
     replica_writes: int = 0
+    leases_expired: int = 0  # leader leases etcd answered "TTL -1" for
     engines_started: int = 0
     engines_duplicated: int = 0
     notes: list[str] = field(default_factory=list)
@@ -185,6 +186,7 @@ def gather(rig: Rig, load: Load, chaos: Chaos, res: Result) -> None:
     res.replica_writes = sum(1 for e in events if e.key.startswith("replicas/"))
     res.gpu_double_holds = checks.gpu_double_holds(events)
     res.writes_after_lease = checks.writes_after_lease(events, dict(rig.dead))
+    res.leases_expired = len(rig.dead)
     final: dict[str, int | None] = {}
     for k, v in rig.range("catalog/models/").items():
         final[k] = int(v.get("idle_timeout") or 0)
@@ -289,6 +291,7 @@ def main() -> None:
             print("  " + line)
         print(f"chaos: schedule {r.seed}: {r.classes} failovers={r.failovers} "
               f"edits={r.edits} replica_writes={r.replica_writes} "
+              f"leases_expired={r.leases_expired} "
               f"engines_started={r.engines_started}", flush=True)
         results.append(r)
     s = summary(results)

@@ -77,13 +77,16 @@ class Load:
 
     def ask(self, client: openai.OpenAI, cid: str, target: str, stream: bool) -> Call:
         c = Call(cid, target, stream, time.monotonic(), 0.0)
+        started = False
         msgs: Any = [{"role": "user", "content": f"chaos {cid}"}]
         try:
             if stream:
                 finished = False
-                for chunk in client.chat.completions.create(
-                        model=MODEL, messages=msgs, stream=True, max_tokens=20,
-                        extra_headers={"X-Chaos-Id": cid}):
+                chunks = client.chat.completions.create(
+                    model=MODEL, messages=msgs, stream=True, max_tokens=20,
+                    extra_headers={"X-Chaos-Id": cid})
+                started = True  # answered 200: from here on a failure cuts it
+                for chunk in chunks:
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finished = True
                 c.cut = not finished
@@ -95,7 +98,7 @@ class Load:
             body = exc.body if isinstance(exc.body, dict) else {}
             c.reason = str(body.get("message") or "")
         except Exception as exc:  # a connection failed or cut: the class says which
-            c.status, c.cut = 0, stream
+            c.status, c.cut = 0, started
             c.error = f"{exc!r} {exc.__cause__!r}"[:200]
         c.end = time.monotonic()
         return c
