@@ -59,6 +59,7 @@ class Result:
     replica_writes: int = 0
     leases_expired: int = 0  # leader leases etcd answered "TTL -1" for
     engines_started: int = 0
+    engines_needed: int = 0
     engines_duplicated: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -202,7 +203,10 @@ def gather(rig: Rig, load: Load, chaos: Chaos, res: Result) -> None:
     res.failovers = checks.failovers(events, chaos.leader_kills)
     starts = checks.engine_starts([rig.tmp / f"agent-node-{i}" for i in (1, 2)])
     res.engines_started = sum(starts.values())
-    res.engines_duplicated = checks.engines_duplicated(starts, REPLICAS)
+    # Each replica placed needs one engine start, no more.
+    res.engines_needed = len({e.key for e in events
+                              if e.key.startswith("replicas/") and e.kind == "put"})
+    res.engines_duplicated = checks.engines_duplicated(starts, res.engines_needed)
     for c in load.calls:
         if c.status != 200 or c.cut:
             res.notes.append(f"{c.id} {c.target} stream={c.stream} status={c.status} "
@@ -227,12 +231,15 @@ def summary(results: list[Result]) -> dict[str, Any]:
 def write_doc(path: Path, seed: int, results: list[Result], s: dict[str, Any]) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "app", "bench", "tests"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit += " with uncommitted changes" if dirty else ""
     rows = "\n".join(
         f"| {r.seed} | {', '.join(r.faults)} | {r.requests} | {r.classes.get('ok', 0)} | "
         f"{r.classes.get('refused', 0)} | {r.classes.get('killed', 0)} | "
         f"{r.classes.get('target_down', 0)} | {r.classes.get('other', 0)} | "
         f"{' '.join(f'{f:.1f}' for f in r.failovers) or '-'} | {r.edits} | "
-        f"{r.replica_writes} | {r.engines_started} |" for r in results)
+        f"{r.replica_writes} | {r.engines_started} / {r.engines_needed} |" for r in results)
     path.write_text(f"""# Reliability: llmgw under faults
 
 Written by `python bench/chaos.py` (do not edit by hand): {datetime.date.today()},
@@ -267,7 +274,7 @@ killed (in flight on a gateway SIGKILLed meanwhile), target down (sent
 straight to a gateway that was not running) or other:
 
 | seed | faults | requests | ok | refused | killed | target down | other | \
-failover s | edits | `replicas/` writes | engines started |
+failover s | edits | `replicas/` writes | engines started / replicas placed |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {rows}
 
@@ -292,7 +299,7 @@ def main() -> None:
         print(f"chaos: schedule {r.seed}: {r.classes} failovers={r.failovers} "
               f"edits={r.edits} replica_writes={r.replica_writes} "
               f"leases_expired={r.leases_expired} "
-              f"engines_started={r.engines_started}", flush=True)
+              f"engines_started={r.engines_started} engines_needed={r.engines_needed}", flush=True)
         results.append(r)
     s = summary(results)
     write_doc(args.doc, args.seed, results, s)

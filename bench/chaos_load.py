@@ -134,15 +134,22 @@ class Load:
                 time.sleep(0.5)
 
     def _admin(self) -> None:
-        """Catalog puts and deletes (models at min 0: no engine), key
-        creates and revokes, through haproxy, one at a time."""
+        """Catalog puts and deletes (models at min 0: no engine; `churn`
+        between one replica and none, every 5 s), key creates and revokes,
+        through haproxy, one at a time."""
         url, token = self.rig.haproxy_url, self.rig.admin
         keys: list[tuple[str, str]] = []  # (id, etcd key) of acknowledged creates
         n = 0
         while not self._stop.wait(0.3):
             n += 1
             name = f"edit-{n % 4}"
-            if n % 7 == 0:
+            if n % 16 == 5:  # `churn` at one replica, then none: the leader writes
+                k = (n // 16) % 2
+                status, _ = http("PUT", f"{url}/admin/models/churn", {
+                    "model": "acme/churn", "gpus": 1, "replicas": {"min": k, "max": k},
+                    "idle_timeout": 600 + n}, token, timeout=15)
+                self.edits.append(Edit("catalog/models/churn", 600 + n, status in (200, 201)))
+            elif n % 7 == 0:
                 status, _ = http("DELETE", f"{url}/admin/models/{name}", token=token,
                                  timeout=15)
                 self.edits.append(Edit(f"catalog/models/{name}", None,

@@ -110,13 +110,15 @@ def test_a_short_schedule_keeps_every_guarantee(tmp_path: Path) -> None:
     r = chaos.run_schedule(tmp_path, seed, faults=5)
     detail = "\n".join(r.notes)
     print(f"chaos: {r.classes} failovers={r.failovers} edits={r.edits} "
-          f"replica_writes={r.replica_writes} leases_expired={r.leases_expired}")
+          f"replica_writes={r.replica_writes} leases_expired={r.leases_expired} "
+          f"engines={r.engines_started}/{r.engines_needed}")
     assert r.replica_writes >= chaos.REPLICAS and r.requests > 50, detail
     assert r.classes["other"] == 0, detail
     assert r.classes["ok"] > 0.8 * r.requests, detail
     assert r.edits > 10 and r.edits_lost == [], r.edits_lost
     assert r.gpu_double_holds == [] and r.writes_after_lease == []
-    assert r.engines_started == chaos.REPLICAS and r.engines_duplicated == 0
+    assert r.engines_needed > chaos.REPLICAS, "churn placed no replica"
+    assert r.engines_started >= chaos.REPLICAS and r.engines_duplicated == 0
     assert len(r.failovers) == r.leader_kills == 1
     # Each leader killed or stopped lost its lease: the lease check had evidence.
     assert r.leases_expired >= 2
