@@ -243,6 +243,9 @@ class Rig:
                         break
             if events and events[-1].rev >= target:
                 break
+        if not events or events[-1].rev < target:  # checks on part of it would prove nothing
+            raise RuntimeError(f"etcd's history read to {events[-1].rev if events else 0}, "
+                               f"not to its revision {target}")
         return [Event(e.rev, e.key, e.kind, e.value, e.lease, e.create_rev,
                       self.seen.get((e.rev, e.key), 0.0)) for e in events]
 
