@@ -184,3 +184,27 @@ def test_health_logs_each_change_once(caplog: pytest.LogCaptureFixture) -> None:
         "writes answer 503 until it is back",
         "etcd at etcd1:2379 is reachable again after 14.0 s unreachable",
     ]
+
+
+def test_a_gateway_whose_state_is_not_loaded_answers_a_client_503_not_401(
+    tmp_path: Path
+) -> None:
+    """Found by tests/test_chaos.py: a gateway restarted under a client
+    listens before its mirror has loaded, and told a valid key "Incorrect
+    API key provided." (401: a client that believes it drops the key)."""
+    cluster = Cluster(tmp_path, f"127.0.0.1:{free_port()}", "/llmgw/")
+    try:
+        gw = unready_gateway(cluster, "gw-a", etcd_timeout="1")
+        wait_for(lambda: httpx.get(gw.url + "/healthz", timeout=1).status_code == 200, 20,
+                 "the gateway up")
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+                       headers={"Authorization": "Bearer sk-any-key-at-all"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "gateway_loading", r.text
+        assert "not loaded" in r.json()["error"]["message"] and r.headers["retry-after"]
+        r = httpx.get(gw.url + "/v1/models", timeout=10,
+                      headers={"Authorization": "Bearer sk-any-key-at-all"})
+        assert r.status_code == 503, r.text
+    finally:
+        cluster.close()

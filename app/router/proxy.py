@@ -271,6 +271,11 @@ class Proxy:
             raise error(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                         "invalid_request_error", "invalid_api_key")
         grant = self._table.grant(self._hash_key(token))
+        if grant is None and not self._table.keys_loaded:
+            # Listening before the state has loaded (a restart, or the store
+            # unreachable since start): a valid key must not read as wrong.
+            raise error(503, "This gateway has not loaded its state yet; try again shortly.",
+                        "server_error", "gateway_loading", retry_after=1)
         if grant is None:
             raise error(401, "Incorrect API key provided.", "invalid_request_error",
                         "invalid_api_key")

@@ -84,6 +84,9 @@ class RouteTable:
         self._names: dict[str, str] = {}  # name or alias -> model name
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self._keys: dict[str, KeyGrant] = {}
+        # False until the control side first sets the keys (its state loaded):
+        # an unknown key then is one not loaded yet, not a wrong one.
+        self.keys_loaded = False
         self._unavailable: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
         # Other gateways' requests in flight per replica, from their usage
@@ -189,6 +192,7 @@ class RouteTable:
 
     def set_client_keys(self, keys: Mapping[str, KeyGrant]) -> None:
         self._keys = dict(keys)
+        self.keys_loaded = True
 
     def set_unavailable(self, reasons: Mapping[str, str]) -> None:
         """Why models have no routable replica: catalog name -> one short line.
