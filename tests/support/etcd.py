@@ -50,6 +50,24 @@ def find_etcd_binary() -> str | None:
     return "/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None
 
 
+def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
+    """Returns once every thread of `pid` is stopped. SIGSTOP is delivered to
+    each thread as it next leaves the kernel: a thread on another core can
+    still answer a request sent in the meantime, which made a test's call to
+    a paused etcd succeed now and then."""
+    deadline = time.monotonic() + timeout
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        try:
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in tasks.iterdir()]
+        except (OSError, IndexError):
+            return  # gone, or not Linux: nothing more to wait for
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     # The port is free now, not reserved: another process could take it
     # before etcd binds. Loopback-only tests make that race rare.
@@ -168,6 +186,7 @@ class EtcdServer:
         or partitioned member. Calls must time out rather than fail fast."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGSTOP)
+            _wait_stopped(self._proc.pid)
 
     def resume(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
