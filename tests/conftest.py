@@ -12,6 +12,7 @@ from app.control.mirror import Mirror
 from app.store.embedded import EmbeddedStore
 from tests.support.etcd import EtcdFixture, EtcdServer, ExternalEtcd, throwaway_etcd
 from tests.support.procs import Cluster
+from tests.support.proxy_rig import Rig, started
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +73,10 @@ async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror]]:
     finally:
         await mirror.stop()
         await store.close()
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    """The in-process router rig (tests/support/proxy_rig.py), its proxy started."""
+    async with started(Rig()) as r:
+        yield r

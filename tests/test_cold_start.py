@@ -13,18 +13,15 @@ import pytest
 
 from app.router.timeouts import Timeouts
 from tests.support.procs import Cluster, make_key, put_model, replicas, wait_for
-from tests.support.proxy_rig import MESSAGES, AsgiCall, Rig
+from tests.support.proxy_rig import MESSAGES, AsgiCall, Rig, started
 
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    r = Rig(Timeouts(connect=2, first_byte=10, idle=10, request=10, cooldown=5,
-                     cold_start=2, cold_start_held=2))
-    await r.proxy.start()
-    try:
+    timeouts = Timeouts(connect=2, first_byte=10, idle=10, request=10, cooldown=5,
+                        cold_start=2, cold_start_held=2)
+    async with started(Rig(timeouts)) as r:
         yield r
-    finally:
-        await r.close()
 
 
 async def test_a_held_request_is_answered_once_a_replica_is_routable(rig: Rig) -> None:

@@ -5,7 +5,6 @@ error. The real llama.cpp engine: tests/test_llamacpp.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -21,16 +20,6 @@ VALIDATION = (
     "site-packages/llama_cpp/server/app.py\", line 376, in create_chat_completion\n"
     "    POST /v1/chat/completions")
 TOOL = "Tool choice 'nope' not found in tools."
-
-
-@pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    r = Rig()
-    await r.proxy.start()
-    try:
-        yield r
-    finally:
-        await r.close()
 
 
 async def _two_llamacpp_replicas(rig: Rig, mode: str) -> None:

@@ -21,7 +21,7 @@ from tests.support.procs import (
     wait_for,
     wait_ready,
 )
-from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig
+from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig, started
 from tests.support.scrape import samples, scrape_text, served_names
 from tests.test_ctl import admin_get, ok_on
 
@@ -139,13 +139,10 @@ def test_status_labels_are_a_fixed_set() -> None:
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    r = Rig(Timeouts(connect=2, first_byte=10, idle=10, request=10, cooldown=5,
-                     cold_start=1, cold_start_held=4))
-    await r.proxy.start()
-    try:
+    timeouts = Timeouts(connect=2, first_byte=10, idle=10, request=10, cooldown=5,
+                        cold_start=1, cold_start_held=4)
+    async with started(Rig(timeouts)) as r:
         yield r
-    finally:
-        await r.close()
 
 
 async def test_held_requests_that_time_out_are_counted(rig: Rig) -> None:

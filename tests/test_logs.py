@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -31,16 +31,6 @@ def captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
         for h in handlers:
             root.removeHandler(h)
         root.setLevel(level)
-
-
-@pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    r = Rig()
-    await r.proxy.start()
-    try:
-        yield r
-    finally:
-        await r.close()
 
 
 def _records(js: io.StringIO) -> list[dict[str, object]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -23,16 +22,6 @@ from tests.support.proxy_rig import (
     refused_port,
 )
 from tests.support.proxy_rig import hash_key as _hash
-
-
-@pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    r = Rig()
-    await r.proxy.start()
-    try:
-        yield r
-    finally:
-        await r.close()
 
 
 def _openai_error(r: httpx.Response, status: int, code: str | None) -> str:

@@ -7,11 +7,13 @@ to record every attempt it makes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import json
 import socket
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -266,3 +268,14 @@ def refused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def started(rig: Rig) -> AsyncIterator[Rig]:
+    """`rig` with its proxy started, closed on the way out (the `rig` fixture
+    in conftest.py; modules that need other timeouts make their own)."""
+    await rig.proxy.start()
+    try:
+        yield rig
+    finally:
+        await rig.close()
