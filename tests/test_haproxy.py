@@ -3,6 +3,7 @@ answered, streams included, when one gateway dies."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -64,9 +65,19 @@ def balanced(cluster: Cluster, haproxy_bin: str) -> Iterator[tuple[Cluster, str,
     for gw in gws:
         wait_for(lambda g=gw: routes(g, key, "m"), 30, f"{gw.name} routing")
     port = free_port()
-    cfg = cluster.tmp / "haproxy.cfg"
-    cfg.write_text(shipped_config(port, [g.port for g in gws]))
-    log = cluster.tmp / "haproxy.log"
+    with running_haproxy(haproxy_bin, cluster.tmp,
+                         shipped_config(port, [g.port for g in gws]), port) as (url, log):
+        yield cluster, url, key, log
+
+
+@contextlib.contextmanager
+def running_haproxy(haproxy_bin: str, tmp: Path, config: str,
+                    port: int) -> Iterator[tuple[str, Path]]:
+    """haproxy on `config` (listening on `port`), logging to tmp/haproxy.log,
+    until it answers /readyz through a backend: its URL and its log."""
+    cfg = tmp / "haproxy.cfg"
+    cfg.write_text(config)
+    log = tmp / "haproxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([haproxy_bin, "-db", "-f", str(cfg)],
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -74,7 +85,7 @@ def balanced(cluster: Cluster, haproxy_bin: str) -> Iterator[tuple[Cluster, str,
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, 10,
                  "haproxy up")
-        yield cluster, url, key, log
+        yield url, log
     finally:
         proc.kill()
         proc.wait(5)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from tests.support.procs import (
     wait_for,
 )
 from tests.test_haproxy import haproxy_bin as haproxy_bin
-from tests.test_haproxy import shipped_config
+from tests.test_haproxy import running_haproxy, shipped_config
 
 # Seconds per word of the stand-in engine's replies: "fake-vllm m echo: p1"
 # takes 1 s; a stream's reply of 30 words, 7.5 s: longer than the 5 s the
@@ -73,21 +72,10 @@ def rig(cluster: Cluster, haproxy_bin: str) -> Iterator[Rig]:
     for gw in gws:
         wait_for(lambda g=gw: routes(g, key, "m"), 40, f"{gw.name} routing")
     port = free_port()
-    cfg = cluster.tmp / "haproxy.cfg"
-    cfg.write_text(three_gateway_config(port, [g.port for g in gws]))
-    log = cluster.tmp / "haproxy.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([haproxy_bin, "-db", "-f", str(cfg)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, 10,
-                 "haproxy up")
+    with running_haproxy(haproxy_bin, cluster.tmp,
+                         three_gateway_config(port, [g.port for g in gws]), port) as (url, log):
         time.sleep(2.5)  # every server's checks passed (rise 2, 1 s apart)
         yield Rig(cluster, url, key, log)
-    finally:
-        proc.kill()
-        proc.wait(5)
 
 
 class Load:
