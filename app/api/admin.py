@@ -268,6 +268,9 @@ def routes(gw: Gateway) -> APIRouter:
     async def replicas() -> list[dict[str, Any]]:
         statuses = gw.mirror.statuses()
         nodes = gw.mirror.nodes()
+        # Each engine's own counts as this gateway last polled them (fresh
+        # polls only): null where unknown, never a made-up zero.
+        loads = gw.table.fresh_loads()
         out = []
         for rid, rep in gw.mirror.replicas().items():
             st = statuses.get(rid)
@@ -281,6 +284,9 @@ def routes(gw: Gateway) -> APIRouter:
                 "url": st.url if st else "", "detail": detail,
                 # Requests this gateway has in flight on it now.
                 "inflight": gw.table.inflight(rid),
+                "running": load.running if (load := loads.get(rid)) else None,
+                "waiting": load.waiting if load else None,
+                "kv_cache": load.kv_cache if load else None,  # 0 to 1
             })
         return out
 

@@ -28,7 +28,8 @@ _HEADERS = {
     "Cache-Control": "no-cache",
 }
 _FILES = {"cluster.js": "text/javascript", "cluster.css": "text/css",
-          "favicon.svg": "image/svg+xml"}
+          "favicon.svg": "image/svg+xml",
+          "actions.js": "text/javascript"}
 
 
 def install(app: FastAPI) -> None:
