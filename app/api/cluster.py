@@ -28,6 +28,7 @@ _HEADERS = {
     "Cache-Control": "no-cache",
 }
 _FILES = {"cluster.js": "text/javascript", "cluster.css": "text/css",
+          "charts.js": "text/javascript", "charts.css": "text/css",
           "favicon.svg": "image/svg+xml"}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
@@ -103,12 +104,14 @@ def routes(gw: Gateway) -> APIRouter:
         `requests_4xx`, `requests_5xx`, `prompt_tokens`,
         `completion_tokens`, and `ttft_sum`/`ttft_count` (seconds to first
         token of the streams, summed, and how many: their ratio is the
-        mean). `scope=fleet` (the default) adds up every live gateway's
+        mean); `now`, this gateway's time, ends the last interval so far.
+        `scope=fleet` (the default) adds up every live gateway's
         window, naming in `missing` those that did not answer within
         LLMGW_STATS_PEER_TIMEOUT; `scope=self` is this gateway's alone.
         A model with no request in the window is absent."""
         if scope == "self":
             out = gw.series.snapshot().model_dump()
+            out["now"] = time.time()
             out["gateways"] = [gw.settings.gateway_id]
             out["missing"] = {}
             return out
@@ -116,6 +119,8 @@ def routes(gw: Gateway) -> APIRouter:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another, "
                           "or ask for scope=self")
-        return await fleet_stats(gw, tls)
+        out = await fleet_stats(gw, tls)
+        out["now"] = time.time()  # the page scales the interval in progress by it
+        return out
 
     return r
