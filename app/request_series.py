@@ -37,13 +37,14 @@ _OK, _CLIENT, _SERVER, _PROMPT, _COMPLETION, _TTFT_SUM, _TTFT_N = range(len(FIEL
 
 
 class _Ring:
-    __slots__ = ("last", "rows", "stamps")
+    __slots__ = ("current", "last", "rows", "stamps")
 
     def __init__(self, samples: int) -> None:
         self.rows = [[0.0] * len(FIELDS) for _ in range(samples)]
         # The interval number each row holds (-1: none yet).
         self.stamps = [-1] * samples
-        self.last = -1
+        self.last = -1  # the latest interval counted, and its row
+        self.current = self.rows[0]
 
     def row(self, tick: int) -> list[float]:
         i = tick % len(self.stamps)
@@ -52,8 +53,8 @@ class _Ring:
             self.stamps[i] = tick
             for j in range(len(row)):
                 row[j] = 0.0
-        if tick > self.last:
-            self.last = tick
+        if tick >= self.last:
+            self.last, self.current = tick, row
         return row
 
 
@@ -74,6 +75,8 @@ class RequestSeries:
     def _row(self, model: str) -> list[float]:
         tick = int(self._clock() // self.interval)
         ring = self._rings.get(model)
+        if ring is not None and ring.last == tick:  # the common case: no call
+            return ring.current
         if ring is None:
             if len(self._rings) >= self._max:
                 del self._rings[min(self._rings, key=lambda m: self._rings[m].last)]
@@ -107,14 +110,14 @@ class RequestSeries:
             if ring.last < first:  # nothing in the window: forget it
                 del self._rings[name]
                 continue
-            cols: dict[str, list[float]] = {f: [0.0] * self.samples for f in FIELDS}
+            rows = [[0.0] * len(FIELDS)] * self.samples
             for row, tick in zip(ring.rows, ring.stamps, strict=True):
                 if first <= tick <= now:
-                    for f, v in zip(FIELDS, row, strict=True):
-                        cols[f][tick - first] = v
-            models[name] = cols
-        return Series(interval=self.interval, start=first * self.interval,
-                      samples=self.samples, models=models)
+                    rows[tick - first] = row
+            models[name] = dict(zip(FIELDS, map(list, zip(*rows, strict=True)), strict=True))
+        # Built from our own numbers: not validated (the type check is for peers').
+        return Series.model_construct(interval=self.interval, start=first * self.interval,
+                                      samples=self.samples, models=models)
 
 
 _MAX_SAMPLES = 10_000

@@ -110,7 +110,9 @@ def routes(gw: Gateway) -> APIRouter:
         LLMGW_STATS_PEER_TIMEOUT; `scope=self` is this gateway's alone.
         A model with no request in the window is absent."""
         if scope == "self":
-            out = gw.series.snapshot().model_dump()
+            mine = gw.series.snapshot()
+            out = {"interval": mine.interval, "start": mine.start, "samples": mine.samples,
+                   "models": mine.models}
             out["now"] = time.time()
             out["gateways"] = [gw.settings.gateway_id]
             out["missing"] = {}
