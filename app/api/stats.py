@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 from fastapi import APIRouter, Depends
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from app.api.auth import admin_guard
 from app.api.errors import Problem
@@ -92,12 +92,25 @@ async def fleet_stats(gw: Gateway, tls: ssl.SSLContext) -> dict[str, Any]:
     return out
 
 
+class StatsAnswer(Series):
+    """`GET /admin/stats`'s answer (documented; built as a plain dict)."""
+
+    gateways: list[str] = Field(description="the gateways whose figures are summed")
+    missing: dict[str, str] = Field(description="gateways that did not answer, and why")
+    now: float = Field(description="this gateway's time (Unix): the last interval so far "
+                                   "ends here")
+
+
 def routes(gw: Gateway) -> APIRouter:
     tls = _tls(gw)  # reads the CA files once, not on the loop per request
     r = APIRouter(prefix="/admin", tags=["stats"], dependencies=[Depends(admin_guard(gw))])
 
+    # Documented, not validated on the way out: a window of many models is
+    # some hundred thousand numbers (app/request_series.py).
     @r.get("/stats", summary="Each model's traffic over the last minutes",
-           responses=problems(422))
+           response_model=None,
+           responses={200: {"model": StatsAnswer, "description": "the window"},
+                      **problems(422)})
     async def stats(scope: Literal["fleet", "self"] = "fleet") -> dict[str, Any]:
         """Per model, one sample per `interval` seconds from `start` (Unix
         time), `samples` of them, oldest first: `requests_2xx`,
