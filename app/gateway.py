@@ -38,6 +38,7 @@ from app.control.usage import UsagePublisher
 from app.key_shares import KeyShares
 from app.metrics import GatewayMetrics
 from app.publish import LastUse, NodeAgents, Publisher, RouterUsage
+from app.request_series import RequestSeries
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
@@ -92,8 +93,10 @@ class Gateway:
         self.table = RouteTable()
         self.metrics = GatewayMetrics(self)
         # Notes each model's last use for the usage snapshots, then counts
-        # the request in the metrics.
-        self.last_use = LastUse(then=self.metrics.requests)
+        # the request in the last minutes' series (the cluster page's
+        # charts, app/request_series.py), then in the metrics.
+        self.series = RequestSeries(then=self.metrics.requests)
+        self.last_use = LastUse(then=self.series)
         self.tracer: OtelTracer | None = None
         if settings.otlp_endpoint:  # imported only then: zero cost when unset
             from app.router.tracing import otlp_tracer

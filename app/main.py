@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
-from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes
+from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes, stats
 from app.api import openapi as api_openapi
 from app.api.edge import Edge
 from app.api.writes import RECEIVED
@@ -147,6 +147,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.include_router(agent.routes(gw))
     app.include_router(nodes.routes(gw))
     app.include_router(fabric.routes(gw))
+    app.include_router(stats.routes(gw))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

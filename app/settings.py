@@ -352,6 +352,11 @@ class Settings(BaseSettings):
     node_api_timeout: float = Field(30.0, gt=0)
     # Seconds to connect to an agent's API; then 502 (unreachable).
     node_api_connect_timeout: float = Field(5.0, gt=0)
+    # Seconds the gateway answering GET /admin/stats (the cluster page's
+    # charts) waits for each other gateway's own figures; one that has not
+    # answered is named in the answer and left out of the sums. Longer: a
+    # hung gateway holds every chart poll (every 10 s) that long.
+    stats_peer_timeout: float = Field(1.0, gt=0)
 
     # --- agent upgrades (docs/architecture.md, "Node operations") ----------------------
     # Seconds a gateway waits for an agent's installer on POST

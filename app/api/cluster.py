@@ -29,7 +29,8 @@ _HEADERS = {
 }
 _FILES = {"cluster.js": "text/javascript", "cluster.css": "text/css",
           "favicon.svg": "image/svg+xml",
-          "actions.js": "text/javascript"}
+          "actions.js": "text/javascript",
+          "charts.js": "text/javascript", "charts.css": "text/css"}
 
 
 def install(app: FastAPI) -> None:
