@@ -30,7 +30,7 @@ from app.control import state as s
 from app.control.agentversion import default_window
 from app.control.compaction import Compactor
 from app.control.keyfiles import ProviderKeys, own_files
-from app.control.keys import SecretRing, hash_client_key, node_token
+from app.control.keys import SecretRing, hash_client_key
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
@@ -44,6 +44,7 @@ from app.router.timeouts import Timeouts
 from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
 from app.tls import pinned_context
+from app.wire.tokens import node_token
 
 if TYPE_CHECKING:
     from app.router.tracing import OtelTracer

@@ -374,7 +374,7 @@ class Settings(BaseSettings):
     @classmethod
     def _a_version(cls, v: str | None) -> str | None:
         if v is not None:
-            from app.control.agentversion import parse
+            from app.wire.versions import parse
 
             parse(v)  # ValueError: "... is not a version"
         return v
