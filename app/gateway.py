@@ -55,10 +55,12 @@ logger = logging.getLogger(__name__)
 async def open_store(settings: Settings) -> Store:
     if settings.uses_etcd:
         from app.store.etcd import EtcdStore
-        from app.store.etcd_tls import from_settings
+        from app.store.etcd_tls import for_endpoints
 
+        tls = for_endpoints(settings.endpoints, settings.etcd_ca_file, settings.etcd_cert_file,
+                            settings.etcd_key_file)
         return await EtcdStore.open(settings.endpoints, prefix=settings.etcd_prefix,
-                                    timeout=settings.etcd_timeout, tls=from_settings(settings))
+                                    timeout=settings.etcd_timeout, tls=tls)
     from app.store.embedded import EmbeddedStore
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
