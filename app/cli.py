@@ -17,10 +17,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.control.state import check_name
 from app.logs import configure
 from app.logs import stop as stop_logging
 from app.settings import Settings
+from app.wire.names import check_name
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
 # cancelling what is still open: time for cut streams to send their error event.
@@ -28,7 +28,7 @@ _CUT_SLACK = 5.0
 
 
 def _node_name(value: str) -> str:
-    """argparse type: node names follow the rule of model names (state.py)."""
+    """argparse type: node names follow the rule of model names (app/wire/names.py)."""
     try:
         return check_name(value, "node name")
     except ValueError as exc:

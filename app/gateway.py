@@ -30,7 +30,7 @@ from app.control import state as s
 from app.control.agentversion import default_window
 from app.control.compaction import Compactor
 from app.control.keyfiles import ProviderKeys, own_files
-from app.control.keys import SecretRing, hash_client_key, node_token
+from app.control.keys import SecretRing, hash_client_key
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
@@ -45,6 +45,7 @@ from app.router.timeouts import Timeouts
 from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
 from app.tls import pinned_context
+from app.wire.tokens import node_token
 
 if TYPE_CHECKING:
     from app.router.tracing import OtelTracer
@@ -55,10 +56,12 @@ logger = logging.getLogger(__name__)
 async def open_store(settings: Settings) -> Store:
     if settings.uses_etcd:
         from app.store.etcd import EtcdStore
-        from app.store.etcd_tls import from_settings
+        from app.store.etcd_tls import for_endpoints
 
+        tls = for_endpoints(settings.endpoints, settings.etcd_ca_file, settings.etcd_cert_file,
+                            settings.etcd_key_file)
         return await EtcdStore.open(settings.endpoints, prefix=settings.etcd_prefix,
-                                    timeout=settings.etcd_timeout, tls=from_settings(settings))
+                                    timeout=settings.etcd_timeout, tls=tls)
     from app.store.embedded import EmbeddedStore
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -379,7 +379,7 @@ class Settings(BaseSettings):
     @classmethod
     def _a_version(cls, v: str | None) -> str | None:
         if v is not None:
-            from app.control.agentversion import parse
+            from app.wire.versions import parse
 
             parse(v)  # ValueError: "... is not a version"
         return v
@@ -438,9 +438,10 @@ class Settings(BaseSettings):
             from app.tls import check_pair
 
             check_pair(self.tls_cert_file, self.tls_key_file)  # ValueError, one line
-        from app.store.etcd_tls import from_settings
+        from app.store.etcd_tls import for_endpoints
 
-        from_settings(self)  # reads and checks the etcd TLS files: ValueError, one line
+        # Reads and checks the etcd TLS files: ValueError, one line.
+        for_endpoints(self.endpoints, self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file)
         if not self.gateway_id:
             self.gateway_id = f"{socket.gethostname()}-{self.port}"
         if not self.public_url:

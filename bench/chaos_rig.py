@@ -159,7 +159,7 @@ class Rig:
         for g in self.gws:
             wait_for(g.ready, 90, f"{g.name} ready", lambda g=g: g.proc is not None and
                      g.proc.alive())  # type: ignore[misc]
-        from app.control.keys import node_token
+        from app.wire.tokens import node_token
 
         for i in range(2):
             node = f"node-{i + 1}"

@@ -183,7 +183,7 @@ async def edits(count: int, preload_nodes: int, engine_polls: bool = False) -> l
 
     from app.main import create_app
     from app.settings import Settings
-    from tests.support.etcd import EtcdServer, find_etcd_binary
+    from tests.support.etcd_server import EtcdServer, find_etcd_binary
 
     binary = find_etcd_binary()
     if binary is None:

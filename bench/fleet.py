@@ -131,7 +131,7 @@ class Fleet:
         return gw
 
     def start_agent(self) -> None:
-        from app.control.keys import node_token
+        from app.wire.tokens import node_token
 
         env = self.base_env() | {"LLMGW_AGENT_TOKEN": node_token(self.secret, "node-1"),
                                  "LLMGW_VLLM_BIN": str(FAKE_VLLM),

@@ -184,7 +184,7 @@ class Llmgw:
             gw_env).start())
         wait_for(lambda: http("GET", self.url + "/readyz")[0] == 200, 40, "llmgw /readyz",
                  self.gateway.alive)
-        from app.control.keys import node_token
+        from app.wire.tokens import node_token
 
         agent_env = base | {"LLMGW_AGENT_TOKEN": node_token(self.secret, "bench"),
                             "LLMGW_VLLM_BIN": str(BENCH / "bin" / "vllm"),

@@ -59,7 +59,7 @@ from peers import Process, free_port, http, wait_for  # noqa: E402
 
 from app import __version__  # noqa: E402
 from app.agent.gateway_client import GatewayClient, GatewayUnreachable  # noqa: E402
-from app.control.keys import node_token  # noqa: E402
+from app.wire.tokens import node_token  # noqa: E402
 
 SECRET = "soak-secret-0123456789abcdef"
 ADMIN = "soak-admin-token-0123456789"

@@ -15,10 +15,10 @@ import httpx
 
 from app.control import state as s
 from app.control import storeid
-from app.control.keys import node_token
 from app.main import GatewayApp, create_app
 from app.settings import Settings
 from app.store.base import Put
+from app.wire.tokens import node_token
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import until
 

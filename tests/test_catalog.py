@@ -26,6 +26,7 @@ from app.control.plan import plan
 from app.gateway import Gateway
 from app.main import GatewayApp, create_app
 from app.settings import Settings
+from app.wire import catalog as rules
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import ROOT
 
@@ -349,16 +350,16 @@ def test_a_bad_catalog_file_stops_the_gateway_naming_the_field(tmp_path: Path) -
     ({"models": {f"m{i}": {"model": "w"} for i in range(128)}}, "at most 127"),
 ])
 def test_a_catalog_is_parsed_whole_or_not_at_all(data: object, says: str) -> None:
-    with pytest.raises(catalog.CatalogError, match=says.replace(".", r"\.")):
-        catalog.parse_catalog(data, ["/models"])
+    with pytest.raises(rules.CatalogError, match=says.replace(".", r"\.")):
+        rules.parse_catalog(data, ["/models"])
 
 
 def test_a_file_that_is_not_yaml_is_named(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("models: {m: [")
-    with pytest.raises(catalog.CatalogError, match="is not valid YAML"):
+    with pytest.raises(rules.CatalogError, match="is not valid YAML"):
         catalog.load_file(path, [])
-    with pytest.raises(catalog.CatalogError, match="cannot read"):
+    with pytest.raises(rules.CatalogError, match="cannot read"):
         catalog.load_file(tmp_path / "absent.yaml", [])
 
 
@@ -386,7 +387,7 @@ def test_old_stored_specs_and_replicas_load_and_mean_the_same() -> None:
     assert [(p.engine, p.gpu_count, p.engine_args) for p in spec.profile_list] == [
         ("vllm", 2, [])]
     assert (spec.replica_range.min, spec.replica_range.max) == (1, 2)
-    assert catalog.check_spec(spec, ["/models"]) == []
+    assert rules.check_spec(spec, ["/models"]) == []
     rep = s.Replica.model_validate_json(old_replica)
     assert run_plan({"m": spec}, [gpu_node("n1", 2)], {rep.id: rep}).empty
     # An old CPU spec: gpus normalised to 0, as that version stored it.
@@ -395,7 +396,7 @@ def test_old_stored_specs_and_replicas_load_and_mean_the_same() -> None:
         b'"aliases":[],"revision":null,"name":"c","created":1.0}')
     assert [(p.engine, p.gpu_count) for p in cpu.profile_list] == [("llamacpp", 0)]
     # And the export of an old spec reads back as the same spec.
-    again = catalog.parse_catalog(catalog.export({"m": spec}), ["/models"])["m"]
+    again = rules.parse_catalog(catalog.export({"m": spec}), ["/models"])["m"]
     assert again.profile_list == spec.profile_list and again.replica_range == spec.replica_range
 
 

@@ -13,7 +13,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from app.loadwire import Counts, parse_vllm_metrics
 from app.router.choice import (
     Candidate,
     EngineLoad,
@@ -24,6 +23,7 @@ from app.router.choice import (
 )
 from app.router.engine_load import EngineLoadPoller
 from app.router.table import Endpoint, RouteTable
+from app.wire.loads import Counts, parse_vllm_metrics
 
 NOW = 100.0
 

@@ -13,8 +13,8 @@ import pytest
 from rich.table import Table
 
 from app import __version__
-from app.control.keys import node_token
 from app.ctl.common import out
+from app.wire.tokens import node_token
 from tests.support.procs import (
     ADMIN,
     ROOT,

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.control.keys import node_token
 from app.control.state import MAX_GPUS, MAX_REPLICAS_REPORTED, MAX_TEXT
+from app.wire.tokens import node_token
 from tests.support.procs import ADMIN, SECRET, Cluster, GatewayProc, make_key
 
 MB = 1024 * 1024

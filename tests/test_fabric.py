@@ -15,7 +15,7 @@ from app.agent import fabric
 from app.agent.engines import EngineSpec
 from app.agent.nodeapi import NodeApi, NodeApiConfig
 from app.api.fabric import directions
-from app.control.keys import node_token
+from app.wire.tokens import node_token
 from tests.support.procs import SECRET, Cluster, GatewayProc, wait_for
 from tests.test_ctl import ctl
 

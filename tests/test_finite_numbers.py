@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 
-from app.control.keys import node_token
 from app.main import GatewayApp, create_app
 from app.settings import Settings
+from app.wire.tokens import node_token
 from tests.support.procs import until
 
 SECRET = "finite-secret-0123456789"

@@ -32,7 +32,7 @@ def rig(tmp: Path) -> tuple[Path, dict[str, str]]:
         real = shutil.which(name)
         assert real, name
         (bindir / name).symlink_to(real)
-    for path in (bindir / "apt-get", repo / ".venv/bin/python"):
+    for path in (bindir / "apt-get", repo / ".venv/bin/python", repo / ".venv/bin/lint-imports"):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(stub)
         path.chmod(0o755)
@@ -98,8 +98,10 @@ def test_ci_runs_the_readme_test_command_and_gets_everything(tmp_path: Path) -> 
     assert {"etcd-server", "curl", "cmake"} <= apt_packages(lines), lines
     pips = " ".join(pip_installs(lines))
     assert "-e .[cpu]" in pips and "-e .[test]" in pips, pips
-    ran = [line.split()[2] for line in lines if line.startswith("python -m ")]
-    assert ran[-3:] == ["ruff", "mypy", "pytest"], lines  # the tests run after both installs
+    ran = [line.split()[2] if line.startswith("python -m ") else line.split()[0]
+           for line in lines if line.startswith(("python -m ", "lint-imports"))]
+    # The tests run after both installs, the import rules beside lint and types.
+    assert ran[-4:] == ["ruff", "mypy", "lint-imports", "pytest"], lines
 
     readme = (ROOT / "README.md").read_text()
     commands = re.findall(r"```sh\n(bash scripts/[^\n]*)\n```", readme)

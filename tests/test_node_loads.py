@@ -21,12 +21,12 @@ from app.agent.nodeapi import NodeApi, NodeApiConfig
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.loadwire import MAX_ANSWER, BadAnswer, Counts, read_loads_answer
 from app.publish import NodeAgents
 from app.router.choice import EngineLoad
 from app.router.engine_load import LEGACY_RECHECK, EngineLoadPoller, NodeAgent
 from app.router.table import Endpoint, RouteTable
 from app.store.embedded import EmbeddedStore
+from app.wire.loads import MAX_ANSWER, BadAnswer, Counts, read_loads_answer
 from tests.test_choice import METRICS  # vLLM's gauges: 5 running, 4 waiting, KV 0.5
 
 DEAD = "http://127.0.0.1:9"  # nothing listens: connection refused

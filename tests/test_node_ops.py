@@ -16,7 +16,8 @@ import pytest
 
 from app.agent import logfiles
 from app.agent.engines import open_log
-from app.control.keys import engine_key, node_token
+from app.control.keys import engine_key
+from app.wire.tokens import node_token
 from tests.support.procs import SECRET, Cluster, GatewayProc, put_model, wait_for, wait_ready
 
 

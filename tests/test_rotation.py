@@ -8,8 +8,9 @@ import itertools
 import re
 
 from app.control import state as s
-from app.control.keys import SecretRing, engine_key, node_token, secret_id
+from app.control.keys import SecretRing, engine_key, secret_id
 from app.control.plan import Plan, plan
+from app.wire.tokens import node_token
 
 OLD = "old-secret-0123456789abcdef"
 NEW = "new-secret-fedcba9876543210"

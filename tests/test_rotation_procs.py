@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from app.control.keys import engine_key, node_token, secret_id
+from app.control.keys import engine_key, secret_id
+from app.wire.tokens import node_token
 from tests.support.procs import (
     SECRET,
     Cluster,

@@ -36,7 +36,7 @@ from schemathesis.checks import (
 )
 from schemathesis.generation import GenerationMode
 
-from app.control.keys import node_token
+from app.wire.tokens import node_token
 from tests.support.procs import ADMIN, SECRET, Cluster, GatewayProc, make_key
 
 NODE = "fuzz-node"

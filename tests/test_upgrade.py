@@ -31,8 +31,8 @@ from app.agent.upgrade import (
 )
 from app.control import agentversion
 from app.control import state as s
-from app.control.keys import node_token
 from app.control.placement import Fit, NoFit, Placer
+from app.wire.tokens import node_token
 from tests.support.procs import (
     ADMIN,
     ROOT,

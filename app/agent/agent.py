@@ -39,7 +39,8 @@ from app.agent.gateway_client import (
 from app.agent.loads import LoadTarget
 from app.agent.nodeops import NodeOps
 from app.agent.running import Running
-from app.control.state import DEFAULT_VLLM_VERSION, MAX_DETAIL, NodeInfo, Phase, ReplicaStatus, fit
+from app.wire.names import Phase
+from app.wire.nodes import DEFAULT_VLLM_VERSION, MAX_DETAIL, NodeInfo, ReplicaStatus, fit
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.control.agentversion import parse
-from app.control.state import DEFAULT_VLLM_VERSION, check_vllm_version
+from app.wire.nodes import DEFAULT_VLLM_VERSION, check_vllm_version
+from app.wire.versions import parse
 
 logger = logging.getLogger(__name__)
 

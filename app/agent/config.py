@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.agent.nodeops import NodeOpsConfig
-from app.control.state import Engine, GpuInfo
+from app.wire.names import Engine
+from app.wire.nodes import GpuInfo
 
 
 @dataclass

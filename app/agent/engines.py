@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from app.agent.health import describe_exit
-from app.control.state import Engine, GpuInfo
+from app.wire.names import Engine
+from app.wire.nodes import GpuInfo
 
 logger = logging.getLogger(__name__)
 

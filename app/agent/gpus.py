@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from app.control.state import MAX_GPUS, MAX_TEXT, GpuInfo, fit
+from app.wire.nodes import MAX_GPUS, MAX_TEXT, GpuInfo, fit
 
 logger = logging.getLogger(__name__)
 

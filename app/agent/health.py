@@ -23,7 +23,7 @@ from typing import Literal
 
 import aiohttp
 
-from app.control.state import Engine
+from app.wire.names import Engine
 
 # Consecutive failed liveness probes (one per observe interval, 1 s) before a
 # ready replica is demoted to `starting` and leaves the routers. Higher: a

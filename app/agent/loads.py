@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 import aiohttp
 
-from app.loadwire import MAX_METRICS, Counts, parse_vllm_metrics, read_capped
+from app.wire.loads import MAX_METRICS, Counts, parse_vllm_metrics, read_capped
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from app import __version__, loadwire
+from app import __version__
 from app.agent import fabric, logfiles, upgrade, weights
 from app.agent.engines import EngineSpec
 from app.agent.loads import LoadGatherer
+from app.wire import loads as loadwire
 
 logger = logging.getLogger(__name__)
 

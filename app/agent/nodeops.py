@@ -26,7 +26,7 @@ from app.agent.gpus import Hardware, host_only, refreshed
 from app.agent.loads import LoadGatherer, ReadyEngines
 from app.agent.nodeapi import NodeApi, NodeApiConfig, NodeView
 from app.agent.weights import default_cache_dir
-from app.control.state import GpuInfo
+from app.wire.nodes import GpuInfo
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from app.agent.engines import EngineProcess
-from app.control.state import Phase
+from app.wire.names import Phase
 
 
 @dataclass

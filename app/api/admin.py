@@ -25,6 +25,7 @@ from app.control import state as s
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.store.base import Compare, Delete, Op, Put
+from app.wire import catalog as rules
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -134,8 +135,8 @@ def routes(gw: Gateway) -> APIRouter:
         return Response(json.dumps(body, indent=2), media_type="application/json")
 
     async def check_spec(spec: s.ModelSpec) -> None:
-        errors = catalog.check_spec(spec, gw.settings.model_root_list,
-                                    gw.settings.provider_key_dir)
+        errors = rules.check_spec(spec, gw.settings.model_root_list,
+                                  gw.settings.provider_key_dir)
         key_file = spec.external.api_key_file if spec.external is not None else None
         if not errors and key_file is not None:
             # The file as this gateway finds it, off the loop: one the policy
@@ -144,7 +145,7 @@ def routes(gw: Gateway) -> APIRouter:
             # status says why meanwhile.
             got = await gw.provider_keys.read_now(key_file)
             if got.refused:
-                errors = [catalog.FieldError(("external", "api_key_file"), got.error)]
+                errors = [rules.FieldError(("external", "api_key_file"), got.error)]
         if errors:
             raise Problem(422, "Invalid request body", "; ".join(
                 f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors),

@@ -5,46 +5,21 @@ the replicas it has, but the leader places nothing new there, and the
 placement's reason on that node says why; an inventory without a version
 (built by hand) is not refused.
 
-Versions compare as PEP 440 through `packaging` when it is installed, else
+Versions compare as app/wire/versions.py says: PEP 440 through `packaging`, else
 by their release numbers alone (pre/post/dev parts ignored).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any
 
 from app import __version__
-
-try:
-    from packaging.version import InvalidVersion, Version
-except ImportError:  # pragma: no cover - packaging is present wherever pip is
-    Version = None  # type: ignore[assignment,misc]
-    InvalidVersion = ValueError  # type: ignore[assignment,misc]
-
-_RELEASE = re.compile(r"^v?(\d+(?:\.\d+)*)")
-
-
-def parse(version: str) -> Any:
-    """A comparable key for `version`; ValueError if it is not one."""
-    if Version is not None:
-        try:
-            return Version(version)
-        except InvalidVersion:
-            raise ValueError(f"{version!r} is not a version") from None
-    m = _RELEASE.match(version.strip())
-    if m is None:
-        raise ValueError(f"{version!r} is not a version")
-    nums = [int(x) for x in m.group(1).split(".")]
-    while nums and nums[-1] == 0:
-        nums.pop()
-    return tuple(nums)
+from app.wire.versions import RELEASE, parse
 
 
 def minor_floor(version: str) -> str:
     """major.minor.0 of `version`."""
-    m = _RELEASE.match(version)
+    m = RELEASE.match(version)
     parts = (m.group(1).split(".") if m else ["0"]) + ["0"]
     return f"{parts[0]}.{parts[1]}.0"
 

@@ -35,6 +35,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from app.wire.catalog import KEY_DIR_SETTING as SETTING
+from app.wire.catalog import path_problem, under
+
 logger = logging.getLogger(__name__)
 
 # A provider key is tens of bytes; 4 KiB leaves room for a long JWT.
@@ -44,7 +47,6 @@ MAX_KEY_BYTES = 4096
 # hung mount; shorter withholds a model on a slow one.
 READ_TIMEOUT = 2.0
 
-SETTING = "LLMGW_PROVIDER_KEY_DIR"
 _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
@@ -63,20 +65,6 @@ class KeyFileError(Exception):
         super().__init__(reason)
         self.reason = reason
         self.refused = refused
-
-
-def under(path: str, folder: str) -> bool:
-    return path.startswith(folder.rstrip("/") + "/")
-
-
-def path_problem(path: str, key_dir: str) -> str | None:
-    """Why `path`, as written, may not be a key file (pure: no filesystem)."""
-    if not key_dir:
-        return (f"no provider key folder is configured on the gateways ({SETTING} is empty): "
-                "external models cannot take a key file")
-    if not under(posixpath.normpath(path), key_dir):
-        return f"must lie under the provider key folder {key_dir} ({SETTING})"
-    return None
 
 
 def check_key_dir(key_dir: str, data_dir: os.PathLike[str] | str,

@@ -1,6 +1,6 @@
 """Keys derived from the shared secret, and client key hashing.
 
-Engine keys and node tokens are *derived*, never stored: every gateway that
+Engine keys and node tokens (app/wire/tokens.py) are *derived*, never stored: every gateway that
 knows LLMGW_SECRET computes the same value, so a replica adopted after a
 restart, or reached through another gateway, needs no table, and etcd holds
 nothing that opens an engine. A key taken from one node opens that replica
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from app.wire.tokens import check_node_token, node_token
+
 _ENGINE_LABEL = b"llmgw engine key\x00"
-_NODE_LABEL = b"llmgw node token\x00"
 _ID_LABEL = b"llmgw secret id"
 
 
@@ -26,16 +27,6 @@ def engine_key(secret: str, replica_id: str) -> str:
     """The API key replica `replica_id`'s engine demands (DESIGN invariant 4)."""
     mac = hmac.new(secret.encode(), _ENGINE_LABEL + replica_id.encode(), hashlib.sha256)
     return "llmgw-" + mac.hexdigest()[:40]
-
-
-def node_token(secret: str, node: str) -> str:
-    """The token an agent presents for node `node` (`llmgw ctl node-token`)."""
-    mac = hmac.new(secret.encode(), _NODE_LABEL + node.encode(), hashlib.sha256)
-    return "llmgw-node-" + mac.hexdigest()[:40]
-
-
-def check_node_token(secret: str, node: str, presented: str) -> bool:
-    return hmac.compare_digest(node_token(secret, node), presented)
 
 
 def secret_id(secret: str) -> str:

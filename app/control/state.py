@@ -8,10 +8,6 @@ upgrade.
 
 from __future__ import annotations
 
-import ipaddress
-import re
-from typing import Literal
-
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -19,10 +15,30 @@ from pydantic import (
     field_validator,
 )
 
-# The spelling of names and the model spec live in modules of their own;
-# they are part of this vocabulary, so `state.X` names them too.
-from app.control.names import Engine, Phase, check_labels, check_name
-from app.control.spec import (
+# The spelling of names, the model spec and what agents report travel
+# between processes, so they live in app/wire; they are part of this
+# vocabulary too (a node's inventory is stored as its agent sent it), so
+# `state.X` names them.
+from app.wire.names import Engine, Phase, check_labels, check_name
+from app.wire.nodes import (
+    DEFAULT_VLLM_VERSION,
+    MAX_DETAIL,
+    MAX_GPUS,
+    MAX_REPLICAS_REPORTED,
+    MAX_TEXT,
+    VLLM_VERSION,
+    EngineBuild,
+    GpuInfo,
+    NodeInfo,
+    ReplicaStatus,
+    check_address,
+    check_vllm_version,
+    fit,
+)
+from app.wire.nodes import (
+    Body as _Stored,  # tolerates fields written by a newer gateway
+)
+from app.wire.spec import (
     EngineArg,
     External,
     ModelSpec,
@@ -68,127 +84,63 @@ KEY_SHARES = "keyshares/"
 FABRIC = "fabric/"
 
 __all__ = [
-    "CATALOG_SERIAL", "FABRIC", "GATEWAYS", "KEYS", "KEY_SHARES", "KEY_USAGE", "LEADER",
-    "MAX_DETAIL", "MAX_GPUS", "MAX_REPLICAS_REPORTED", "MAX_TEXT", "MODELS", "NODECONF",
-    "NODES", "QUOTAS", "REPLICAS", "STATUS", "STORE_ID", "USAGE", "ClientKey", "Engine",
-    "EngineArg", "External", "FabricResult", "GatewayInfo", "GpuInfo", "KeyLimits", "KeyShare",
-    "KeyShares", "KeyUsage", "LeaderInfo", "ModelSpec", "ModelUsage", "NodeConf", "NodeInfo",
-    "Phase", "Profile", "Quota", "Replica", "ReplicaRange", "ReplicaStatus", "StoreId",
-    "StoredModel", "Usage", "check_address", "check_engine_arg", "check_labels", "check_name",
-    "check_weights", "engine_arg_name", "fit", "replica_phase",
+    "CATALOG_SERIAL",
+    "DEFAULT_VLLM_VERSION",
+    "FABRIC",
+    "GATEWAYS",
+    "KEYS",
+    "KEY_SHARES",
+    "KEY_USAGE",
+    "LEADER",
+    "MAX_DETAIL",
+    "MAX_GPUS",
+    "MAX_REPLICAS_REPORTED",
+    "MAX_TEXT",
+    "MODELS",
+    "NODECONF",
+    "NODES",
+    "QUOTAS",
+    "REPLICAS",
+    "STATUS",
+    "STORE_ID",
+    "USAGE",
+    "VLLM_VERSION",
+    "ClientKey",
+    "Engine",
+    "EngineArg",
+    "EngineBuild",
+    "External",
+    "FabricResult",
+    "GatewayInfo",
+    "GpuInfo",
+    "KeyLimits",
+    "KeyShare",
+    "KeyShares",
+    "KeyUsage",
+    "LeaderInfo",
+    "ModelSpec",
+    "ModelUsage",
+    "NodeConf",
+    "NodeInfo",
+    "Phase",
+    "Profile",
+    "Quota",
+    "Replica",
+    "ReplicaRange",
+    "ReplicaStatus",
+    "StoreId",
+    "StoredModel",
+    "Usage",
+    "check_address",
+    "check_engine_arg",
+    "check_labels",
+    "check_name",
+    "check_vllm_version",
+    "check_weights",
+    "engine_arg_name",
+    "fit",
+    "replica_phase",
 ]
-
-
-def check_address(value: str) -> str:
-    """A node's address: an IP or a host name; never an address that would make
-    gateways send prompts and engine keys to a cloud metadata service or a
-    multicast group (link-local, multicast, unspecified)."""
-    try:
-        ip = ipaddress.ip_address(value)
-    except ValueError:
-        if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*$", value):
-            raise ValueError(f"address {value!r} is neither an IP address nor a host name"
-                             ) from None
-        return value
-    if ip.is_link_local or ip.is_multicast or ip.is_unspecified:
-        raise ValueError(f"address {value!r} is link-local, multicast or unspecified")
-    return value
-
-
-# Caps on what an agent reports with its node token (docs/architecture.md,
-# Security): each field is bounded, so that a node's inventory or a replica's
-# status stays one small store write (etcd refuses a request over 1.5 MiB by
-# default, and every gateway mirrors every node) and a bad report is a 422
-# naming the field. Agents cut their text to fit (`fit`) before sending.
-MAX_DETAIL = 4096  # a status detail: why, what next, the engine's last log lines
-MAX_TEXT = 1024  # how GPUs were found ("none (why)"), a URL
-MAX_GPUS = 64
-MAX_REPLICAS_REPORTED = 512  # one status report (a node's replicas)
-
-
-def fit(text: str, limit: int) -> str:
-    """`text` cut to `limit` characters: its start (the first line says
-    what happened) and its end (the last log lines), joined by " … "."""
-    if len(text) <= limit:
-        return text
-    head = min(len(text.split("\n", 1)[0]), limit // 4)
-    return text[:head] + " … " + text[len(text) - (limit - head - 3):]
-
-
-class _Stored(BaseModel):
-    # Tolerate fields written by a newer gateway.
-    model_config = ConfigDict(extra="ignore")
-
-
-
-class GpuInfo(_Stored):
-    index: int
-    name: str = Field(default="", max_length=256)
-    memory_mib: int = 0
-    uuid: str = Field(default="", max_length=256)
-    # As last discovered (app/agent/gpus.py); None where unknown (declared
-    # GPUs, MIG mode). Refreshed now and then, not per heartbeat.
-    memory_free_mib: int | None = None
-    utilization: int | None = None  # percent
-
-
-class NodeInfo(_Stored):
-    """An agent's report of its node, refreshed by each heartbeat."""
-
-    name: str
-    gpus: list[GpuInfo] = Field(default_factory=list, max_length=MAX_GPUS)
-    engines: list[Engine] = Field(default_factory=list, max_length=8)
-    address: str = Field(default="", max_length=253)
-    version: str = Field(default="", max_length=64)
-    # Added for node operations (docs/architecture.md); older agents leave
-    # them empty and older gateways ignore them.
-    driver_version: str = Field(default="", max_length=64)
-    cuda_version: str = Field(default="", max_length=64)
-    # How the GPUs were found: "nvml", "nvidia-smi", "declared", "none (why)".
-    gpu_discovery: str = Field(default="", max_length=MAX_TEXT)
-    cpus: int = 0
-    memory_mib: int = 0
-    # The agent's own API (logs, cached weights): http://ADDRESS:PORT.
-    api_url: str = Field(default="", max_length=MAX_TEXT)
-    # The vLLM build replicas would use (docs/architecture.md, "Node
-    # operations"): "cu13", "cu129", "operator" (LLMGW_VLLM_BIN), "" none
-    # usable (no vLLM replicas placed here); None from older agents, which
-    # placement does not judge.
-    vllm_build: str | None = Field(default=None, max_length=64)
-    # The vLLM version that build holds, as installed (read from its
-    # environment, not as asked); "" unknown (the operator's own) or none.
-    vllm_version: str | None = Field(default=None, max_length=64)
-    # What became of the chosen build: installing, its GPU check and output.
-    vllm_build_check: str = Field(default="", max_length=4096)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return check_name(v, "node name")
-
-    @field_validator("address")
-    @classmethod
-    def _address(cls, v: str) -> str:
-        return check_address(v) if v else v
-
-    @property
-    def cpu_only(self) -> bool:
-        return not self.gpus
-
-
-EngineBuild = Literal["auto", "cu13", "cu129", "none"]
-# The vLLM version engine builds install (`vllm==X`) where neither the
-# node's conf nor the gateways' LLMGW_VLLM_VERSION names one: pinned, so
-# that every node runs the same vLLM whatever day it installed it.
-DEFAULT_VLLM_VERSION = "0.33.0"
-# A version pip reads as one `==` pin and a shell as one word.
-VLLM_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!]{0,63}$")
-
-
-def check_vllm_version(v: str) -> str:
-    if not VLLM_VERSION.match(v):
-        raise ValueError(f"{v!r} is not a vLLM version (e.g. {DEFAULT_VLLM_VERSION})")
-    return v
 
 
 class NodeConf(_Stored):
@@ -243,7 +195,7 @@ class Replica(_Stored):
     # The hub revision of the weights (the spec's `revision`), None for the default.
     weights_revision: str | None = None
     # The profile it runs and that profile's extra engine flags (already
-    # checked by app/control/catalog.py), for the agent to pass to the engine.
+    # checked by app/wire/catalog.py), for the agent to pass to the engine.
     profile: str = ""
     engine_args: list[str] = Field(default_factory=list)
     # The id (keys.secret_id, 8 hex digits, not secret) of the shared secret
@@ -257,20 +209,6 @@ class Replica(_Stored):
     # Set when the leader decides to remove it: routers drop it at once, the
     # engine is stopped only after the drain period (DESIGN invariant 3).
     draining_since: float | None = None
-
-
-class ReplicaStatus(_Stored):
-    """A replica as its agent last saw it."""
-
-    id: str = Field(max_length=256)
-    node: str = Field(max_length=128)
-    phase: Phase
-    url: str = Field(default="", max_length=MAX_TEXT)
-    detail: str = Field(default="", max_length=MAX_DETAIL)
-    updated: float = 0.0
-    # Failed, and its agent no longer restarts it (it kept dying): the
-    # leader places it elsewhere (app/control/plan.py).
-    given_up: bool = False
 
 
 class KeyLimits(BaseModel):

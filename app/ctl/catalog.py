@@ -7,7 +7,7 @@ app/ctl/__init__.py.
 names the field); with `--if-match` (the ETag `model show` prints) only if
 the model is still as read (412 otherwise). `catalog apply` checks the
 whole file here first, with the gateway's own rules
-(app/control/catalog.py), so that a bad file changes nothing; only the
+(app/wire/catalog.py), so that a bad file changes nothing; only the
 gateway's model roots are left to the gateway. Each of its writes is
 conditioned on the model's ETag as it compared it.
 """
@@ -23,10 +23,10 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from app.control import catalog as rules
-from app.control import state as s
 from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, fail, out, request, send, sub_app
 from app.ctl.waiting import wait_ready
+from app.wire import catalog as rules
+from app.wire.spec import ModelSpec
 
 model_app = sub_app("One model in the catalog: show, put (create or replace its "
                     "spec), delete.")
@@ -156,7 +156,7 @@ def export(
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
-def parse_catalog(data: Any, where: str) -> dict[str, s.ModelSpec]:
+def parse_catalog(data: Any, where: str) -> dict[str, ModelSpec]:
     """The file's specs, checked as the gateway checks them (but for model
     roots); every error in one line otherwise."""
     try:
@@ -167,7 +167,7 @@ def parse_catalog(data: Any, where: str) -> dict[str, s.ModelSpec]:
         errors = [e for e in exc.errors if e.loc != ("models",)]
         if errors:
             fail(f"{where}: {rules.CatalogError(errors)}")
-        return {str(n): s.ModelSpec.model_validate(raw or {})
+        return {str(n): ModelSpec.model_validate(raw or {})
                 for n, raw in data["models"].items()}
 
 

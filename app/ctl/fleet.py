@@ -13,8 +13,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from app.control.keys import node_token
-from app.control.state import check_name
 from app.ctl.common import (
     DEFAULT_GATEWAY,
     TIMEOUT,
@@ -26,6 +24,8 @@ from app.ctl.common import (
     request,
     when,
 )
+from app.wire.names import check_name
+from app.wire.tokens import node_token
 
 
 def _gib(mib: float) -> str:

@@ -12,8 +12,8 @@ import typer
 from rich.table import Column, Table
 from rich.text import Text
 
-from app.control.state import check_labels, check_name
 from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, request, send, sub_app
+from app.wire.names import check_labels, check_name
 
 node_app = sub_app("A node's placement: cordon, uncordon, drain; its pool and labels "
                    "(conf).")

@@ -33,7 +33,9 @@ from typing import Literal, Protocol
 
 import aiohttp
 
-from app.loadwire import (
+from app.router.choice import EngineLoad
+from app.router.table import Endpoint, RouteTable
+from app.wire.loads import (
     LOADS_PATH,
     MAX_ANSWER,
     MAX_METRICS,
@@ -43,8 +45,6 @@ from app.loadwire import (
     read_capped,
     read_loads_answer,
 )
-from app.router.choice import EngineLoad
-from app.router.table import Endpoint, RouteTable
 
 logger = logging.getLogger(__name__)
 

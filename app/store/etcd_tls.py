@@ -10,16 +10,14 @@ resolved to: see app/store/etcd_channel.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no type information shipped
 
 from app.tls import check_pair, client_context
-
-if TYPE_CHECKING:
-    from app.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +57,14 @@ def load(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) ->
     return EtcdTls(ca, cert_file.read_bytes(), key_file.read_bytes())
 
 
-def from_settings(settings: Settings) -> EtcdTls | None:
-    """`load` on the settings' files: None when none is set; files set for
-    endpoints that are not https:// are refused (they would go unused)."""
-    files = (settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file)
-    if files == (None, None, None):
+def for_endpoints(endpoints: Sequence[str], ca_file: Path | None, cert_file: Path | None,
+                  key_file: Path | None) -> EtcdTls | None:
+    """`load` on the files (LLMGW_ETCD_CA_FILE, _CERT_FILE, _KEY_FILE): None
+    when none is set; files set for `endpoints` (LLMGW_ETCD_ENDPOINTS, as
+    listed) that are not https:// are refused (they would go unused)."""
+    if (ca_file, cert_file, key_file) == (None, None, None):
         return None
-    tls = load(*files)
-    endpoints = settings.endpoints
+    tls = load(ca_file, cert_file, key_file)
     if not endpoints or not endpoints[0].strip().lower().startswith("https://"):
         raise ValueError("LLMGW_ETCD_CA_FILE, LLMGW_ETCD_CERT_FILE and LLMGW_ETCD_KEY_FILE "
                          "are for https:// etcd endpoints; LLMGW_ETCD_ENDPOINTS has none")

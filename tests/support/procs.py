@@ -198,7 +198,7 @@ class Cluster:
 
     def agent(self, node: str, gateways: list[GatewayProc], *extra: str,
               env_extra: dict[str, str] | None = None) -> Proc:
-        from app.control.keys import node_token
+        from app.wire.tokens import node_token
 
         env = self.base_env() | (env_extra or {})
         env.pop("LLMGW_SECRET")

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.control.names import Engine, check_labels, check_name
+from app.wire.names import Engine, check_labels, check_name
 
 # A model hub id: "name" or "org/name", as Hugging Face spells them.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -64,7 +64,7 @@ class ReplicaRange(BaseModel):
 # One engine flag per list item, "--name" or "--name=value": never a bare
 # value (a flag's argument given as the next item could become the weights or
 # another flag's value) and never a short "-x" flag, whose meaning we cannot
-# check. Which names are refused depends on the engine (app/control/catalog.py).
+# check. Which names are refused depends on the engine (app/wire/catalog.py).
 _ENGINE_ARG = re.compile(r"^--[a-z0-9][a-z0-9_-]{0,63}(=[^\x00-\x1f\x7f]{0,1024})?$")
 
 
@@ -150,7 +150,7 @@ class External(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Checked by app/control/catalog.py: http(s), never link-local or metadata.
+    # Checked by app/wire/catalog.py: http(s), never link-local or metadata.
     url: str = Field(..., max_length=2048,
                      description="the provider's address; requests go to URL/v1/...")
     model: str = Field(..., min_length=1, max_length=256, pattern=r"^[^\x00-\x20\x7f]+$",
@@ -179,7 +179,7 @@ class ModelSpec(BaseModel):
     `profiles: [...]` without them. An `external` model has neither, nor
     weights, replicas, scaling or quota. A field left out is stored left out
     (None), so an export reads back as it was written. Rules across fields
-    are checked by app/control/catalog.py, which names the field in error.
+    are checked by app/wire/catalog.py, which names the field in error.
     """
 
     model_config = ConfigDict(extra="forbid")
