@@ -190,6 +190,36 @@ async def test_no_continuation_once_the_deadline_is_near() -> None:
     assert b.words == 0 and rig.observed.continuations == []
 
 
+async def test_a_continuation_that_sends_nothing_ends_at_the_first_byte_limit() -> None:
+    rig = Rig(Timeouts(connect=2, first_byte=0.5, idle=10, request=10, cooldown=5))
+    async with started(rig), engines(rig, Engine(die_after=3), "silent-start"):
+        call = AsgiCall(rig.proxy, {"model": "small", "messages": MESSAGES, "stream": True})
+        assert (await call.next())["status"] == 200
+        body = await call.rest()
+    assert body.endswith(b'"Replica b sent nothing for 0.5 s.", "type": "server_error", '
+                         b'"param": null, "code": "upstream_timeout"}}\n\n')
+    assert rig.observed.seen == [("small", 504)]
+    assert rig.observed.continuations == [("small", "failed")]
+
+
+async def test_the_stand_in_refuses_what_vllm_refuses(rig: Rig) -> None:
+    async with engines(rig, Engine()) as (a,), httpx.AsyncClient(base_url=a.url) as http:
+        both = await http.post("/v1/chat/completions", json={
+            "model": "small", "continue_final_message": True,
+            "messages": [*MESSAGES, {"role": "assistant", "content": "fake-vllm"}]})
+        not_assistant = await http.post("/v1/chat/completions", json={
+            "model": "small", "messages": MESSAGES, "continue_final_message": True,
+            "add_generation_prompt": False})
+        continued = await http.post("/v1/chat/completions", json={
+            "model": "small", "continue_final_message": True, "add_generation_prompt": False,
+            "messages": [*MESSAGES, {"role": "assistant", "content": "fake-vllm small"}]})
+    assert both.status_code == 400 and "Cannot set both" in both.json()["error"]["message"]
+    assert not_assistant.status_code == 400
+    answer = continued.json()
+    assert answer["choices"][0]["message"]["content"] == WHOLE[len("fake-vllm small"):]
+    assert answer["usage"]["completion_tokens"] == 8  # the words after the given two
+
+
 # --- what is sent, what is rewritten: the logic alone -------------------------------
 
 VLLM = Endpoint("a", "http://a", "k", engine="vllm")

@@ -85,7 +85,7 @@ class Splice:
     rewriting of a continuation's events into the same stream."""
 
     __slots__ = ("_done", "_kept", "_size", "body", "chat", "created", "ident", "model", "name",
-                 "no_replica", "resumed", "streamed", "url_tail")
+                 "no_replica", "on", "resumed", "streamed", "url_tail")
 
     def __init__(self, body: dict[str, Any], url_tail: str, model: str, chat: bool) -> None:
         self.body = body
@@ -97,6 +97,7 @@ class Splice:
         self.resumed = False
         self._done = False  # the continuation's [DONE] came
         self.no_replica = False  # a continuation was wanted, but no replica could take it
+        self.on: Endpoint | None = None  # the replica continuing it
         self.streamed = 0  # completion tokens streamed before: one an event with text
         self.ident: Any = None  # the first engine's `id`, `created` and `model`
         self.created: Any = None
@@ -258,6 +259,7 @@ async def resume(splice: Splice, table: RouteTable, client: UpstreamClient, watc
     if ep is None or ep.engine != "vllm" or ep.upstream_model:
         splice.no_replica = True
         return None
+    splice.on = ep
     lease = table.acquire(ep)
     upstream: Response | None = None
     try:

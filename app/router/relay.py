@@ -341,6 +341,7 @@ class Upstreams:
             why = watch.caught()
             if why is None:
                 raise
+            ep = splice.on if splice is not None and splice.on is not None else ep
             if why is Why.CLIENT_GONE:
                 return CLIENT_GONE
             if why is Why.CLIENT_STALLED:
@@ -354,10 +355,10 @@ class Upstreams:
                                "grace", ep.replica_id)
                 await replies.end_badly(send, framed, _STOPPING, "gateway_stopping")
                 return 503
-            if why is Why.IDLE:
+            if why in (Why.IDLE, Why.FIRST_BYTE):  # first byte: of a continuation
                 self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
-                message = (f"Replica {ep.replica_id} sent nothing for "
-                           f"{self._timeouts.idle:g} s.")
+                limit = self._timeouts.idle if why is Why.IDLE else self._timeouts.first_byte
+                message = f"Replica {ep.replica_id} sent nothing for {limit:g} s."
             else:
                 message = self._past_deadline()
             logger.warning("stream from replica %s ended: %s", ep.replica_id, message)
