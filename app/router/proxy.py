@@ -89,6 +89,9 @@ class RequestObserver(Protocol):
     def prompt_counted(self, model: str, tokens: int) -> None:
         """A stream's prompt tokens, counted by its engine after it ended."""
 
+    def continued(self, model: str, outcome: str) -> None:
+        """A stream was continued on another replica: how that ended (relay.py)."""
+
 
 # The model label of a request whose model is unknown: client-chosen strings
 # must not become label values (one time series per typo).
@@ -131,8 +134,8 @@ class Proxy:
         self._hash_key = hash_key
         self._observer = observer
         self._timeouts = timeouts
-        self._upstreams = Upstreams(table, timeouts,
-                                    client or UpstreamClient(timeouts.connect), tracer)
+        self._upstreams = Upstreams(table, timeouts, client or UpstreamClient(timeouts.connect),
+                                    tracer, observer.continued if observer else None)
         # The prompts of streams whose engine reports no usage (llama.cpp).
         self._counts = PromptCounter(self._upstreams.client, self.limits,
                                      count_concurrency, count_timeout,
