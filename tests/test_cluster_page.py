@@ -108,6 +108,6 @@ def test_the_page_is_served_under_a_strict_policy(gw: GatewayProc) -> None:
     assert httpx.get(gw.url + "/cluster/cluster.js").headers["content-type"].startswith(
         "text/javascript")
     # Only the page's own files: no path reaches anything else.
-    for name in ("cluster.py", "..%2Fcluster.py", "..%2F..%2Fsettings.py"):
+    for name in ("cluster.py", "..%2Fcluster.py", "..%2F..%2Fcli.py"):
         r = httpx.get(f"{gw.url}/cluster/{name}")
         assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
