@@ -82,9 +82,11 @@ def test_sort_out_splits_current_from_stale_ready_then_busiest_first() -> None:
         "moving": rep("moving", node="n2"), "dying": rep("dying", node="n3"),
         "rotated": s.Replica(id="rotated", model="m", node="n1", gpus=[4], weights="org/m",
                              secret="s0"),
+        "leaving": rep("leaving", gpu=5, draining_since=1.0),  # neither: already going
     }
     mine = sort_out(model("m"), list(live), live,
-                    ready={"idle", "busy", "unknown", "old", "moving", "dying", "rotated"},
+                    ready={"idle", "busy", "unknown", "old", "moving", "dying", "rotated",
+                           "leaving"},
                     loads={"idle": 0.0, "busy": 7.0}, nodeconfs={"n2": s.NodeConf(draining=True)},
                     failed={"dying"}, secret_id="", unrecorded_secret_id="")
     # A load not known counts as the busiest; one not ready serves nothing.

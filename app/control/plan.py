@@ -22,6 +22,7 @@ from app.control.plan_phases import (
     orphans,
     placing_order,
     ready_replicas,
+    replicas_by_model,
     sort_out,
     sweep,
     trim,
@@ -145,17 +146,13 @@ def plan(
     # replicas by model (a model's own are added to `live` only while it is
     # planned; others' only change their draining_since), and the fleet's
     # fits, kept up to date as replicas are placed.
-    by_model: dict[str, list[str]] = {}
-    for rid, r in live.items():
-        by_model.setdefault(r.model, []).append(rid)
+    by_model = replicas_by_model(live)
     fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now)
 
     for name, spec in placing_order(models):
         want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
-        mine = sort_out(spec, [rid for rid in by_model.get(name, ())
-                               if live[rid].draining_since is None], live,
-                        ready=ready, loads=loads or {}, nodeconfs=confs,
-                        failed=failed, secret_id=secret_id,
+        mine = sort_out(spec, by_model.get(name, []), live, ready=ready, loads=loads or {},
+                        nodeconfs=confs, failed=failed, secret_id=secret_id,
                         unrecorded_secret_id=unrecorded_secret_id)
         kept = trim(mine, want, ready)
         out.drain += kept.drain

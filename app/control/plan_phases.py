@@ -89,6 +89,14 @@ def orphans(live: Mapping[str, s.Replica], models: Mapping[str, s.StoredModel]) 
                                              or not _placed(models[r.model]))]
 
 
+def replicas_by_model(live: Mapping[str, s.Replica]) -> dict[str, list[str]]:
+    """Each model's replicas, draining ones included, in `live`'s order."""
+    out: dict[str, list[str]] = {}
+    for rid, r in live.items():
+        out.setdefault(r.model, []).append(rid)
+    return out
+
+
 # --- 3. the models in the order they are served -----------------------------------
 
 
@@ -133,12 +141,13 @@ class Mine:
     avoid: set[str]
 
 
-def sort_out(spec: s.StoredModel, mine: Collection[str], live: Mapping[str, s.Replica], *,
+def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Replica], *,
              ready: Collection[str], loads: Mapping[str, float],
              nodeconfs: Mapping[str, s.NodeConf], failed: Collection[str],
              secret_id: str, unrecorded_secret_id: str) -> Mine:
-    """`mine` (the model's replicas not draining) sorted out. A replica
-    `loads` leaves out counts as the busiest: unknown is never idle."""
+    """The model's replicas (`ids`) sorted out, those draining left out. A
+    replica `loads` leaves out counts as the busiest: unknown is never idle."""
+    mine = [rid for rid in ids if live[rid].draining_since is None]
     # Ready ones first, then the busiest, so that a surplus drops those
     # that serve nothing, then the least loaded (their drains end first).
     by_use = sorted(mine, key=lambda rid: (rid not in ready, -loads.get(rid, math.inf), rid))
