@@ -126,10 +126,10 @@ def test_the_page_is_served_under_a_strict_policy(fleet: Fleet) -> None:
         assert r.headers["content-security-policy"] == csp
     # Only the page's own files: no path reaches anything else, written
     # plainly or encoded.
-    for name in ("cluster.py", "..%2Fcluster.py", "..%2F..%2Fsettings.py", "%2e%2e%2fcluster.py"):
+    for name in ("cluster.py", "..%2Fcluster.py", "..%2F..%2Fcli.py", "%2e%2e%2fcluster.py"):
         r = httpx.get(f"{gw.url}/cluster/{name}")
         assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
-    for target in ("/cluster/../../app/settings.py", "/cluster/..%2f..%2fapp%2fsettings.py",
+    for target in ("/cluster/../../app/cli.py", "/cluster/..%2f..%2fapp%2fcli.py",
                    "/cluster/%2e%2e/%2e%2e/pyproject.toml", "/cluster/static/../cluster.py",
                    "/cluster/..\\..\\pyproject.toml"):
         status, body = raw_get(gw.url, target)

@@ -30,7 +30,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Seconds; see app/settings.py ("router") for what each value costs."""
+    """Seconds; see app/settings/router.py for what each value costs."""
 
     connect: float = 5.0
     first_byte: float = 300.0

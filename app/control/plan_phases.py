@@ -1,0 +1,190 @@
+"""The phases of one reconcile pass, in the order `plan.plan()` runs them,
+but the last (placing a model's missing replicas: app/control/plan_place.py).
+
+Each takes what it reads as arguments and returns what it decided, as
+`plan()` adds it to the pass's `Plan`. All pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from app.control import state as s
+
+
+@dataclass
+class Plan:
+    create: list[s.Replica] = field(default_factory=list)
+    drain: list[str] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    # Why a model's missing replica cannot be placed (place()'s NoFit).
+    unplaced: dict[str, str] = field(default_factory=dict)
+    # Rollout decisions worth a log line: a drain-first fallback, a wait.
+    reasons: dict[str, str] = field(default_factory=dict)
+    # Why a drained replica goes, where its model's status should say so.
+    drain_reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.create or self.drain or self.delete)
+
+
+# --- 1. sweep: what is gone ---------------------------------------------------
+
+
+@dataclass
+class Swept:
+    """The replicas the rest of the pass counts (`live`), and those to
+    delete (`delete`, in the order of the replicas given)."""
+
+    live: dict[str, s.Replica]
+    delete: list[str]
+
+
+def sweep(replicas: Mapping[str, s.Replica], nodes: Mapping[str, s.NodeInfo], *,
+          absent_for: Mapping[str, float], node_grace: float, inflight: Mapping[str, int],
+          now: float, drain_seconds: float) -> Swept:
+    """Deletes the replicas of a node absent (`absent_for`) past `node_grace`,
+    left out of `live`, and the draining replicas whose drain is over: none
+    in flight by `inflight`, or `drain_seconds` since it began. Those stay in
+    `live` for the rest of the pass, their GPUs still counted as taken."""
+    out = Swept({}, [])
+    for rid, r in replicas.items():
+        if r.node not in nodes and absent_for.get(r.node, 0.0) >= node_grace:
+            # Gone past its grace: nothing there to drain, nothing routes to it.
+            out.delete.append(rid)
+            continue
+        out.live[rid] = r
+        if r.draining_since is not None and (
+                inflight.get(rid) == 0 or now - r.draining_since >= drain_seconds):
+            out.delete.append(rid)
+    return out
+
+
+def ready_replicas(live: Mapping[str, s.Replica], nodes: Mapping[str, s.NodeInfo],
+                   statuses: Mapping[str, s.ReplicaStatus]) -> set[str]:
+    """The replicas ready as the router sees them: reported ready, on a node
+    heard from."""
+    return {rid for rid, r in live.items()
+            if (st := statuses.get(rid)) is not None and st.phase == "ready"
+            and r.node in nodes}
+
+
+# --- 2. orphans: replicas whose model went ----------------------------------------
+
+
+def _placed(spec: s.StoredModel) -> bool:
+    """Whether the model runs on the fleet's engines (else it is external:
+    served by its provider, nothing to place)."""
+    return spec.model is not None and bool(spec.profile_list)
+
+
+def orphans(live: Mapping[str, s.Replica], models: Mapping[str, s.StoredModel]) -> list[str]:
+    """The replicas not draining yet whose model was deleted or turned
+    external, by id: each drains."""
+    return [rid for rid, r in sorted(live.items())
+            if r.draining_since is None and (r.model not in models
+                                             or not _placed(models[r.model]))]
+
+
+def replicas_by_model(live: Mapping[str, s.Replica]) -> dict[str, list[str]]:
+    """Each model's replicas, draining ones included, in `live`'s order."""
+    out: dict[str, list[str]] = {}
+    for rid, r in live.items():
+        out.setdefault(r.model, []).append(rid)
+    return out
+
+
+# --- 3. the models in the order they are served -----------------------------------
+
+
+def placing_order(models: Mapping[str, s.StoredModel]) -> list[tuple[str, s.StoredModel]]:
+    """The models with replicas to place, by priority (their first
+    profile's), highest first, then by name: a higher one's minimum may
+    displace a lower one's replicas, never the reverse."""
+    return sorted(((name, spec) for name, spec in models.items() if _placed(spec)),
+                  key=lambda item: (-item[1].profile_list[0].priority, item[0]))
+
+
+# --- 4. a model's own replicas: which still run its spec ---------------------------
+
+
+def _matches(spec: s.StoredModel, r: s.Replica, secret_id: str, unrecorded: str) -> bool:
+    """Whether replica `r` still runs what the spec asks for: the engine,
+    GPUs and flags of the profile it was placed with (by name; a replica of
+    an unnamed or renamed profile is held to the first, so renaming the only
+    profile restarts no engine), with a key of the fleet's secret
+    (`secret_id`; `unrecorded` is what a replica recording none is of, see
+    keys.replica_secret_id). A model turned external has no replicas."""
+    profiles = spec.profile_list
+    if not profiles or (r.secret or unrecorded) != secret_id:
+        return False
+    prof = next((p for p in profiles if p.name == r.profile), profiles[0])
+    return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
+        spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_flags)
+
+
+@dataclass
+class Mine:
+    """A model's replicas that are not draining, each either `current` or
+    `stale`, both ready ones first, then the busiest; and the nodes to
+    `avoid`, where the model's replicas kept dying."""
+
+    # Run what the spec asks, under the fleet's secret, on a node not being
+    # drained, not given up on by their agent.
+    current: list[str]
+    # To be replaced, new before old: a changed spec, another secret, a node
+    # being drained, or given up on.
+    stale: list[str]
+    avoid: set[str]
+
+
+def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Replica], *,
+             ready: Collection[str], loads: Mapping[str, float],
+             nodeconfs: Mapping[str, s.NodeConf], failed: Collection[str],
+             secret_id: str, unrecorded_secret_id: str) -> Mine:
+    """The model's replicas (`ids`) sorted out, those draining left out. A
+    replica `loads` leaves out counts as the busiest: unknown is never idle."""
+    mine = [rid for rid in ids if live[rid].draining_since is None]
+    # Ready ones first, then the busiest, so that a surplus drops those
+    # that serve nothing, then the least loaded (their drains end first).
+    by_use = sorted(mine, key=lambda rid: (rid not in ready, -loads.get(rid, math.inf), rid))
+
+    def moving(rid: str) -> bool:
+        conf = nodeconfs.get(live[rid].node)
+        return conf is not None and conf.draining
+
+    current = [rid for rid in by_use
+               if _matches(spec, live[rid], secret_id, unrecorded_secret_id)
+               and not moving(rid)
+               and rid not in failed]
+    return Mine(current=current, stale=[rid for rid in by_use if rid not in current],
+                # Where this model kept dying: elsewhere first, if anywhere else fits.
+                avoid={live[rid].node for rid in mine if rid in failed})
+
+
+# --- 5. the surplus and the stand-ins ----------------------------------------------
+
+
+@dataclass
+class Trimmed:
+    """What of a model's replicas stays: `current` ones, `want` at most, and
+    `keep`, stale ones standing in; the rest `drain`s."""
+
+    current: list[str]
+    # Ready stale replicas, as many as current ones are missing or not ready.
+    keep: list[str]
+    # The surplus of current replicas, then the stale ones not kept.
+    drain: list[str]
+
+
+def trim(mine: Mine, want: int, ready: Collection[str]) -> Trimmed:
+    """Old replicas stand in, ready ones only, for as many new ones as are
+    not ready yet."""
+    current = mine.current[:want]
+    short = max(0, want - sum(rid in ready for rid in current))
+    keep = [rid for rid in mine.stale if rid in ready][:short]
+    return Trimmed(current=current, keep=keep,
+                   drain=mine.current[want:] + [rid for rid in mine.stale if rid not in keep])

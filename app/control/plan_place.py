@@ -1,0 +1,162 @@
+"""The last phase of a reconcile pass (app/control/plan_phases.py has the
+others): placing a model's missing replicas, each where `placement.place()`
+finds room, else saying what the model waits for, or making room by
+displacing lower-priority replicas (placement.displace()).
+
+It adds to the pass's `Plan` and `Fleet` in place: each replica placed or
+displaced changes where the next one fits.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.control import state as s
+from app.control.displace import displace
+from app.control.placement import Fit, NoFit, Placer, place
+from app.control.plan_phases import Plan, Trimmed
+
+_SLUG = re.compile(r"[^a-z0-9]+")
+
+
+def replica_id(model: str, suffix: str) -> str:
+    slug = _SLUG.sub("-", model.lower()).strip("-")[:40] or "model"
+    return f"{slug}-{suffix}"
+
+
+@dataclass
+class Fleet:
+    """What placing reads and changes over a whole pass. `live` gains each
+    replica placed and the drain mark of each one displaced; `placer` holds
+    the fits over `live` (told of each replica placed); `fitting` is
+    place()'s keyword arguments (nodeconfs, quotas, models, agent_versions)."""
+
+    models: Mapping[str, s.StoredModel]
+    nodes: Mapping[str, s.NodeInfo]
+    live: dict[str, s.Replica]
+    placer: Placer
+    fitting: dict[str, Any]
+    now: float
+
+
+def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want: int,
+                  kept: Trimmed, avoid: Collection[str], ready: Collection[str], *,
+                  new_suffix: Callable[[], str], secret_id: str) -> None:
+    """Adds to `out` a replica of `name` for each that `want` finds missing
+    from `kept.current`, away from `avoid` if anywhere else fits, until one
+    fits nowhere: then `_no_room()` says what the model waits for, and a
+    model short of its minimum displaces lower-priority replicas."""
+    live, current, weights = fleet.live, kept.current, spec.model
+    if weights is None:
+        return  # external: plan_phases.placing_order() leaves it out
+    for i in range(want - len(current)):
+        fit: Fit | NoFit = NoFit({})
+        prof = spec.profile_list[0]
+        if avoid:
+            elsewhere = {n: info for n, info in fleet.nodes.items() if n not in avoid}
+            fit, prof = _place_any(Placer(elsewhere, live, **fleet.fitting), name, spec)
+        if isinstance(fit, NoFit):
+            fit, prof = _place_any(fleet.placer, name, spec)
+        if isinstance(fit, NoFit):
+            coming = [rid for rid in current if rid not in ready] + [
+                r.id for r in out.create if r.model == name]
+            _no_room(out, name, spec, fleet.nodes, live, kept.keep, coming, fit, fleet.fitting)
+            if name in out.unplaced and len(current) + i < spec.replica_range.min:
+                _displace(out, name, spec, fleet.models, fleet.nodes, live, fleet.now,
+                          fleet.fitting)
+            break
+        rep = s.Replica(
+            id=replica_id(name, new_suffix()), model=name, node=fit.node,
+            gpus=fit.gpus, engine=prof.engine, weights=weights,
+            weights_revision=spec.revision, profile=prof.name,
+            engine_args=prof.engine_flags, secret=secret_id,
+        )
+        live[rep.id] = rep
+        fleet.placer.add(rep)
+        out.create.append(rep)
+
+
+def _place_any(placer: Placer, name: str, spec: s.StoredModel
+               ) -> tuple[Fit | NoFit, s.Profile]:
+    """The first of the model's profiles, in the order given, that fits
+    somewhere: an operator lists the preferred way first (an H100 pool, then
+    an A10 one). When none fits, every node's reason names each profile's."""
+    profiles = spec.profile_list
+    refusals: list[tuple[s.Profile, NoFit]] = []
+    for prof in profiles:
+        fit = placer.place(name, spec, profile=prof)
+        if not isinstance(fit, NoFit):
+            return fit, prof
+        refusals.append((prof, fit))
+    if len(refusals) == 1:
+        return refusals[0][1], profiles[0]
+    reasons: dict[str, str] = {}
+    for prof, nofit in refusals:
+        for node, why in nofit.reasons.items():
+            reasons[node] = f"{reasons[node]}; " if node in reasons else ""
+            reasons[node] += f"{prof.name}: {why}"
+    return NoFit(reasons), profiles[0]
+
+
+def _displace(out: Plan, name: str, spec: s.StoredModel,
+              models: Mapping[str, s.StoredModel], nodes: Mapping[str, s.NodeInfo],
+              live: dict[str, s.Replica], now: float, fitting: dict[str, Any]) -> None:
+    """Room for a replica of `name`'s minimum, made by draining replicas of
+    lower-priority models above their own minimum (placement.displace())."""
+    # This pass's drains count as leaving, or the same room is picked twice.
+    view = {rid: r.model_copy(update={"draining_since": now})
+            if rid in out.drain and r.draining_since is None else r
+            for rid, r in live.items()}
+    d = displace(name, spec, models, nodes, view, nodeconfs=fitting["nodeconfs"],
+                 quotas=fitting["quotas"])
+    if d is None:
+        return
+    for rid in d.victims:
+        out.drain.append(rid)
+        live[rid] = view[rid].model_copy(update={"draining_since": now})
+        out.reasons[live[rid].model] = f"{rid} displaced: {d.why.get(rid, '')}"
+        out.drain_reasons[rid] = d.why.get(rid, "displaced by a higher-priority model")
+    stopping = d.victims or sorted(rid for rid, r in view.items() if r.node == d.node
+                                   and r.draining_since is not None)
+    out.unplaced[name] += (f"; waiting for {', '.join(stopping)} to stop on {d.node}"
+                           if stopping else "")
+
+
+def _no_room(out: Plan, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo],
+             live: Mapping[str, s.Replica], keep: list[str], coming: list[str],
+             fit: NoFit, fitting: dict[str, Any]) -> None:
+    """No node has room for a replica of the new spec: wait for what is on
+    its way, else fall back to drain first, one old replica at a time, when
+    that makes room."""
+    leaving = sorted(rid for rid, r in live.items() if r.model == name
+                     and (r.draining_since is not None or rid in out.drain))
+    if leaving:
+        # Their GPUs come free once they stop: one at a time, never two.
+        why = f"no room for a new replica ({fit}): waiting for {', '.join(leaving)} to stop"
+        # After a displacement, say both: why it went, and what it waits for.
+        out.reasons[name] = f"{out.reasons[name]}; {why}" if name in out.reasons else why
+        return
+    if not keep:
+        out.unplaced[name] = str(fit)
+        return
+    if coming:
+        # A replacement is on its way: once it is ready an old replica
+        # drains and frees room for the next one, with no gap.
+        out.reasons[name] = (f"no room for another new replica ({fit}): waiting for "
+                             f"{', '.join(coming)} to be ready")
+        return
+    for rid in reversed(keep):
+        others = {k: v for k, v in live.items() if k != rid}
+        if not isinstance(place(name, spec, nodes, others, **fitting), NoFit):
+            keep.remove(rid)
+            out.drain.append(rid)
+            out.reasons[name] = (f"no room for a new replica beside the old ones ({fit}): "
+                                 f"draining {rid} first, so {name} runs one replica short "
+                                 "until its replacement is ready")
+            return
+    out.unplaced[name] = str(fit)
+    out.reasons[name] = (f"no room for the new spec even in place of an old replica "
+                         f"({fit}): the old replicas keep serving")
