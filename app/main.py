@@ -24,6 +24,7 @@ from app.api import openapi as api_openapi
 from app.api.edge import Edge
 from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
+from app.control.ops.catalog_ops import CatalogOps
 from app.gateway import Gateway
 from app.router import openapi as v1_openapi
 from app.router.proxy import Proxy
@@ -141,7 +142,7 @@ def create_app(settings: Settings) -> GatewayApp:
             body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    app.include_router(admin.routes(gw))
+    app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
     app.include_router(keys.routes(gw))
     app.include_router(fleet.routes(gw))
     app.include_router(agent.routes(gw))

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from app.api.auth import admin_guard, bearer
 from app.api.errors import Problem
 from app.api.openapi import problems
-from app.api.writes import Deadline, Precondition, etag
+from app.api.refusals import answered
+from app.api.writes import deadline, etag, precondition
 from app.control import fleet
 from app.control import state as s
 from app.store.base import Compare, Delete, Put
@@ -94,21 +95,23 @@ def routes(gw: Gateway) -> APIRouter:
         request's If-Match / If-None-Match must accept (412). A race lost to
         another gateway waits for the winner's write and decides again.
         Nothing is written past the request's deadline (408)."""
-        pre = Precondition.of(request)
-        deadline = Deadline(request, gw.settings.admin_write_deadline)
+        pre = precondition(request)
+        until = deadline(request, gw.settings.admin_write_deadline)
         if pre.given:  # an ETag read elsewhere is compared with the store's
             latest = await gw.store.get(key)
             if latest is not None:
                 await gw.mirror.wait_for(latest.mod_revision, _SETTLE)
         for _ in range(_TRIES):
             kv = gw.mirror.get(key)
-            pre.check(kv, key)
+            with answered():
+                pre.check(kv, key)
             new = decide(kv.value if kv is not None else None)
             if new == (kv.value if kv is not None else None):
                 return
             cond = (Compare.modified_at(key, kv.mod_revision) if kv is not None
                     else Compare.absent(key))
-            deadline.check()
+            with answered():
+                until.check()
             res = await gw.store.txn([cond], [Put(key, new) if new is not None else Delete(key)])
             if res.succeeded:
                 await gw.mirror.wait_for(res.revision, _SETTLE)

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.api.openapi import problems
-from app.api.writes import Deadline
+from app.api.refusals import answered
+from app.api.writes import deadline as deadline_of
 from app.control import state as s
 from app.control.key_usage import add, totals
 from app.control.keys import hash_client_key, new_client_key
@@ -87,7 +88,7 @@ def routes(gw: Gateway) -> APIRouter:
 
     @r.post("/keys", status_code=201, response_model=KeyCreated)
     async def create_key(req: KeyRequest, request: Request) -> KeyCreated:
-        deadline = Deadline(request, gw.settings.admin_write_deadline)
+        deadline = deadline_of(request, gw.settings.admin_write_deadline)
         now = time.time()
         if req.expires is not None and req.expires_in is not None:
             raise Problem(422, "Invalid request body", "give expires or expires_in, not both")
@@ -102,7 +103,8 @@ def routes(gw: Gateway) -> APIRouter:
         try:
             # Create-only: a retry of this very write (the store client retries
             # a call whose answer was lost) is refused, and read back below.
-            deadline.check()  # a key no client will see is not made
+            with answered():
+                deadline.check()  # a key no client will see is not made
             res = await gw.store.txn([Compare.absent(name)], [Put(name, value)])
             rev = res.revision if res.succeeded else await read_back(name, value)
         except StoreUnavailable as exc:
@@ -205,13 +207,14 @@ def routes(gw: Gateway) -> APIRouter:
     async def delete_key(key_id: str, request: Request) -> Response:
         """Revokes the key on every gateway (by watch, within a fraction of a
         second); its usage records stay."""
-        deadline = Deadline(request, gw.settings.admin_write_deadline)
+        deadline = deadline_of(request, gw.settings.admin_write_deadline)
         for digest, rec in gw.mirror.client_keys().items():
             kv = gw.mirror.get(s.KEYS + digest)
             if rec.id != key_id or kv is None:
                 continue
             # The very record read: a key re-created meanwhile is not deleted.
-            deadline.check()
+            with answered():
+                deadline.check()
             res = await gw.store.txn([Compare.created_at(kv.key, kv.create_revision)],
                                      [Delete(kv.key)])
             if res.succeeded:
