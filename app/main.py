@@ -25,6 +25,7 @@ from app.api.edge import Edge
 from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
 from app.control.ops.catalog_ops import CatalogOps
+from app.control.ops.key_ops import KeyOps
 from app.gateway import Gateway
 from app.router import openapi as v1_openapi
 from app.router.proxy import Proxy
@@ -143,7 +144,7 @@ def create_app(settings: Settings) -> GatewayApp:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
-    app.include_router(keys.routes(gw))
+    app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn)))
     app.include_router(fleet.routes(gw))
     app.include_router(agent.routes(gw))
     app.include_router(nodes.routes(gw))
