@@ -26,6 +26,7 @@ from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.ops.key_ops import KeyOps
+from app.control.ops.node_ops import FleetOps
 from app.gateway import Gateway
 from app.router import openapi as v1_openapi
 from app.router.proxy import Proxy
@@ -145,7 +146,7 @@ def create_app(settings: Settings) -> GatewayApp:
 
     app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
     app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn)))
-    app.include_router(fleet.routes(gw))
+    app.include_router(fleet.routes(gw, FleetOps(gw)))
     app.include_router(agent.routes(gw))
     app.include_router(nodes.routes(gw))
     app.include_router(fabric.routes(gw))
