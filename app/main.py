@@ -24,6 +24,7 @@ from app.api import openapi as api_openapi
 from app.api.edge import Edge
 from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
+from app.control.ops.agent_ops import AgentOps
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
@@ -147,7 +148,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
     app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn)))
     app.include_router(fleet.routes(gw, FleetOps(gw)))
-    app.include_router(agent.routes(gw))
+    app.include_router(agent.routes(gw, AgentOps(gw, gw.settings.node_ttl)))
     app.include_router(nodes.routes(gw))
     app.include_router(fabric.routes(gw))
 
