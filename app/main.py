@@ -32,6 +32,7 @@ from app.gateway import Gateway
 from app.router import openapi as v1_openapi
 from app.router.proxy import Proxy
 from app.settings import Settings
+from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.v1 = gw.proxy
     app.edge = Edge(gw.admin_token, gw.secrets, settings.admin_max_body,
                     settings.agent_max_body)
-    errors.install(app)
+    errors.install(app, unavailable=StoreUnavailable, full=StoreFull)
     docs.install(app)
     cluster.install(app)
 
@@ -147,10 +148,11 @@ def create_app(settings: Settings) -> GatewayApp:
 
     app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
     app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn)))
-    app.include_router(fleet.routes(gw, FleetOps(gw)))
+    fleet_ops = FleetOps(gw)
+    app.include_router(fleet.routes(gw, fleet_ops))
     app.include_router(agent.routes(gw, AgentOps(gw, gw.settings.node_ttl)))
     app.include_router(nodes.routes(gw))
-    app.include_router(fabric.routes(gw))
+    app.include_router(fabric.routes(gw, fleet_ops))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -108,3 +108,17 @@ async def test_a_record_that_never_settles_is_busy(
         await ops.set_quota("team", 100, NO_PRECONDITION, no_deadline())
     store.txn = real_txn  # type: ignore[method-assign]
     assert n == 5 and mirror.quotas()["team"].max_gpus == 5
+
+
+async def test_fabric_results_are_kept_per_direction(
+        parts: tuple[EmbeddedStore, Mirror]) -> None:
+    store, mirror = parts
+    ops = FleetOps(Parts(store, mirror))
+    results = [s.FabricResult.model_validate({"from": a, "to": b, "gbps": 9.5, "bytes": 10,
+                                              "seconds": 1.0, "at": 1.0})
+               for a, b in (("n1", "n2"), ("n2", "n1"))]
+    assert await ops.save_fabric(results, 2.0)
+    assert sorted(kv.key for kv in mirror.items(s.FABRIC)) == [
+        s.FABRIC + "n1/n2", s.FABRIC + "n2/n1"]
+    await store.close()  # the store no longer answers: measured, not saved
+    assert not await ops.save_fabric(results, 2.0)

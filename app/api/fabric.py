@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import APIRouter, Body, Depends
 from pydantic import BaseModel, Field, field_validator
 
-from app.agent.fabric import MAX_BYTES, MAX_SECONDS, SINK_PATH
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.api.nodes import agent_url, call_agent
 from app.api.openapi import problems
 from app.control import state as s
-from app.store.base import StoreUnavailable
+from app.control.ops.node_ops import FleetOps
+from app.fabricwire import MAX_BYTES, MAX_SECONDS, SINK_PATH
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -59,7 +59,7 @@ def directions(nodes: list[str]) -> list[tuple[str, str]]:
     return [d for i, a in enumerate(nodes) for b in nodes[i + 1:] for d in ((a, b), (b, a))]
 
 
-def routes(gw: Gateway) -> APIRouter:
+def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
     r = APIRouter(prefix="/admin", tags=["nodes"], dependencies=[Depends(admin_guard(gw))],
                   responses=problems(400, 404, 409, 502, 504))
     running = asyncio.Lock()
@@ -89,16 +89,7 @@ def routes(gw: Gateway) -> APIRouter:
             for src, dst in directions(req.nodes):
                 results.append(await measure(src, dst, req))
                 logger.info("fabric %s -> %s: %.2f Gb/s", src, dst, results[-1].gbps)
-            saved, rev = True, 0
-            try:
-                for res in results:
-                    rev = await gw.store.put(f"{s.FABRIC}{res.from_}/{res.to}",
-                                             res.model_dump_json(by_alias=True).encode())
-            except StoreUnavailable as exc:  # measured all the same: say so, answer them
-                logger.warning("fabric results not saved: %s", exc)
-                saved = False
-            if saved:
-                await gw.mirror.wait_for(rev, gw.settings.etcd_timeout)
+            saved = await ops.save_fabric(results, gw.settings.etcd_timeout)
         return {"results": [res.model_dump(by_alias=True) for res in results], "saved": saved}
 
     @r.get("/fabric", summary="The last fabric test result of each direction measured")

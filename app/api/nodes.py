@@ -32,12 +32,12 @@ import aiohttp
 from fastapi import APIRouter, Body, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.agent.logfiles import mask
 from app.api.agent import check_engine_url
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.control.agentversion import default_window
+from app.masking import mask
 
 if TYPE_CHECKING:
     from app.gateway import Gateway

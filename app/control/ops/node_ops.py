@@ -1,5 +1,5 @@
-"""Fleet writes: a node's conf (cordon, drain, pool, labels, engine build)
-and capacity quotas (docs/architecture.md, Fleet).
+"""Fleet writes: a node's conf (cordon, drain, pool, labels, engine build),
+capacity quotas, and fabric test results (docs/architecture.md, Fleet).
 
 Every write is decided on the mirror and conditioned on the key's revision
 as read, or on its absence (DESIGN invariant 9): two admins on two gateways
@@ -11,7 +11,8 @@ caller's deadline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -19,7 +20,9 @@ from app.control import state as s
 from app.control.ops.base import SETTLE, State
 from app.control.ops.conditions import Deadline, Precondition
 from app.control.ops.refusals import Busy, NotFound
-from app.store.base import Compare, Delete, Put
+from app.store.base import Compare, Delete, Put, StoreUnavailable
+
+logger = logging.getLogger(__name__)
 
 _TRIES = 5
 
@@ -70,6 +73,21 @@ class FleetOps:
                 raise NotFound("quota", f"no quota is set for scope {scope!r}")
 
         await self._write(s.QUOTAS + scope, decide, cond, deadline)
+
+    async def save_fabric(self, results: Sequence[s.FabricResult], settle: float) -> bool:
+        """Keeps each measured direction under `fabric/{from}/{to}` for
+        placement; False when the store did not answer (the results were
+        measured all the same: the caller says so and answers them)."""
+        rev = 0
+        try:
+            for res in results:
+                rev = await self._state.store.put(f"{s.FABRIC}{res.from_}/{res.to}",
+                                                  res.model_dump_json(by_alias=True).encode())
+        except StoreUnavailable as exc:
+            logger.warning("fabric results not saved: %s", exc)
+            return False
+        await self._state.mirror.wait_for(rev, settle)
+        return True
 
     async def _write(self, key: str, decide: Callable[[bytes | None], bytes | None],
                      pre: Precondition, deadline: Deadline) -> None:
