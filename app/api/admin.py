@@ -37,7 +37,7 @@ class LeaderView(BaseModel):
 
 
 def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
-    require_admin = admin_guard(gw)
+    require_admin = admin_guard(gw.admin_token)
 
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 

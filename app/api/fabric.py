@@ -60,7 +60,8 @@ def directions(nodes: list[str]) -> list[tuple[str, str]]:
 
 
 def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
-    r = APIRouter(prefix="/admin", tags=["nodes"], dependencies=[Depends(admin_guard(gw))],
+    r = APIRouter(prefix="/admin", tags=["nodes"],
+                  dependencies=[Depends(admin_guard(gw.admin_token))],
                   responses=problems(400, 404, 409, 502, 504))
     running = asyncio.Lock()
 

@@ -75,7 +75,7 @@ class QuotaBody(BaseModel):
 
 
 def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
-    admin = admin_guard(gw)
+    admin = admin_guard(gw.admin_token)
 
     def require_admin(creds: Annotated[HTTPAuthorizationCredentials | None,
                                        Depends(bearer)]) -> None:

@@ -59,7 +59,7 @@ class KeyCreated(BaseModel):
 
 
 def routes(gw: Gateway, ops: KeyOps) -> APIRouter:
-    require_admin = admin_guard(gw)
+    require_admin = admin_guard(gw.admin_token)
 
     r = APIRouter(prefix="/admin", tags=["client keys"], dependencies=[Depends(require_admin)])
 

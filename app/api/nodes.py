@@ -154,7 +154,7 @@ async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
 
 
 def routes(gw: Gateway) -> APIRouter:
-    require_admin = admin_guard(gw)
+    require_admin = admin_guard(gw.admin_token)
 
     # The agent's own 4xx pass through (`call_agent`).
     r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)],
