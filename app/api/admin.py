@@ -1,8 +1,9 @@
 """The admin API (`/admin`): catalog, nodes, replicas, leader.
 
-Reads come from the mirror; writes go to the store and then wait (briefly)
-for the mirror to see them, so a GET right after a PUT on the same gateway
-reads what was written.
+Reads come from the mirror; writes are the control plane's operations
+(app/control/ops/catalog_ops.py), which wait (briefly) for the mirror to
+see them, so a GET right after a PUT on the same gateway reads what was
+written. Their refusals are answered as problems (app/api/refusals.py).
 """
 
 from __future__ import annotations
