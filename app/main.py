@@ -147,9 +147,12 @@ def create_app(settings: Settings) -> GatewayApp:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
-    app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn)))
+    admin_token, write_deadline = gw.admin_token, settings.admin_write_deadline
+    app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn), admin_token=admin_token,
+                                   write_deadline=write_deadline))
     fleet_ops = FleetOps(gw)
-    app.include_router(fleet.routes(gw, fleet_ops))
+    app.include_router(fleet.routes(gw, fleet_ops, admin_token=admin_token,
+                                    write_deadline=write_deadline))
     app.include_router(agent.routes(gw, AgentOps(gw, gw.settings.node_ttl)))
     app.include_router(nodes.routes(gw))
     app.include_router(fabric.routes(gw, fleet_ops))

@@ -16,13 +16,14 @@ request's deadline (docs/architecture.md, Catalog writes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.auth import admin_guard, bearer
+from app.api.deps import MirrorState
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
@@ -30,9 +31,6 @@ from app.api.writes import deadline, etag, precondition
 from app.control import fleet
 from app.control import state as s
 from app.control.ops.node_ops import FleetOps
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
 
 
 class NodeConfBody(BaseModel):
@@ -74,13 +72,15 @@ class QuotaBody(BaseModel):
     max_gpus: int = Field(..., ge=0, le=100_000, description="GPUs the scope may hold")
 
 
-def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
-    admin = admin_guard(gw.admin_token)
+def routes(state: MirrorState, ops: FleetOps, *, admin_token: str,
+           write_deadline: float) -> APIRouter:
+    """`write_deadline`: LLMGW_ADMIN_WRITE_DEADLINE."""
+    admin = admin_guard(admin_token)
 
     def require_admin(creds: Annotated[HTTPAuthorizationCredentials | None,
                                        Depends(bearer)]) -> None:
         admin(creds)
-        if not gw.ready:
+        if not state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
@@ -94,8 +94,8 @@ def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
 
     def conf_view(node: str, response: Response) -> dict[str, Any]:
         """The conf (defaults if none is stored), its ETag in the header."""
-        conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
-        if (tag := etag(gw.mirror.get(s.NODECONF + node))) is not None:
+        conf = state.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+        if (tag := etag(state.mirror.get(s.NODECONF + node))) is not None:
             response.headers["ETag"] = tag
         return {"node": node} | conf.model_dump()
 
@@ -105,7 +105,7 @@ def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
         cond = precondition(request)
         with answered():
             await ops.change_conf(node, edit, cond,
-                                  deadline(request, gw.settings.admin_write_deadline))
+                                  deadline(request, write_deadline))
         return conf_view(node, response)
 
     @r.get("/nodes/{node}/conf", responses=problems(404))
@@ -154,10 +154,10 @@ def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
     async def quotas() -> list[dict[str, Any]]:
         """Every scope: its limit (null: none), GPUs held by its models'
         replicas (draining ones excluded) and those models."""
-        return [q | ({"etag": tag} if (tag := etag(gw.mirror.get(s.QUOTAS + q["scope"])))
+        return [q | ({"etag": tag} if (tag := etag(state.mirror.get(s.QUOTAS + q["scope"])))
                      else {})
-                for q in fleet.quota_report(gw.mirror.models(), gw.mirror.replicas(),
-                                            gw.mirror.quotas())]
+                for q in fleet.quota_report(state.mirror.models(), state.mirror.replicas(),
+                                            state.mirror.quotas())]
 
     def check_scope(scope: str) -> None:
         try:
@@ -172,8 +172,8 @@ def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
         cond = precondition(request)
         with answered():
             await ops.set_quota(scope, body.max_gpus, cond,
-                                deadline(request, gw.settings.admin_write_deadline))
-        if (tag := etag(gw.mirror.get(s.QUOTAS + scope))) is not None:
+                                deadline(request, write_deadline))
+        if (tag := etag(state.mirror.get(s.QUOTAS + scope))) is not None:
             response.headers["ETag"] = tag
         return {"scope": scope, "max_gpus": body.max_gpus}
 
@@ -182,7 +182,7 @@ def routes(gw: Gateway, ops: FleetOps) -> APIRouter:
         cond = precondition(request)
         with answered():
             await ops.delete_quota(scope, cond,
-                                   deadline(request, gw.settings.admin_write_deadline))
+                                   deadline(request, write_deadline))
         return Response(status_code=204)
 
     return r

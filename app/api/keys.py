@@ -11,12 +11,13 @@ invariant 9): an empty list would read as "no keys".
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.auth import admin_guard
+from app.api.deps import MirrorState
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
@@ -24,9 +25,6 @@ from app.api.writes import deadline as deadline_of
 from app.control import state as s
 from app.control.key_usage import add, totals
 from app.control.ops.key_ops import KeyOps
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
 
 
 class LimitsBody(s.KeyLimits):
@@ -58,13 +56,15 @@ class KeyCreated(BaseModel):
     created: float
 
 
-def routes(gw: Gateway, ops: KeyOps) -> APIRouter:
-    require_admin = admin_guard(gw.admin_token)
+def routes(state: MirrorState, ops: KeyOps, *, admin_token: str,
+           write_deadline: float) -> APIRouter:
+    """`write_deadline`: LLMGW_ADMIN_WRITE_DEADLINE."""
+    require_admin = admin_guard(admin_token)
 
     r = APIRouter(prefix="/admin", tags=["client keys"], dependencies=[Depends(require_admin)])
 
     def loaded() -> None:
-        if not gw.ready:
+        if not state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the keys yet; ask another")
 
@@ -73,11 +73,11 @@ def routes(gw: Gateway, ops: KeyOps) -> APIRouter:
         return rec.model_dump() | {"expired": expired}
 
     def find(key_id: str) -> s.ClientKey | None:
-        return next((rec for rec in gw.mirror.client_keys().values() if rec.id == key_id), None)
+        return next((rec for rec in state.mirror.client_keys().values() if rec.id == key_id), None)
 
     @r.post("/keys", status_code=201, response_model=KeyCreated)
     async def create_key(req: KeyRequest, request: Request) -> KeyCreated:
-        deadline = deadline_of(request, gw.settings.admin_write_deadline)
+        deadline = deadline_of(request, write_deadline)
         now = time.time()
         if req.expires is not None and req.expires_in is not None:
             raise Problem(422, "Invalid request body", "give expires or expires_in, not both")
@@ -94,7 +94,7 @@ def routes(gw: Gateway, ops: KeyOps) -> APIRouter:
     async def list_keys() -> list[dict[str, Any]]:
         """Every key with its prefix, limits and expiry; never the key."""
         loaded()
-        return [view(rec) for rec in gw.mirror.client_keys().values()]
+        return [view(rec) for rec in state.mirror.client_keys().values()]
 
     @r.get("/keys/{key_id}", responses=problems(404))
     async def get_key(key_id: str) -> dict[str, Any]:
@@ -111,7 +111,7 @@ def routes(gw: Gateway, ops: KeyOps) -> APIRouter:
         last few seconds may be missing; `gateways` says when each wrote.
         A revoked key's usage stays readable."""
         loaded()
-        records = gw.mirror.parsed(f"{s.KEY_USAGE}{key_id}/", s.KeyUsage)
+        records = state.mirror.parsed(f"{s.KEY_USAGE}{key_id}/", s.KeyUsage)
         rec = find(key_id)
         if rec is None and not records:
             raise Problem(404, "No such key", f"no client key has id {key_id!r}")
@@ -130,7 +130,7 @@ def routes(gw: Gateway, ops: KeyOps) -> APIRouter:
         """Revokes the key on every gateway (by watch, within a fraction of a
         second); its usage records stay."""
         with answered():
-            await ops.revoke(key_id, deadline_of(request, gw.settings.admin_write_deadline))
+            await ops.revoke(key_id, deadline_of(request, write_deadline))
         return Response(status_code=204)
 
     return r
