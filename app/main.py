@@ -154,8 +154,13 @@ def create_app(settings: Settings) -> GatewayApp:
     app.include_router(fleet.routes(gw, fleet_ops, admin_token=admin_token,
                                     write_deadline=write_deadline))
     app.include_router(agent.routes(gw, AgentOps(gw, gw.settings.node_ttl)))
-    app.include_router(nodes.routes(gw))
-    app.include_router(fabric.routes(gw, fleet_ops))
+    caller = nodes.NodeCaller(gw, gw.secrets, settings.node_api_timeout,
+                              settings.node_api_connect_timeout)
+    app.include_router(nodes.routes(caller, gw, gw.secrets, admin_token=admin_token,
+                                    min_agent_version=settings.min_agent_version,
+                                    upgrade_timeout=settings.node_upgrade_timeout))
+    app.include_router(fabric.routes(caller, gw, fleet_ops, admin_token=admin_token,
+                                     settle=settings.etcd_timeout))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
