@@ -24,10 +24,15 @@ from app.api import openapi as api_openapi
 from app.api.edge import Edge
 from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
+from app.control.ops.agent_ops import AgentOps
+from app.control.ops.catalog_ops import CatalogOps
+from app.control.ops.key_ops import KeyOps
+from app.control.ops.node_ops import FleetOps
 from app.gateway import Gateway
 from app.router import openapi as v1_openapi
 from app.router.proxy import Proxy
 from app.settings import Settings
+from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.v1 = gw.proxy
     app.edge = Edge(gw.admin_token, gw.secrets, settings.admin_max_body,
                     settings.agent_max_body)
-    errors.install(app)
+    errors.install(app, unavailable=StoreUnavailable, full=StoreFull)
     docs.install(app)
     cluster.install(app)
 
@@ -141,12 +146,21 @@ def create_app(settings: Settings) -> GatewayApp:
             body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    app.include_router(admin.routes(gw))
-    app.include_router(keys.routes(gw))
-    app.include_router(fleet.routes(gw))
-    app.include_router(agent.routes(gw))
-    app.include_router(nodes.routes(gw))
-    app.include_router(fabric.routes(gw))
+    app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
+    admin_token, write_deadline = gw.admin_token, settings.admin_write_deadline
+    app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn), admin_token=admin_token,
+                                   write_deadline=write_deadline))
+    fleet_ops = FleetOps(gw)
+    app.include_router(fleet.routes(gw, fleet_ops, admin_token=admin_token,
+                                    write_deadline=write_deadline))
+    app.include_router(agent.routes(gw, AgentOps(gw, gw.settings.node_ttl)))
+    caller = nodes.NodeCaller(gw, gw.secrets, settings.node_api_timeout,
+                              settings.node_api_connect_timeout)
+    app.include_router(nodes.routes(caller, gw, gw.secrets, admin_token=admin_token,
+                                    min_agent_version=settings.min_agent_version,
+                                    upgrade_timeout=settings.node_upgrade_timeout))
+    app.include_router(fabric.routes(caller, gw, fleet_ops, admin_token=admin_token,
+                                     settle=settings.etcd_timeout))
     app.include_router(stats.routes(gw))
 
     def openapi() -> dict[str, Any]:

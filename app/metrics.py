@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter as Tally
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,10 +28,46 @@ from app.control.state import Replica, replica_phase
 from app.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
-    from app.gateway import Gateway
+    from app.control.agentversion import Window
+    from app.control.leader import Elector
+    from app.control.mirror import Mirror
+    from app.router.table import RouteTable
+    from app.settings import Settings
+    from app.store.base import Store
+
+
+class Observed(Protocol):
+    """What the metrics read at scrape time. The gateway (app/gateway.py) is
+    one; declared here so this module does not import the gateway that
+    builds it (docs/architecture.md, Folders)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def mirror(self) -> Mirror: ...
+
+    @property
+    def elector(self) -> Elector: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def table(self) -> RouteTable: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def agent_window(self) -> Window: ...
+
 
 class GatewayMetrics:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Observed) -> None:
         # No auto-describe: it would collect at registration, before the gateway runs.
         self.registry = CollectorRegistry(auto_describe=False)
         # The proxy's `RequestObserver` (app/request_metrics.py).
@@ -46,7 +82,7 @@ class GatewayMetrics:
 class _FleetCollector(Collector):
     """The fleet as this gateway's mirror sees it, read at scrape time."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Observed) -> None:
         self._gw = gw
 
     def collect(self) -> Iterator[Metric]:
@@ -122,7 +158,7 @@ class _FleetCollector(Collector):
         yield from _engine_loads(gw, replicas)
 
 
-def _store_health(gw: Gateway) -> Iterator[Metric]:
+def _store_health(gw: Observed) -> Iterator[Metric]:
     """1 while the store refuses writes for lack of space (etcd's NOSPACE
     alarm): alert on it, since the fleet cannot change until an operator
     acts (docs/architecture.md, A month of uptime). And 1 while the store's
@@ -137,7 +173,7 @@ def _store_health(gw: Gateway) -> Iterator[Metric]:
     yield from (nospace, unreachable)
 
 
-def _held(gw: Gateway) -> Iterator[Metric]:
+def _held(gw: Observed) -> Iterator[Metric]:
     """Scale from zero: requests this gateway holds for a replica on its
     way, and those it held that got none in time."""
     held = GaugeMetricFamily("llmgw_requests_held", "Requests this gateway holds while "
@@ -153,7 +189,7 @@ def _held(gw: Gateway) -> Iterator[Metric]:
     yield from (held, timeouts)
 
 
-def _engine_loads(gw: Gateway, replicas: Mapping[str, Replica]) -> Iterator[Metric]:
+def _engine_loads(gw: Observed, replicas: Mapping[str, Replica]) -> Iterator[Metric]:
     """Each engine's own counts as this gateway last polled them (fresh ones
     only: a stale count is unknown, not zero). The same on every gateway."""
     running = GaugeMetricFamily("llmgw_engine_running", "Requests an engine runs (its "

@@ -26,11 +26,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-SINK_PATH = "/node/v1/fabric/sink"
+# The contract with the gateways that run a test (app/wire/fabric.py).
+from app.wire.fabric import MAX_BYTES as MAX_BYTES
+from app.wire.fabric import MAX_SECONDS as MAX_SECONDS
+from app.wire.fabric import SINK_PATH as SINK_PATH
+
 TICKET_TTL = 60.0
 MAX_TICKETS = 16
-MAX_SECONDS = 2.0
-MAX_BYTES = 1 << 30
 CHUNK = 1 << 20
 # The sink gives up on a sender this long after its cap: a stalled stream
 # must not hold the sink (and its one-test-at-a-time slot) for ever.

@@ -18,29 +18,18 @@ import asyncio
 import logging
 import logging.handlers
 import os
-import re
 import shutil
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
-# Engine keys and node tokens (app/control/keys.py) and client keys, by
-# shape: a line naming a key of a replica this agent no longer knows (an
-# old log generation) is masked too.
-_SECRETS = re.compile(r"llmgw-(?:node-)?[0-9a-f]{40}|sk-llmgw-[A-Za-z0-9_-]{20,}")
-MASK = "***"
+# Masking is shared with the gateway that relays these lines (app/wire/masking.py).
+from app.wire.masking import MASK as MASK
+from app.wire.masking import mask as mask
 
 # Most a log answer holds, whatever `lines` asks: an engine may log whole
 # prompts on one line.
 MAX_BYTES = 2 * 2**20
-
-
-def mask(text: str, secrets: Iterable[str] = ()) -> str:
-    """`text` with every known secret and every key-shaped string replaced."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, MASK)
-    return _SECRETS.sub(MASK, text)
 
 
 def generations(path: Path, keep: int) -> list[Path]:

@@ -1,15 +1,15 @@
 """The admin API (`/admin`): catalog, nodes, replicas, leader.
 
-Reads come from the mirror; writes go to the store and then wait (briefly)
-for the mirror to see them, so a GET right after a PUT on the same gateway
-reads what was written.
+Reads come from the mirror; writes are the control plane's operations
+(app/control/ops/catalog_ops.py), which wait (briefly) for the mirror to
+see them, so a GET right after a PUT on the same gateway reads what was
+written. Their refusals are answered as problems (app/api/refusals.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -19,18 +19,17 @@ from pydantic import BaseModel
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.api.openapi import problems
-from app.api.writes import Deadline, Precondition, etag
+from app.api.refusals import answered
+from app.api.writes import deadline, etag, precondition
 from app.control import catalog, fleet
 from app.control import state as s
+from app.control.ops.catalog_ops import CatalogOps
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
-from app.store.base import Compare, Delete, Op, Put
 from app.wire import catalog as rules
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
-
-_SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
 
 
 class LeaderView(BaseModel):
@@ -39,13 +38,10 @@ class LeaderView(BaseModel):
     is_leader: bool
 
 
-def routes(gw: Gateway) -> APIRouter:
-    require_admin = admin_guard(gw)
+def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
+    require_admin = admin_guard(gw.admin_token)
 
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
-
-    async def settle(revision: int) -> None:
-        await gw.mirror.wait_for(revision, _SETTLE)
 
     @r.get("/leader", response_model=LeaderView)
     async def leader() -> LeaderView:
@@ -151,84 +147,32 @@ def routes(gw: Gateway) -> APIRouter:
                 f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors),
                 errors=[e.as_dict(("body",)) for e in errors])
 
-    async def write_catalog(decide: Callable[[], list[Op]], request: Request,
-                            conditioned: bool = False) -> int:
-        """Applies a catalog change decided on the mirror's catalog, conditioned
-        on that catalog being the one the decision read (`catalog/serial`, see
-        state.py). On a race lost to another gateway it waits for the winner's
-        write and decides again, so the loser gets the answer the new catalog
-        gives (409: the alias is now taken; 412: If-Match no longer holds)
-        rather than an overwrite. Never after the request's deadline (408).
-        A `conditioned` write first brings the mirror up to the store, so an
-        ETag read on another gateway is compared with what is stored now."""
-        deadline = Deadline(request, gw.settings.admin_write_deadline)
-        if conditioned:
-            current = await gw.store.get(s.CATALOG_SERIAL)
-            if current is not None:
-                await settle(current.mod_revision)
-        for _ in range(5):
-            serial = gw.mirror.get(s.CATALOG_SERIAL)
-            seen = serial.mod_revision if serial is not None else 0
-            ops = decide()
-            bump = Put(s.CATALOG_SERIAL, json.dumps({"by": gw.settings.gateway_id}).encode())
-            deadline.check()  # the client may have given up while this waited
-            res = await gw.store.txn([Compare.modified_at(s.CATALOG_SERIAL, seen)], [*ops, bump])
-            if res.succeeded:
-                await settle(res.revision)
-                return res.revision
-            # Someone else's write came first: read it, then decide again.
-            current = await gw.store.get(s.CATALOG_SERIAL)
-            await settle(current.mod_revision if current is not None else res.revision)
-        raise Problem(409, "Catalog busy", "the catalog kept changing under this request; retry")
-
     @r.put("/models/{name:path}", response_model=s.StoredModel,
            responses={201: {"model": s.StoredModel, "description": "created"},
                       **problems(400, 409)},
            response_model_exclude_none=True, response_model_exclude_unset=True)
     async def put_model(name: str, spec: s.ModelSpec, request: Request,
                         response: Response) -> dict[str, Any]:
-        cond = Precondition.of(request)
+        cond = precondition(request)
         try:
             s.check_name(name, "model name")
         except ValueError as exc:
             raise Problem(400, "Invalid model name", str(exc)) from None
         await check_spec(spec)
-        result: dict[str, Any] = {}
-
-        def decide() -> list[Op]:
-            cond.check(gw.mirror.get(s.MODELS + name), f"model {name!r}")
-            models = gw.mirror.models()
-            taken = {n: n for n in models} | {
-                a: m.name for m in models.values() for a in m.aliases}
-            for ident in (name, *spec.aliases):
-                owner = taken.get(ident)
-                if owner is not None and owner != name:
-                    raise Problem(409, "Name already in use",
-                                  f"{ident!r} already names model {owner!r}")
-            existed = name in models
-            created = models[name].created if existed else time.time()
-            value = catalog.stored_value(name, created, spec)
-            result.update(stored=json.loads(value), existed=existed)
-            return [Put(s.MODELS + name, value)]
-
-        await write_catalog(decide, request, cond.given)
-        response.status_code = 200 if result["existed"] else 201
-        if (tag := model_etag(name)) is not None:
-            response.headers["ETag"] = tag
-        stored: dict[str, Any] = result["stored"]
-        return stored
+        with answered():
+            done = await ops.put_model(
+                name, spec, cond, deadline(request, gw.settings.admin_write_deadline))
+        response.status_code = 200 if done.existed else 201
+        if done.etag is not None:
+            response.headers["ETag"] = done.etag
+        return done.stored
 
     @r.delete("/models/{name:path}", status_code=204, responses=problems(404, 409))
     async def delete_model(name: str, request: Request) -> Response:
-        cond = Precondition.of(request)
-
-        def decide() -> list[Op]:
-            cond.check(gw.mirror.get(s.MODELS + name), f"model {name!r}")
-            if name not in gw.mirror.models():
-                raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
-            return [Delete(s.MODELS + name)]
-
-        await write_catalog(decide, request, cond.given)
+        cond = precondition(request)
+        with answered():
+            await ops.delete_model(name, cond,
+                                   deadline(request, gw.settings.admin_write_deadline))
         return Response(status_code=204)
 
     # --- fleet -----------------------------------------------------------------------

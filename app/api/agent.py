@@ -25,8 +25,9 @@ from pydantic import BaseModel, Field
 
 from app.api.errors import Problem
 from app.api.openapi import problems
+from app.api.refusals import answered
 from app.control import state as s
-from app.store.base import Compare, LeaseExpired, Put
+from app.control.ops.agent_ops import AgentOps
 
 if TYPE_CHECKING:
     from app.gateway import Gateway
@@ -99,7 +100,7 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
             t.cancel()
 
 
-def routes(gw: Gateway) -> APIRouter:
+def routes(gw: Gateway, ops: AgentOps) -> APIRouter:
     r = APIRouter(prefix="/agent/v1/nodes/{node}", tags=["agents"])
 
     # Nodes seen with a token of the previous secret, logged once each: the
@@ -132,38 +133,9 @@ def routes(gw: Gateway) -> APIRouter:
         authorize(request, node)
         if info.name != node:
             raise Problem(400, "Node name mismatch", f"body names {info.name!r}, path {node!r}")
-        body = info.model_dump_json().encode()
-        answer = {"node": node, "ttl": gw.settings.node_ttl}
-        # The node key is bound to a lease any gateway renews. Read from the
-        # mirror first (no store read in the common case), then from the store
-        # when the mirror proves stale. Every write is conditioned on the key
-        # as read, so a lagging gateway never rewrites the key onto a lease it
-        # no longer holds, nor renews a stale lease believing it keeps the node.
-        current = gw.mirror.get(s.NODES + node)
-        for _ in range(3):
-            if current is not None and current.lease:
-                try:
-                    await gw.store.keepalive(current.lease)
-                    ops = [] if current.value == body else [
-                        Put(s.NODES + node, body, lease=current.lease)]
-                    res = await gw.store.txn(
-                        [Compare.modified_at(s.NODES + node, current.mod_revision)], ops)
-                    if res.succeeded:
-                        return answer
-                except LeaseExpired:
-                    pass
-                current = await gw.store.get(s.NODES + node)
-                if current is not None and current.lease:
-                    continue
-            seen = current.mod_revision if current is not None else 0
-            lease = await gw.store.grant(gw.settings.node_ttl)
-            res = await gw.store.txn([Compare.modified_at(s.NODES + node, seen)],
-                                     [Put(s.NODES + node, body, lease=lease)])
-            if res.succeeded:
-                return answer
-            await gw.store.revoke(lease)  # another gateway bound the node first
-            current = await gw.store.get(s.NODES + node)
-        raise Problem(409, "Node busy", f"node {node!r} kept changing; retry the heartbeat")
+        with answered():
+            await ops.heartbeat(info)
+        return {"node": node, "ttl": gw.settings.node_ttl}
 
     @r.get("/assignments")
     async def get_assignments(
@@ -204,23 +176,6 @@ def routes(gw: Gateway) -> APIRouter:
         if bad:
             raise Problem(422, "Engine URL refused",
                           "; ".join(f"{rid}: {why}" for rid, why in sorted(bad.items())))
-        written = 0
-        for st in report.replicas:
-            rep = gw.mirror.get(s.REPLICAS + st.id)
-            replica = gw.mirror.one(s.REPLICAS + st.id, s.Replica)
-            if rep is None or replica is None or replica.node != node or st.node != node:
-                continue  # removed meanwhile, or not this node's to report
-            old = gw.mirror.one(s.STATUS + st.id, s.ReplicaStatus)
-            if old is not None and (old.phase, old.url, old.detail) == (
-                st.phase, st.url, st.detail
-            ):
-                continue
-            # Only while the replica read still exists: a late report must not
-            # re-create the status of a replica the leader has deleted.
-            res = await gw.store.txn(
-                [Compare.created_at(s.REPLICAS + st.id, rep.create_revision)],
-                [Put(s.STATUS + st.id, st.model_dump_json().encode())])
-            written += res.succeeded
-        return {"written": written}
+        return {"written": await ops.report_status(node, report.replicas)}
 
     return r

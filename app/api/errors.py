@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from app.router.proxy import openai_error_body
-from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,11 @@ def _is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1")
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, unavailable: type[Exception], full: type[Exception]) -> None:
+    """Renders problems, and the store's errors: `unavailable` (the store
+    did not answer) and its subclass `full` (etcd's NOSPACE alarm), handed
+    in by the composition root (app/main.py) so the api imports no store."""
+
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> Response:
         if _is_openai(request):
@@ -92,9 +95,9 @@ def install(app: FastAPI) -> None:
         return problem(422, "Invalid request body", "the body does not match the schema",
                        errors=errors)
 
-    @app.exception_handler(StoreUnavailable)
-    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        if isinstance(exc, StoreFull):
+    @app.exception_handler(unavailable)
+    async def _store_down(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, full):
             # Logged once by the store's health tracker, with what to do.
             logger.debug("write refused, store out of space: %s", exc)
             return problem(503, "State store out of space", NOSPACE_DETAIL)

@@ -19,21 +19,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
 from pydantic import BaseModel, Field, field_validator
 
-from app.agent.fabric import MAX_BYTES, MAX_SECONDS, SINK_PATH
 from app.api.auth import admin_guard
+from app.api.deps import MirrorState
 from app.api.errors import Problem
-from app.api.nodes import agent_url, call_agent
+from app.api.nodes import NodeCaller
 from app.api.openapi import problems
 from app.control import state as s
-from app.store.base import StoreUnavailable
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
+from app.control.ops.node_ops import FleetOps
+from app.wire.fabric import MAX_BYTES, MAX_SECONDS, SINK_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +57,19 @@ def directions(nodes: list[str]) -> list[tuple[str, str]]:
     return [d for i, a in enumerate(nodes) for b in nodes[i + 1:] for d in ((a, b), (b, a))]
 
 
-def routes(gw: Gateway) -> APIRouter:
-    r = APIRouter(prefix="/admin", tags=["nodes"], dependencies=[Depends(admin_guard(gw))],
+def routes(caller: NodeCaller, state: MirrorState, ops: FleetOps, *, admin_token: str,
+           settle: float) -> APIRouter:
+    """`settle`: seconds the results' write waits for the mirror to see it
+    (LLMGW_ETCD_TIMEOUT)."""
+    r = APIRouter(prefix="/admin", tags=["nodes"],
+                  dependencies=[Depends(admin_guard(admin_token))],
                   responses=problems(400, 404, 409, 502, 504))
     running = asyncio.Lock()
 
     async def measure(src: str, dst: str, req: FabricTest) -> s.FabricResult:
-        sink = agent_url(gw, dst) + SINK_PATH
-        ticket = await call_agent(gw, dst, "POST", "/node/v1/fabric/ticket")
-        got = await call_agent(gw, src, "POST", "/node/v1/fabric/send", body={
+        sink = caller.url(dst) + SINK_PATH
+        ticket = await caller.call(dst, "POST", "/node/v1/fabric/ticket")
+        got = await caller.call(src, "POST", "/node/v1/fabric/send", body={
             "sink_url": sink, "ticket": str(ticket.get("ticket", "")),
             "seconds": req.seconds, "bytes": req.bytes})
         count, secs = int(got.get("bytes", 0)), float(got.get("seconds", 0.0))
@@ -80,7 +82,7 @@ def routes(gw: Gateway) -> APIRouter:
             "pair both ways; results kept for placement")
     async def fabric_test(req: Annotated[FabricTest, Body()]) -> dict[str, Any]:
         for node in req.nodes:  # all known before any traffic
-            agent_url(gw, node)
+            caller.url(node)
         if running.locked():
             raise Problem(409, "Fabric test running",
                           "this gateway is running another fabric test; retry when it ends")
@@ -89,25 +91,16 @@ def routes(gw: Gateway) -> APIRouter:
             for src, dst in directions(req.nodes):
                 results.append(await measure(src, dst, req))
                 logger.info("fabric %s -> %s: %.2f Gb/s", src, dst, results[-1].gbps)
-            saved, rev = True, 0
-            try:
-                for res in results:
-                    rev = await gw.store.put(f"{s.FABRIC}{res.from_}/{res.to}",
-                                             res.model_dump_json(by_alias=True).encode())
-            except StoreUnavailable as exc:  # measured all the same: say so, answer them
-                logger.warning("fabric results not saved: %s", exc)
-                saved = False
-            if saved:
-                await gw.mirror.wait_for(rev, gw.settings.etcd_timeout)
+            saved = await ops.save_fabric(results, settle)
         return {"results": [res.model_dump(by_alias=True) for res in results], "saved": saved}
 
     @r.get("/fabric", summary="The last fabric test result of each direction measured")
     async def fabric() -> list[dict[str, Any]]:
-        if not gw.ready:
+        if not state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; retry")
         found: list[dict[str, Any]] = []
-        for kv in gw.mirror.items(s.FABRIC):
+        for kv in state.mirror.items(s.FABRIC):
             try:
                 found.append(s.FabricResult.model_validate_json(kv.value)
                              .model_dump(by_alias=True))

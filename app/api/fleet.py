@@ -1,10 +1,11 @@
 """Admin routes for the fleet: cordon, uncordon and drain a node, its pool
 and labels (`nodeconf/{node}`), and capacity quotas (`quotas/{scope}`).
 
-Every write is decided on the mirror and conditioned on the key's revision
-as read, or on its absence (DESIGN invariant 9): two admins on two gateways
-cannot overwrite each other's change unseen; the loser decides again on
-the winner's value. Every route answers 503 until the gateway's mirror has
+Every write is the control plane's (app/control/ops/node_ops.py), decided
+on the mirror and conditioned on the key's revision as read, or on its
+absence (DESIGN invariant 9): two admins on two gateways cannot overwrite
+each other's change unseen; the loser decides again on the winner's value.
+Every route answers 503 until the gateway's mirror has
 loaded: a node conf decided on an empty mirror would overwrite the stored
 one with defaults (uncordoning the node, moving it to the default pool).
 A node's conf and a quota have an ETag (writes.py): a write may be made
@@ -15,25 +16,21 @@ request's deadline (docs/architecture.md, Catalog writes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.auth import admin_guard, bearer
+from app.api.deps import MirrorState
 from app.api.errors import Problem
 from app.api.openapi import problems
-from app.api.writes import Deadline, Precondition, etag
+from app.api.refusals import answered
+from app.api.writes import deadline, etag, precondition
 from app.control import fleet
 from app.control import state as s
-from app.store.base import Compare, Delete, Put
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
-
-_SETTLE = 2.0  # seconds a write waits for this gateway's mirror to see it
-_TRIES = 5
+from app.control.ops.node_ops import FleetOps
 
 
 class NodeConfBody(BaseModel):
@@ -75,79 +72,40 @@ class QuotaBody(BaseModel):
     max_gpus: int = Field(..., ge=0, le=100_000, description="GPUs the scope may hold")
 
 
-def routes(gw: Gateway) -> APIRouter:
-    admin = admin_guard(gw)
+def routes(state: MirrorState, ops: FleetOps, *, admin_token: str,
+           write_deadline: float) -> APIRouter:
+    """`write_deadline`: LLMGW_ADMIN_WRITE_DEADLINE."""
+    admin = admin_guard(admin_token)
 
     def require_admin(creds: Annotated[HTTPAuthorizationCredentials | None,
                                        Depends(bearer)]) -> None:
         admin(creds)
-        if not gw.ready:
+        if not state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
     r = APIRouter(prefix="/admin", tags=["fleet"], dependencies=[Depends(require_admin)])
 
-    async def write(key: str, decide: Callable[[bytes | None], bytes | None],
-                    request: Request) -> None:
-        """Writes `decide(value read)` (None: delete) to `key`, conditioned on
-        the key's revision as read (absent: on its absence), which the
-        request's If-Match / If-None-Match must accept (412). A race lost to
-        another gateway waits for the winner's write and decides again.
-        Nothing is written past the request's deadline (408)."""
-        pre = Precondition.of(request)
-        deadline = Deadline(request, gw.settings.admin_write_deadline)
-        if pre.given:  # an ETag read elsewhere is compared with the store's
-            latest = await gw.store.get(key)
-            if latest is not None:
-                await gw.mirror.wait_for(latest.mod_revision, _SETTLE)
-        for _ in range(_TRIES):
-            kv = gw.mirror.get(key)
-            pre.check(kv, key)
-            new = decide(kv.value if kv is not None else None)
-            if new == (kv.value if kv is not None else None):
-                return
-            cond = (Compare.modified_at(key, kv.mod_revision) if kv is not None
-                    else Compare.absent(key))
-            deadline.check()
-            res = await gw.store.txn([cond], [Put(key, new) if new is not None else Delete(key)])
-            if res.succeeded:
-                await gw.mirror.wait_for(res.revision, _SETTLE)
-                return
-            latest = await gw.store.get(key)
-            await gw.mirror.wait_for(latest.mod_revision if latest is not None else res.revision,
-                                     _SETTLE)
-        raise Problem(409, "Busy", f"{key} kept changing under this request; retry")
-
     # --- nodes -------------------------------------------------------------------
 
     def known(node: str) -> None:
-        """A node is known while its agent beats, it has a conf, or replicas
-        still name it (an agent restarting must stay cordonable)."""
-        if (gw.mirror.get(s.NODES + node) is None and gw.mirror.get(s.NODECONF + node) is None
-                and not any(rep.node == node for rep in gw.mirror.replicas().values())):
-            raise Problem(404, "No such node", f"no node {node!r} is known to the fleet")
+        with answered():
+            ops.check_known(node)
 
     def conf_view(node: str, response: Response) -> dict[str, Any]:
         """The conf (defaults if none is stored), its ETag in the header."""
-        conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
-        if (tag := etag(gw.mirror.get(s.NODECONF + node))) is not None:
+        conf = state.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+        if (tag := etag(state.mirror.get(s.NODECONF + node))) is not None:
             response.headers["ETag"] = tag
         return {"node": node} | conf.model_dump()
 
     async def change(node: str, edit: Callable[[s.NodeConf], s.NodeConf], request: Request,
                      response: Response) -> dict[str, Any]:
         known(node)
-
-        def decide(value: bytes | None) -> bytes:
-            conf = s.NodeConf()
-            if value is not None:
-                try:
-                    conf = s.NodeConf.model_validate_json(value)
-                except ValidationError:
-                    pass  # unreadable (the mirror logs it): replaced by this write
-            return edit(conf).model_dump_json().encode()
-
-        await write(s.NODECONF + node, decide, request)
+        cond = precondition(request)
+        with answered():
+            await ops.change_conf(node, edit, cond,
+                                  deadline(request, write_deadline))
         return conf_view(node, response)
 
     @r.get("/nodes/{node}/conf", responses=problems(404))
@@ -196,10 +154,10 @@ def routes(gw: Gateway) -> APIRouter:
     async def quotas() -> list[dict[str, Any]]:
         """Every scope: its limit (null: none), GPUs held by its models'
         replicas (draining ones excluded) and those models."""
-        return [q | ({"etag": tag} if (tag := etag(gw.mirror.get(s.QUOTAS + q["scope"])))
+        return [q | ({"etag": tag} if (tag := etag(state.mirror.get(s.QUOTAS + q["scope"])))
                      else {})
-                for q in fleet.quota_report(gw.mirror.models(), gw.mirror.replicas(),
-                                            gw.mirror.quotas())]
+                for q in fleet.quota_report(state.mirror.models(), state.mirror.replicas(),
+                                            state.mirror.quotas())]
 
     def check_scope(scope: str) -> None:
         try:
@@ -211,19 +169,20 @@ def routes(gw: Gateway) -> APIRouter:
     async def put_quota(scope: str, body: QuotaBody, request: Request,
                         response: Response) -> dict[str, Any]:
         check_scope(scope)
-        value = s.Quota(max_gpus=body.max_gpus).model_dump_json().encode()
-        await write(s.QUOTAS + scope, lambda _: value, request)
-        if (tag := etag(gw.mirror.get(s.QUOTAS + scope))) is not None:
+        cond = precondition(request)
+        with answered():
+            await ops.set_quota(scope, body.max_gpus, cond,
+                                deadline(request, write_deadline))
+        if (tag := etag(state.mirror.get(s.QUOTAS + scope))) is not None:
             response.headers["ETag"] = tag
         return {"scope": scope, "max_gpus": body.max_gpus}
 
     @r.delete("/quotas/{scope}", status_code=204, responses=problems(400, 404, 409))
     async def delete_quota(scope: str, request: Request) -> Response:
-        def decide(value: bytes | None) -> None:
-            if value is None:
-                raise Problem(404, "No such quota", f"no quota is set for scope {scope!r}")
-
-        await write(s.QUOTAS + scope, decide, request)
+        cond = precondition(request)
+        with answered():
+            await ops.delete_quota(scope, cond,
+                                   deadline(request, write_deadline))
         return Response(status_code=204)
 
     return r

@@ -26,21 +26,20 @@ agent placement would refuse is not installed.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import aiohttp
 from fastapi import APIRouter, Body, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.agent.logfiles import mask
 from app.api.agent import check_engine_url
 from app.api.auth import admin_guard
+from app.api.deps import MirrorState
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.control.agentversion import default_window
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
+from app.control.keys import SecretRing
+from app.wire.masking import mask
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +72,39 @@ class Upgrade(BaseModel):
         return None
 
 
-def agent_url(gw: Gateway, node: str) -> str:
-    """The node's agent API URL, once checked it may be sent the node token;
-    else the problem to answer (404, 502, 503)."""
-    if not gw.ready:
+class NodeCaller:
+    """Calls a node's agent API with the node's token (module docstring): the
+    node caller the routes reaching an agent are handed (this module's, and
+    fabric.py's)."""
+
+    def __init__(self, state: MirrorState, secrets: SecretRing, timeout: float,
+                 connect_timeout: float) -> None:
+        """`timeout`: LLMGW_NODE_API_TIMEOUT; `connect_timeout`:
+        LLMGW_NODE_API_CONNECT_TIMEOUT."""
+        self.state = state
+        self.secrets = secrets
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+
+    def url(self, node: str) -> str:
+        """The node's agent API URL, once checked it may be sent the node
+        token; else the problem to answer (404, 502, 503)."""
+        return _agent_url(self.state, node)
+
+    async def call(self, node: str, method: str, path: str, *,
+                   params: dict[str, str] | None = None,
+                   body: Any = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """One call to a node's agent API with the node's token; its answer,
+        or the problem to answer (module docstring)."""
+        return await _call_agent(self, node, method, path, params=params, body=body,
+                                 timeout_s=timeout_s)
+
+
+def _agent_url(state: MirrorState, node: str) -> str:
+    if not state.ready:
         raise Problem(503, "State not loaded",
                       "this gateway has not loaded the fleet's state yet; retry")
-    info = gw.mirror.nodes().get(node)
+    info = state.mirror.nodes().get(node)
     if info is None:
         raise Problem(404, "No such node", f"node {node!r} is not in the fleet "
                       "(its agent has not heartbeated within the node TTL)")
@@ -94,20 +119,18 @@ def agent_url(gw: Gateway, node: str) -> str:
     return info.api_url.rstrip("/")
 
 
-async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
-                     params: dict[str, str] | None = None,
-                     body: Any = None, timeout_s: float | None = None) -> dict[str, Any]:
-    """One call to a node's agent API with the node's token; its answer, or
-    the problem to answer (module docstring)."""
-    api_url = agent_url(gw, node)
+async def _call_agent(caller: NodeCaller, node: str, method: str, path: str, *,
+                      params: dict[str, str] | None,
+                      body: Any, timeout_s: float | None) -> dict[str, Any]:
+    api_url = caller.url(node)
     url = api_url + path
-    total = timeout_s or gw.settings.node_api_timeout
+    total = timeout_s or caller.timeout
     timeout = aiohttp.ClientTimeout(total=total,
-                                    sock_connect=gw.settings.node_api_connect_timeout)
+                                    sock_connect=caller.connect_timeout)
     # During a rotation an agent may still hold the previous secret's token:
     # a 401 to the current one is asked again with that (a refused request
     # did nothing, so it is safe to send twice).
-    tokens = gw.secrets.node_tokens(node)
+    tokens = caller.secrets.node_tokens(node)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for i, token in enumerate(tokens):
@@ -125,7 +148,7 @@ async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
     except aiohttp.ConnectionTimeoutError:
         raise Problem(504, "Agent unreachable",
                       f"node {node!r}'s agent at {api_url}: no connection within "
-                      f"{gw.settings.node_api_connect_timeout:g} s") from None
+                      f"{caller.connect_timeout:g} s") from None
     except (aiohttp.ServerTimeoutError, TimeoutError):
         raise Problem(504, "Agent timed out",
                       f"node {node!r}'s agent at {api_url} did not answer within "
@@ -153,8 +176,11 @@ async def call_agent(gw: Gateway, node: str, method: str, path: str, *,
     return answer
 
 
-def routes(gw: Gateway) -> APIRouter:
-    require_admin = admin_guard(gw)
+def routes(caller: NodeCaller, state: MirrorState, secrets: SecretRing, *, admin_token: str,
+           min_agent_version: str | None, upgrade_timeout: float) -> APIRouter:
+    """`min_agent_version`: LLMGW_MIN_AGENT_VERSION; `upgrade_timeout`:
+    LLMGW_NODE_UPGRADE_TIMEOUT."""
+    require_admin = admin_guard(admin_token)
 
     # The agent's own 4xx pass through (`call_agent`).
     r = APIRouter(prefix="/admin/nodes", tags=["nodes"], dependencies=[Depends(require_admin)],
@@ -162,7 +188,7 @@ def routes(gw: Gateway) -> APIRouter:
 
     async def call(node: str, method: str, path: str, *,
                    params: dict[str, str] | None = None, body: Any = None) -> dict[str, Any]:
-        return await call_agent(gw, node, method, path, params=params, body=body)
+        return await caller.call(node, method, path, params=params, body=body)
 
     @r.get("/{node:path}/logs", summary="Recent lines of a node's log (the agent's or a "
            "replica engine's), engine keys masked")
@@ -176,8 +202,8 @@ def routes(gw: Gateway) -> APIRouter:
                             params={"source": source, "lines": str(lines)})
         # The agent masks already; this gateway knows every key of the node's
         # replicas, so it masks again (DESIGN invariant 6).
-        keys = [key for rid, rep in gw.mirror.replicas().items() if rep.node == node
-                for key in gw.secrets.engine_keys(rid)]
+        keys = [key for rid, rep in state.mirror.replicas().items() if rep.node == node
+                for key in secrets.engine_keys(rid)]
         answer["lines"] = [mask(str(line), keys) for line in answer.get("lines", [])]
         return answer
 
@@ -195,13 +221,13 @@ def routes(gw: Gateway) -> APIRouter:
     @r.post("/{node:path}/upgrade", summary="Install an llmgw version on a node's agent, "
             "which restarts on it and adopts its engines")
     async def upgrade(node: str, req: Annotated[Upgrade, Body()]) -> dict[str, Any]:
-        why = default_window(gw.settings.min_agent_version).refusal(req.version)
+        why = default_window(min_agent_version).refusal(req.version)
         if why is not None:
             raise Problem(422, "Version refused", f"{why}: this gateway would place nothing "
                           "on it; upgrade the gateways first", field="version")
         body = {"version": req.version, "sha256": req.sha256}
-        answer = await call_agent(gw, node, "POST", "/node/v1/upgrade", body=body,
-                                  timeout_s=gw.settings.node_upgrade_timeout)
+        answer = await caller.call(node, "POST", "/node/v1/upgrade", body=body,
+                                   timeout_s=upgrade_timeout)
         logger.info("node %s: agent upgraded from llmgw %s to %s, restarting", node,
                     answer.get("from"), answer.get("version"))
         return answer
