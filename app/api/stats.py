@@ -103,7 +103,8 @@ class StatsAnswer(Series):
 
 def routes(gw: Gateway) -> APIRouter:
     tls = _tls(gw)  # reads the CA files once, not on the loop per request
-    r = APIRouter(prefix="/admin", tags=["stats"], dependencies=[Depends(admin_guard(gw.admin_token))])
+    r = APIRouter(prefix="/admin", tags=["stats"],
+                  dependencies=[Depends(admin_guard(gw.admin_token))])
 
     # Documented, not validated on the way out: a window of many models is
     # some hundred thousand numbers (app/request_series.py).
