@@ -26,6 +26,7 @@ from app.api.writes import RECEIVED
 from app.control.key_usage import KeyUsageWriter
 from app.gateway import Gateway
 from app.router import openapi as v1_openapi
+from app.router.passthrough import ROOT_PATHS
 from app.router.proxy import Proxy
 from app.settings import Settings
 
@@ -44,7 +45,8 @@ class GatewayApp(FastAPI):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            if scope["path"].startswith("/v1/"):
+            # vLLM's /tokenize, /rerank... sit outside /v1 (passthrough.py).
+            if scope["path"].startswith("/v1/") or scope["path"] in ROOT_PATHS:
                 await self.v1(scope, receive, send)
                 return
             # When it arrived, before its body: an admin write is not applied
