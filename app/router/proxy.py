@@ -52,11 +52,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# The only engine paths reachable through us. We send the engine's key, so
-# its guard (docs/architecture.md, "The engine's port") does not keep a
-# client off what it must not reach: /v1/load_lora_adapter (runtime LoRA
-# updates on), /metrics, /tokenize, /pooling, /invocations, /start_profile...
-# are never forwarded.
+# The engine paths reachable through us, with passthrough.py's. We send the
+# engine's key, so its guard (docs/architecture.md, "The engine's port") does
+# not keep a client off what it must not reach: /v1/load_lora_adapter
+# (runtime LoRA updates on), /metrics, /pooling, /invocations,
+# /start_profile... are never forwarded.
 _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 
