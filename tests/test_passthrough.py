@@ -184,3 +184,21 @@ async def test_an_external_provider_keeps_its_own_ids(rig: Rig) -> None:
     assert r.status_code == 200
     assert up.seen[-1][1] == {"model": "small", "input": "x",
                               "previous_response_id": "resp_theirs"}
+
+
+async def test_the_key_s_limits_count_every_route(rig: Rig) -> None:
+    a = await rig.upstream("a")
+    vllm(rig, "small", ("a", a.url))
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant(
+        "k1", "t", limits=Limits(requests_per_minute=3))})
+    made = responses.new_id("a")
+    for method, path, body in [("POST", "/tokenize", {"model": "small", "prompt": "x"}),
+                               ("GET", f"/v1/responses/{made}", None),
+                               ("POST", "/v1/score", {"model": "small"})]:
+        r = await rig.http.request(method, path, headers=AUTH, json=body)
+        assert r.status_code == 200, (path, r.text)
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={"model": "small", "input": "x"})
+    assert r.status_code == 429 and "retry-after" in r.headers
+    assert len(a.paths) == 3
+    # In the request metrics as a chat is, the refusal too.
+    assert rig.observed.seen == [("small", 200)] * 3 + [("small", 429)]
