@@ -202,3 +202,13 @@ async def test_the_key_s_limits_count_every_route(rig: Rig) -> None:
     assert len(a.paths) == 3
     # In the request metrics as a chat is, the refusal too.
     assert rig.observed.seen == [("small", 200)] * 3 + [("small", 429)]
+
+
+async def test_a_response_stream_cut_short_is_charged_an_estimate(rig: Rig) -> None:
+    up = await rig.upstream("a", "die")  # one event, then the connection drops
+    vllm(rig, "small", ("a", up.url))
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "x" * 400, "stream": True})
+    assert r.status_code == 200 and '"upstream_error"' in r.text  # its last event
+    # 400 characters: about 100 tokens, counted as estimated.
+    assert rig.proxy.limits.take_usage() == {("k1", "small"): (1, 100, 0, 1)}

@@ -52,6 +52,9 @@ class Plan:
     stream: bool = False
     pin: str | None = None  # the one replica that may take it
     body: dict[str, Any] = field(default_factory=dict)  # JSON bodies: the affinity's input
+    # A stream's usage is estimated from this if it is cut before its usage
+    # event (limits.py): the Responses API's input as chat messages or a prompt.
+    estimate: dict[str, Any] | None = None
 
 
 def serves(path: str) -> bool:
@@ -115,7 +118,10 @@ class Passthrough:
             sent = body | {"request_id": responses.new_id(ep.replica_id)}
             return b"POST", json.dumps(sent).encode(), b"application/json"
 
-        return Plan(model, "/v1/responses", encode, body.get("stream") is True, pin, body)
+        given = body.get("input")
+        estimate = {"messages": given} if isinstance(given, list) else {"prompt": given}
+        return Plan(model, "/v1/responses", encode, body.get("stream") is True, pin, body,
+                    estimate)
 
     def _stored(self, grant: KeyGrant, path: str, response_id: str, query: str) -> Plan:
         """GET /v1/responses/{id} and POST …/cancel, to the replica holding it."""

@@ -218,6 +218,8 @@ class Proxy:
             ticket = self.limits.admit(grant.id, model, grant.limits, grant.gateways) \
                 if plan else self._admit(grant, model, path, body)
             ex.ticket = ticket
+            if plan and plan.stream:
+                ticket.body = plan.estimate  # estimated from, if cut short
             watch = Watch(receive, self._timeouts, started)
             self._open.add(watch)
             try:
