@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from app.router import responses
 from app.router.forms import form_fields
@@ -120,6 +122,31 @@ async def test_vllm_s_json_routes_go_to_the_model_s_replica_as_they_came(rig: Ri
     assert r.status_code == 405
     r = await rig.http.post("/v1/rerank", headers=AUTH, json={"model": 3})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "model")
+
+
+async def test_a_form_goes_with_its_boundary_and_nothing_else_of_its_header(rig: Rig) -> None:
+    seen: list[tuple[str, bytes]] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        seen.append((request.headers["Content-Type"], await request.read()))
+        return web.json_response({"text": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", engine)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        vllm(rig, "small", ("a", str(server.make_url("")).rstrip("/")))
+        raw, kind = _form(model="tiny")
+        r = await rig.http.post("/v1/audio/transcriptions", content=raw, headers={
+            **AUTH, "Content-Type": kind + "; x=\x01"})
+        assert r.status_code == 200, r.text
+        boundary = kind.split("boundary=")[1]
+        assert seen[0][0] == f'multipart/form-data; boundary="{boundary}"'
+        assert form_fields(seen[0][1], seen[0][0]).model == "small"
+        assert rig.table.cooldowns() == {}
+    finally:
+        await server.close()
 
 
 def _form(**fields: str) -> tuple[bytes, str]:

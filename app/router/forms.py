@@ -32,6 +32,9 @@ class Form:
     model: str
     stream: bool
     model_at: tuple[int, int]  # where the model's value lies in the body
+    # What the engine is sent as the body's type: rebuilt from the boundary
+    # read (safe characters only), never the client's header as it came.
+    content_type: bytes = b""
 
     def with_model(self, raw: bytes, name: str) -> bytes:
         """The body with its model's value replaced by `name`."""
@@ -87,7 +90,9 @@ def form_fields(raw: bytes, content_type: str) -> Form:
     if stream not in ("true", "false"):
         raise _bad("Invalid value for 'stream': expected 'true' or 'false'.", "stream",
                    "invalid_type")
-    return Form(model, stream == "true", values["model"])
+    boundary = m.group(1).rstrip(" ")
+    return Form(model, stream == "true", values["model"],
+                f'multipart/form-data; boundary="{boundary}"'.encode("latin-1"))
 
 
 def _text(raw: bytes, at: tuple[int, int], name: str) -> str:

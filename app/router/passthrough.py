@@ -145,8 +145,7 @@ class Passthrough:
             form = form_fields(raw, content_type)
         model = self._allowed(grant, form.model)
         sent = form.with_model(raw, model)
-        return Plan(model, path, lambda ep: (b"POST", sent, content_type.encode("latin-1")),
-                    form.stream)
+        return Plan(model, path, lambda ep: (b"POST", sent, form.content_type), form.stream)
 
 
 def checked_previous(body: dict[str, Any]) -> str | None:
