@@ -79,6 +79,20 @@ async def test_a_response_whose_replica_is_gone_gets_a_404_that_says_so(rig: Rig
         "message": "Response with id 'resp_abc' not found.", "type": "invalid_request_error",
         "param": "response_id", "code": "response_not_found"}
     assert a.paths == []
+    # A replica of another model: named to a key allowed it, else not found.
+    rig.table.set_endpoints({"small": rig.table.endpoints("small"),
+                             "other": [Endpoint("o", a.url, "k", engine="vllm")]})
+    theirs = responses.new_id("o")
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "tiny", "input": "x", "previous_response_id": theirs})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "model_mismatch")
+    assert "'other'" in r.json()["error"]["message"]
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "t",
+                                                              frozenset({"small"}))})
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "tiny", "input": "x", "previous_response_id": theirs})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
+    assert a.paths == []
     r = await rig.http.post("/v1/responses", headers=AUTH, json={
         "model": "small", "input": "x", "previous_response_id": 7})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "previous_response_id")

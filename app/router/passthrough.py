@@ -94,7 +94,7 @@ class Passthrough:
         if path != "/v1/responses":
             payload = json.dumps(body).encode()
             return Plan(model, JSON_ROUTES[path], lambda ep: _json(ep, body, payload), body=body)
-        return self._create(model, body)
+        return self._create(grant, model, body)
 
     def _allowed(self, grant: KeyGrant, requested: str) -> str:
         name = self._table.resolve(requested)
@@ -103,13 +103,13 @@ class Passthrough:
                         "access to it.", "invalid_request_error", "model_not_found", "model")
         return name
 
-    def _create(self, model: str, body: dict[str, Any]) -> Plan:
+    def _create(self, grant: KeyGrant, model: str, body: dict[str, Any]) -> Plan:
         """POST /v1/responses: a continuation goes where its previous response is."""
         prev = checked_previous(body)
         pin = responses.replica_of(prev) if prev else None
         if prev and pin is not None and all(
                 ep.replica_id != pin for ep in self._table.endpoints(model)):
-            raise responses.gone(prev, pin, "previous_response_id")
+            self._elsewhere(grant, prev, pin)
         body.pop("request_id", None)  # the gateway's to set (responses.py)
 
         def encode(ep: Endpoint) -> tuple[bytes, bytes, bytes]:
@@ -122,6 +122,18 @@ class Passthrough:
         estimate = {"messages": given} if isinstance(given, list) else {"prompt": given}
         return Plan(model, "/v1/responses", encode, body.get("stream") is True, pin, body,
                     estimate)
+
+    def _elsewhere(self, grant: KeyGrant, prev: str, replica: str) -> None:
+        """A continuation whose replica does not serve the body's model: gone,
+        or another model's (named only to a key allowed it)."""
+        owner = responses.model_of(self._table, replica)
+        if owner is None:
+            raise responses.gone(prev, replica, "previous_response_id")
+        if not grant.allows(owner):
+            raise responses.not_found(prev, "previous_response_id")
+        raise error(400, f"Response '{prev}' was made by model '{owner}': continue it with "
+                    "that model.", "invalid_request_error", "model_mismatch",
+                    "previous_response_id")
 
     def _stored(self, grant: KeyGrant, path: str, response_id: str, query: str) -> Plan:
         """GET /v1/responses/{id} and POST …/cancel, to the replica holding it."""
