@@ -176,6 +176,7 @@ def test_a_form_s_model_and_stream_are_read_and_the_model_rewritten() -> None:
     again = form_fields(form.with_model(raw, "small-model"), kind)
     assert again.model == "small-model" and b"RIFF\r\n--x--" in form.with_model(raw, "s")
     assert form_fields(*_form(model="m")).stream is False
+    assert form.with_model(raw, "tiny") is raw  # named already: not copied
 
 
 @pytest.mark.parametrize(("raw", "kind", "param"), [

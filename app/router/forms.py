@@ -37,7 +37,10 @@ class Form:
     content_type: bytes = b""
 
     def with_model(self, raw: bytes, name: str) -> bytes:
-        """The body with its model's value replaced by `name`."""
+        """The body with its model's value replaced by `name` (`raw` itself
+        when it names it already: no copy)."""
+        if name == self.model:
+            return raw
         start, end = self.model_at
         return raw[:start] + name.encode() + raw[end:]
 
@@ -53,14 +56,15 @@ def form_fields(raw: bytes, content_type: str) -> Form:
     if kind != "multipart/form-data" or m is None:
         raise _bad("The request body must be multipart/form-data, with its boundary.")
     delimiter = b"\r\n--" + m.group(1).rstrip(" ").encode("latin-1")
-    data = b"\r\n" + raw  # the first delimiter has no line break before it
+    data = raw  # not copied: a copy of 30 MiB costs more than the scans
     values: dict[str, tuple[int, int]] = {}
     has_file = False
-    pos = data.find(delimiter)
+    # The first delimiter has no line break before it (bar a preamble's).
+    first = data.find(delimiter[2:])
+    pos = first + len(delimiter) - 2 if first >= 0 else -1  # just past a delimiter
     for _ in range(_PARTS_MAX):
         if pos < 0:
             break
-        pos += len(delimiter)
         if data[pos:pos + 2] == b"--":
             break  # the closing delimiter
         head_end = data.find(b"\r\n\r\n", pos, pos + _HEADERS_MAX)
@@ -74,9 +78,9 @@ def form_fields(raw: bytes, content_type: str) -> Form:
         if name in ("model", "stream"):
             if name in values:
                 raise _bad(f"The form has more than one '{name}' field.", name)
-            values[name] = (head_end + 4 - 2, following - 2)  # offsets in `raw`
+            values[name] = (head_end + 4, following)
         has_file = has_file or name == "file"
-        pos = following
+        pos = following + len(delimiter)
     else:
         raise _bad(f"The form has more than {_PARTS_MAX} parts.")
     if not has_file:
