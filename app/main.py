@@ -30,6 +30,7 @@ from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
 from app.gateway import Gateway
 from app.router import openapi as v1_openapi
+from app.router.passthrough import ROOT_PATHS
 from app.router.proxy import Proxy
 from app.settings import Settings
 from app.store.base import StoreFull, StoreUnavailable
@@ -49,7 +50,8 @@ class GatewayApp(FastAPI):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            if scope["path"].startswith("/v1/"):
+            # vLLM's /tokenize, /rerank... sit outside /v1 (passthrough.py).
+            if scope["path"].startswith("/v1/") or scope["path"] in ROOT_PATHS:
                 await self.v1(scope, receive, send)
                 return
             # When it arrived, before its body: an admin write is not applied

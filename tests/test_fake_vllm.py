@@ -270,7 +270,9 @@ async def test_paths_outside_v1_answer_without_the_key_as_in_vllm(server: Proc) 
         async with s.post(server.base + "/tokenize", json={"prompt": "a b c"}) as r:
             assert r.status == 200 and (await r.json())["count"] == 3
         for path in ("/detokenize", "/pooling", "/classify", "/score", "/rerank"):
-            async with s.post(server.base + path, json={"input": "x", "tokens": [1]}) as r:
+            async with s.post(server.base + path, json={
+                    "input": "x", "tokens": [1], "text_1": "a", "text_2": "b", "query": "a",
+                    "documents": ["b"]}) as r:
                 assert r.status == 200, path
 
 

@@ -277,12 +277,14 @@ async def test_only_openai_paths_are_forwarded_and_with_their_query(
     rig.route("small", ("a", up.url))
     auth = {"Authorization": f"Bearer {CLIENT_KEY}"}
     # vLLM serves these too; its --api-key guards /v1 only, and some under
-    # /v1 (LoRA loading) are the operator's alone.
-    for path in ["/v1/tokenize", "/v1/detokenize", "/v1/pooling", "/v1/score", "/v1/rerank",
-                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
-                 "/v1/audio/transcriptions", "/v1/start_profile", "/v1/metrics", "/v1/health",
+    # /v1 (LoRA loading) are the operator's alone. (/v1/responses, /v1/rerank,
+    # /v1/score, /v1/audio/...: tests/test_passthrough.py.)
+    for path in ["/v1/tokenize", "/v1/detokenize", "/v1/pooling", "/v1/classify",
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses/",
+                 "/v1/responses//cancel", "/v1/responses/x/input_items", "/v1/audio/speech",
+                 "/v1/start_profile", "/v1/metrics", "/v1/health",
                  "/v1/chat/completions/", "/v1//chat/completions", "/v1/../metrics",
-                 "/v1/chat/completions/../../tokenize"]:
+                 "/v1/chat/completions/../../tokenize", "/v1/rerank/"]:
         r = await rig.http.post(path, json=PLAIN, headers=auth)
         assert r.status_code == 404, (path, r.text)
         assert r.json()["error"]["code"] == "unknown_url"

@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+import httpx
 import jsonschema_rs
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 
 from app.main import create_app
 from app.router.fields import checked_model
+from app.router.forms import form_fields
+from app.router.passthrough import checked_previous
 from app.router.replies import Reply, error
 from app.settings import Settings
 
@@ -33,7 +36,7 @@ def test_every_templated_path_declares_its_parameters(spec: dict[str, Any]) -> N
         for method, op in item.items():
             declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
             assert declared == set(re.findall(r"{(\w+)}", path)), f"{method} {path}"
-    assert "/v1/models/{model}" in spec["paths"]
+    assert {"/v1/models/{model}", "/v1/responses/{response_id}"} <= set(spec["paths"])
 
 
 _VALUES = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) \
@@ -56,7 +59,42 @@ def _accepted(body: dict[str, Any]) -> bool:
 def body_validators(spec: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(path, jsonschema_rs.validator_for(
         spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]))
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")]
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                     "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/tokenize",
+                     "/detokenize")]
+
+
+@given(body=st.dictionaries(st.sampled_from((*_FIELDS, "previous_response_id", "input")),
+                            _VALUES))
+@settings(max_examples=300, derandomize=True, database=None, deadline=None)
+def test_the_responses_body_schema_is_what_the_router_checks(spec: dict[str, Any],
+                                                             body: dict[str, Any]) -> None:
+    schema = spec["paths"]["/v1/responses"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]
+    try:
+        checked_model(body)
+        checked_previous(body)
+        accepted = True
+    except Reply:
+        accepted = False
+    assert jsonschema_rs.validator_for(schema).is_valid(body) == accepted, body
+
+
+def test_the_form_schema_is_what_the_router_checks(spec: dict[str, Any]) -> None:
+    schema = spec["paths"]["/v1/audio/transcriptions"]["post"]["requestBody"]["content"][
+        "multipart/form-data"]["schema"]
+    assert schema["required"] == ["file", "model"]
+    assert schema["properties"]["stream"]["enum"] == ["true", "false"]
+    for fields, ok in (({"model": "m"}, True), ({"model": "m", "stream": "true"}, True),
+                       ({"model": ""}, False), ({"model": "m", "stream": "1"}, False)):
+        req = httpx.Request("POST", "http://x/", files={"file": ("a", b"1")}, data=fields)
+        try:
+            form_fields(req.read(), req.headers["content-type"])
+            accepted = True
+        except Reply:
+            accepted = False
+        valid = jsonschema_rs.validator_for(schema).is_valid({"file": "a", **fields})
+        assert valid == accepted == ok, fields
 
 
 @given(body=st.dictionaries(st.sampled_from(_FIELDS), _VALUES))

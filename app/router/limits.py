@@ -336,7 +336,8 @@ class Ticket:
         earlier one: with vLLM's continuous usage stats each is cumulative."""
         if not isinstance(usage, dict):
             return
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # or the Responses API's
+        completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
         if isinstance(prompt, int) and prompt >= 0:
             self.prompt_tokens = prompt
             self.noted = True
@@ -389,6 +390,7 @@ class Ticket:
             return False
         if not isinstance(obj, dict):
             return False
-        self.note(obj.get("usage"))
+        inner = obj.get("response")  # a Responses API event: its usage is its response's
+        self.note(inner.get("usage") if isinstance(inner, dict) else obj.get("usage"))
         return self.strip_usage and obj.get("choices") == [] and isinstance(
             obj.get("usage"), dict)

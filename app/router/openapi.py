@@ -31,6 +31,17 @@ _BODY: dict[str, Any] = {
         "n": _COUNT, "max_tokens": _COUNT, "max_completion_tokens": _COUNT,
     },
 }
+_RESPONSES_BODY: dict[str, Any] = {**_BODY, "properties": {
+    **_BODY["properties"], "previous_response_id": _nullable({"type": "string"})}}
+# Speech to text: a form; the gateway reads the model and stream fields and
+# that a file is there (forms.py), the engine the rest.
+_FORM: dict[str, Any] = {
+    "type": "object", "required": ["file", "model"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "model": {"type": "string", "minLength": 1,
+                             "description": "a model name or alias"},
+                   "stream": {"type": "string", "enum": ["true", "false"]}},
+}
 _ERROR: dict[str, Any] = {
     "type": "object", "required": ["error"], "title": "OpenAIError",
     "properties": {"error": {
@@ -53,7 +64,9 @@ _WHY = {
     400: "a field the gateway reads has the wrong type or value, the body is not a JSON "
          "object; or the engine refused the request",
     401: "missing, wrong or expired client key",
-    404: "unknown model, or one this key may not use",
+    404: "unknown model, or one this key may not use; a response not found, or whose "
+         "replica is gone (replica_gone)",
+    405: "the path takes another method",
     413: "the body is over 32 MiB",
     429: "the key is over a limit (Retry-After says when to retry)",
     502: "the replica refused the gateway, or broke off",
@@ -77,14 +90,52 @@ def _op(summary: str, ok: dict[str, Any], *codes: int) -> dict[str, Any]:
             "responses": {"200": ok, **_errors(401, *codes)}}
 
 
-def _forwarded(summary: str) -> dict[str, Any]:
-    entry = _op(summary, {"description": "the engine's answer, as OpenAI's API; an SSE "
-                          "stream when the body asks for one", "content": {
-                              _JSON: {"schema": {"type": "object"}},
-                              "text/event-stream": {"schema": {"type": "string"}}}},
+def _forwarded(summary: str, body: dict[str, Any] = _BODY, kind: str = _JSON,
+               streams: bool = True) -> dict[str, Any]:
+    answer = ("the engine's answer, as OpenAI's API; an SSE stream when the body asks for one"
+              if streams else "the engine's answer, read whole (vLLM's API)")
+    content: dict[str, Any] = {_JSON: {"schema": {"type": "object"}}}
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    if kind != _JSON:  # speech to text: response_format text answers plain text
+        content["text/plain"] = {"schema": {"type": "string"}}
+    entry = _op(summary, {"description": answer, "content": content},
                 400, 404, 413, 429, 502, 503, 504)
-    entry["requestBody"] = {"required": True, "content": {_JSON: {"schema": _BODY}}}
+    entry["requestBody"] = {"required": True, "content": {kind: {"schema": body}}}
     return {"post": entry}
+
+
+def _stored(summary: str, method: str) -> dict[str, Any]:
+    """GET /v1/responses/{response_id} and its cancel: to the replica holding it."""
+    entry = _op(summary, {"description": "the stored response, from the replica that made "
+                          "it", "content": {_JSON: {"schema": {"type": "object"}},
+                                            "text/event-stream": {"schema": {"type": "string"}}}},
+                404, 405, 429, 502, 503, 504)
+    entry["parameters"] = [{"name": "response_id", "in": "path", "required": True,
+                            "schema": {"type": "string", "minLength": 1}}]
+    return {method: entry}
+
+
+def _passthrough_paths() -> dict[str, Any]:
+    """vLLM's other routes (passthrough.py), each routed by its model."""
+    out: dict[str, Any] = {
+        "/v1/responses": _forwarded("Responses API, forwarded to a replica (a continuation "
+                                    "to the replica holding its previous response)",
+                                    _RESPONSES_BODY),
+        "/v1/responses/{response_id}": _stored("A stored response", "get"),
+        "/v1/responses/{response_id}/cancel": _stored("Cancel a background response",
+                                                      "post"),
+    }
+    for path, what in (("/v1/rerank", "Rerank"), ("/rerank", "Rerank (vLLM's path)"),
+                       ("/v2/rerank", "Rerank (Cohere's v2 path)"), ("/v1/score", "Score"),
+                       ("/score", "Score (vLLM's path)"), ("/tokenize", "Tokenize"),
+                       ("/detokenize", "Detokenize")):
+        out[path] = _forwarded(f"{what}, forwarded to a replica", streams=False)
+    for path, what in (("/v1/audio/transcriptions", "Transcription"),
+                       ("/v1/audio/translations", "Translation")):
+        out[path] = _forwarded(f"{what} of an audio file, forwarded to a replica", _FORM,
+                               "multipart/form-data")
+    return out
 
 
 def openapi_paths() -> dict[str, Any]:
@@ -101,7 +152,7 @@ def openapi_paths() -> dict[str, Any]:
         "/v1/chat/completions": _forwarded("Chat completion, forwarded to a replica"),
         "/v1/completions": _forwarded("Text completion, forwarded to a replica"),
         "/v1/embeddings": _forwarded("Embeddings, forwarded to a replica"),
-    }
+    } | _passthrough_paths()
 
 
 def complete(schema: dict[str, Any]) -> dict[str, Any]:

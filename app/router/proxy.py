@@ -29,11 +29,14 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from app.router import passthrough
 from app.router.access import Exchange, Tracer
 from app.router.choice import affinity_key
 from app.router.counting import PromptCounter
 from app.router.engine_load import EngineLoadPoller
 from app.router.fields import checked_model
+from app.router.intake import MAX_BODY as MAX_BODY
+from app.router.intake import ClientGone, has_body, headers_of, parse_json, read_body
 from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
@@ -49,14 +52,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# Largest request body accepted. Chat requests with long contexts and images
-# as data URLs run to a few MiB; more than this is a mistake or an attack.
-MAX_BODY = 32 * 1024 * 1024
-# The only engine paths reachable through us. We send the engine's key, so
-# its guard (docs/architecture.md, "The engine's port") does not keep a
-# client off what it must not reach: /v1/load_lora_adapter (runtime LoRA
-# updates on), /metrics, /tokenize, /pooling, /invocations, /start_profile...
-# are never forwarded.
+# The engine paths reachable through us, with passthrough.py's. We send the
+# engine's key, so its guard (docs/architecture.md, "The engine's port") does
+# not keep a client off what it must not reach: /v1/load_lora_adapter
+# (runtime LoRA updates on), /metrics, /pooling, /invocations,
+# /start_profile... are never forwarded.
 _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 
@@ -96,10 +96,6 @@ class RequestObserver(Protocol):
 # The model label of a request whose model is unknown: client-chosen strings
 # must not become label values (one time series per typo).
 UNKNOWN_MODEL = "(unknown)"
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request was read."""
 
 
 class Proxy:
@@ -147,6 +143,7 @@ class Proxy:
         self._polling: asyncio.Task[None] | None = None
         # The watches of requests being forwarded, for `cut_open()`.
         self._open: set[Watch] = set()
+        self._extra = passthrough.Passthrough(table)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -188,7 +185,7 @@ class Proxy:
         started = self._loop.time()
         ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         try:
-            token, session = _headers(scope, ex)
+            token, session = headers_of(scope, ex)
             if self._tracer is not None:
                 self._tracer.begin(ex)
             grant = self._authenticate(token)
@@ -202,20 +199,30 @@ class Proxy:
                                  else self._models(grant), [ex.header])
                 ex.status = 200
                 return
-            if path not in _FORWARDED:
+            other = path not in _FORWARDED  # vLLM's other routes (passthrough.py)
+            if other and not passthrough.serves(path):
                 raise error(404, f"Unknown path {path}.", "invalid_request_error",
                             "unknown_url")
-            if method != "POST":
+            if other:
+                passthrough.check_method(method, path)
+            elif method != "POST":
                 raise error(405, f"{method} is not allowed on {path}.",
                             "invalid_request_error")
-            raw = await _read_body(receive)
+            raw = await read_body(receive)
             ex.body_read = True
-            body, model = self._request(grant, raw)
+            query = scope.get("query_string", b"").decode("latin-1")
+            plan = await self._extra.prepare(grant, path, query, raw, _content_type(
+                scope)) if other else None
+            body, model = (plan.body, plan.model) if plan else self._request(grant, raw)
             ex.model = model
-            query = scope.get("query_string", b"")
-            url_tail = f"{path}?{query.decode('latin-1')}" if query else path
-            ticket = self._admit(grant, model, path, body)  # released below, however it ends
+            target = plan.target if plan else path
+            url_tail = f"{target}?{query}" if query else target
+            # Released below, however it ends.
+            ticket = self.limits.admit(grant.id, model, grant.limits, grant.gateways) \
+                if plan else self._admit(grant, model, path, body)
             ex.ticket = ticket
+            if plan and plan.stream:
+                ticket.body = plan.estimate  # estimated from, if cut short
             watch = Watch(receive, self._timeouts, started)
             self._open.add(watch)
             try:
@@ -226,7 +233,9 @@ class Proxy:
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
                 ex.status = await self._upstreams.forward(
                     watch, model, url_tail, body,
-                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex)
+                    plan.stream if plan else body.get("stream") is True, send, affinity,
+                    meter=ticket, ex=ex, pin=plan.pin if plan else None,
+                    encode=plan.encode if plan else None)
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -241,13 +250,13 @@ class Proxy:
         except Reply as r:
             ex.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
-            if not ex.body_read and _has_body(scope):
+            if not ex.body_read and has_body(scope):
                 # Refused before its body was read (no key, too large): the
                 # connection closes rather than read the rest to reach a
                 # next request (docs/architecture.md, Security).
                 extra.append((b"connection", b"close"))
             await send_whole(send, r.status, r.body, [*extra, *r.headers, ex.header])
-        except _ClientGone:
+        except ClientGone:
             ex.status = CLIENT_GONE
         except Exception:
             logger.exception("unhandled error on %s %s", method, path)
@@ -259,7 +268,7 @@ class Proxy:
                 pass  # the response had started (a stream): the client sees it cut
         finally:
             now = self._loop.time()
-            if self._observer is not None and path in _FORWARDED:
+            if self._observer is not None and (path in _FORWARDED or ex.model):
                 first, t = ex.first_byte, ex.ticket
                 self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started,
                                        first - started if first else None,
@@ -318,7 +327,7 @@ class Proxy:
 
     def _request(self, grant: KeyGrant, raw: bytes) -> tuple[dict[str, Any], str]:
         """The parsed body, its model rewritten to the catalog name, and that name."""
-        body = _parse(raw)
+        body = parse_json(raw)
         requested = checked_model(body)  # and the other fields the gateway acts on
         name = self._table.resolve(requested)
         if name is None or not grant.allows(name):
@@ -330,69 +339,8 @@ class Proxy:
         return body, name
 
 
-def _headers(scope: Scope, ex: Exchange) -> tuple[str, str | None]:
-    """The client's bearer token ("" if none) and the session it names
-    (`X-Session-Id`), if any; its request id and trace context go to `ex`.
-    Its `Accept-Encoding` is not passed on: the engine is asked for identity
-    (relay.py), so that every answer's usage can be read."""
-    authorization: bytes | None = None
-    session: str | None = None
-    rid = traceparent = tracestate = None
+def _content_type(scope: Scope) -> str:
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            if authorization is None:  # the first one counts
-                authorization = value
-        elif name == b"x-session-id":
-            session = value.decode("latin-1")[:256]
-        elif name == b"x-request-id":
-            rid = value
-        elif name == b"traceparent":
-            traceparent = value
-        elif name == b"tracestate":
-            tracestate = value
-    ex.take_headers(rid, traceparent, tracestate)
-    if authorization is None:
-        return "", session
-    scheme, _, rest = authorization.decode("latin-1").partition(" ")
-    return (rest.strip() if scheme.lower() == "bearer" else ""), session
-
-
-def _has_body(scope: Scope) -> bool:
-    for name, value in scope["headers"]:
-        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
-            return True
-    return False
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise error(413, f"The request body is larger than {MAX_BODY} bytes.",
-                        "invalid_request_error")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # the C parser's guard: ~1,000 levels of [ or {
-        raise error(400, "The request body is nested too deeply.",
-                    "invalid_request_error") from None
-    except ValueError as exc:
-        # Bad JSON, bad UTF-8, or an integer past Python's digit limit
-        # (sys.get_int_max_str_digits(), 4,300): all the client's to fix.
-        raise error(400, f"The request body is not valid JSON: {exc}",
-                    "invalid_request_error") from None
-    if not isinstance(body, dict):
-        raise error(400, "The request body must be a JSON object.", "invalid_request_error")
-    return body
-
+        if name == b"content-type":
+            return str(value.decode("latin-1"))
+    return ""

@@ -42,6 +42,10 @@ from app.router.upstream import Response, UpstreamClient, UpstreamError
 
 logger = logging.getLogger(__name__)
 
+# What one attempt sends to its replica when the body is not JSON to POST as
+# it is (app/router/passthrough.py): (method, body, content type).
+Encoder = Callable[[Endpoint], tuple[bytes, bytes, bytes]]
+
 # Upstream statuses that mean "this replica cannot take it now, try another".
 _RETRY_STATUSES = {502, 503}
 _MAX_ATTEMPTS = 3
@@ -72,7 +76,8 @@ class Upstreams:
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                       stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None, *,
-                      ex: Exchange) -> int:
+                      ex: Exchange, pin: str | None = None,
+                      encode: Encoder | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
@@ -80,7 +85,8 @@ class Upstreams:
         model's endpoint names the provider's model instead (encoded for
         that attempt only). `meter` notes the usage the answer reports;
         `ex` is told the replica and a stream's first byte, and gives the
-        request id and trace context sent to the engine.
+        request id and trace context sent to the engine. `pin`: only that
+        replica may take it; `encode`: the request each attempt sends.
         """
         started = [False]  # set by _hold once a held stream's response began
         try:
@@ -99,7 +105,7 @@ class Upstreams:
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
-                                        send, affinity, meter, started[0], ex)
+                                        send, affinity, meter, started[0], ex, pin, encode)
         except Reply as r:
             if not started[0]:
                 raise
@@ -145,12 +151,13 @@ class Upstreams:
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                         stream: bool, send: Send,
                         affinity: str | None, meter: Ticket | None, started: bool,
-                        ex: Exchange) -> int:
-        payload = json.dumps(body).encode()
+                        ex: Exchange, pin: str | None = None,
+                        encode: Encoder | None = None) -> int:
+        payload = json.dumps(body).encode() if encode is None else b""
         tried: set[str] = set()
         last_error = ""
         for _ in range(_MAX_ATTEMPTS):
-            ep = self._table.choose(model, tried, affinity)
+            ep = self._table.choose(model, tried, affinity, pin)
             if ep is None:
                 break
             tried.add(ep.replica_id)
@@ -163,11 +170,12 @@ class Upstreams:
             try:
                 if stream:
                     watch.expect_first_byte()
-                data = payload if not ep.upstream_model else json.dumps(
-                    body | {"model": ep.upstream_model}).encode()
+                method, data, content_type = encode(ep) if encode is not None else (
+                    b"POST", payload if not ep.upstream_model else json.dumps(
+                        body | {"model": ep.upstream_model}).encode(), b"application/json")
                 upstream = await self.client.post(ep.url, url_tail, data, [
                     (b"Authorization", b"Bearer " + ep.key.encode()),
-                    (b"Content-Type", b"application/json"),
+                    (b"Content-Type", content_type),
                     # Never the client's: a stream compressed as it asked
                     # (br, say) could not be read for its usage, nor end
                     # with an error event. Identity to a client that
@@ -176,7 +184,7 @@ class Upstreams:
                     (b"Accept-Encoding", b"identity"),
                     # X-Request-Id (not to llama.cpp: its server answers 400
                     # to one that is not a UUID), the client's traceparent.
-                    *(ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:])])
+                    *(ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:])], method)
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:

@@ -241,16 +241,18 @@ class RouteTable:
         return dict(self._inflight)
 
     def choose(self, model: str, exclude: set[str],
-               affinity: str | None = None) -> Endpoint | None:
+               affinity: str | None = None, only: str | None = None) -> Endpoint | None:
         """A ready replica of `model` not in `exclude`, by choice.choose():
         priority tiers, prompt affinity until saturated, else the less loaded
         of two drawn by weight.
 
         Replicas cooling down are passed over unless no other is left: a
         cooled replica is still better than a 503 (its failure may have been
-        one request's bad luck).
+        one request's bad luck). `only`: that replica or none (a response's
+        state lives in its replica, app/router/responses.py).
         """
-        eps = [e for e in self._endpoints.get(model, ()) if e.replica_id not in exclude]
+        eps = [e for e in self._endpoints.get(model, ()) if e.replica_id not in exclude
+               and (only is None or e.replica_id == only)]
         if len(eps) <= 1:
             return eps[0] if eps else None
         if self._cooling:  # empty in the common case: no clock read per request

@@ -281,7 +281,7 @@ class UpstreamClient:
         self.on_request: Callable[[str], None] | None = None
 
     async def post(self, base_url: str, target: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> Response:
+                   headers: list[tuple[bytes, bytes]], method: bytes = b"POST") -> Response:
         """POSTs `body` to `target` (path and query) under `base_url`; returns
         once the answer's headers came. `headers` go as given, after Host
         and Content-Length; none may hold a control character."""
@@ -289,7 +289,7 @@ class UpstreamClient:
         path = o.prefix + target.encode("latin-1")
         if _UNSAFE_TARGET.search(path):
             raise UpstreamError(f"unsafe request target {target!r}")
-        lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", o.host_header,
+        lines = [method, b" ", path, b" HTTP/1.1\r\nHost: ", o.host_header,
                  b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
             if _UNSAFE.search(value) or _UNSAFE.search(name):

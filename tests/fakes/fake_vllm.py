@@ -436,6 +436,10 @@ class FakeVLLM:
             from tests.fakes import fake_vllm_more as more
         else:  # run as a script: its folder is on sys.path
             import fake_vllm_more as more  # type: ignore[no-redef]
+        if __package__:
+            from tests.fakes.fake_vllm_responses import Responses as more_routes
+        else:
+            from fake_vllm_responses import Responses as more_routes  # type: ignore[no-redef]
 
         # vLLM adds --middleware after its own key check: they wrap it.
         stack = more.middleware_stack(self.args.middleware)
@@ -449,6 +453,7 @@ class FakeVLLM:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        more_routes(self).add_routes(app)  # responses, rerank, score, audio
         return app
 
     async def auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:

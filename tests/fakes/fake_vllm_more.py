@@ -97,7 +97,7 @@ def add_unguarded_routes(app: web.Application, fake: Any,
     app.router.add_post("/invocations", invocations)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    for path in ("/pooling", "/classify", "/score", "/rerank"):
+    for path in ("/pooling", "/classify"):  # /score, /rerank: fake_vllm_responses.py
         app.router.add_post(path, pooled)
 
 

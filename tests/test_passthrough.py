@@ -1,0 +1,256 @@
+"""vLLM's other routes through the router, in-process (app/router/passthrough.py,
+responses.py, forms.py): the Responses API's ids and their replica, the
+routes outside /v1, the form's fields (docs/architecture.md, "The Responses
+API and vLLM's other routes")."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from app.router import responses
+from app.router.forms import form_fields
+from app.router.limits import Limiter, Limits
+from app.router.replies import Reply
+from app.router.table import Endpoint, KeyGrant
+from tests.support.proxy_rig import CLIENT_KEY, Rig, hash_key
+
+AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
+
+
+def vllm(rig: Rig, model: str, *eps: tuple[str, str]) -> None:
+    """As `rig.route`, the replicas being vLLM's (an external provider's get no request_id)."""
+    rig.table.set_endpoints({model: [Endpoint(rid, url, f"engine-key-{rid}", engine="vllm")
+                                     for rid, url in eps]})
+
+
+def test_a_response_id_names_its_replica_and_nothing_else_does() -> None:
+    made = responses.new_id("small-model-0a1b2c3d")
+    assert made.startswith("resp_") and responses.replica_of(made) == "small-model-0a1b2c3d"
+    assert responses.new_id("r") != responses.new_id("r")
+    for other in ("resp_0123", "resp_" + "a" * 32, "resp_" + "a" * 32 + ".Bad",
+                  "chatcmpl-1", "resp_" + "g" * 32 + ".r", made + "/x", made + ".x"):
+        assert responses.replica_of(other) is None, other
+
+
+async def test_a_continuation_goes_to_the_replica_that_made_the_response(rig: Rig) -> None:
+    a, b = await rig.upstream("a"), await rig.upstream("b")
+    vllm(rig, "small", ("a", a.url), ("b", b.url))
+    first = await rig.http.post("/v1/responses", headers=AUTH,
+                                json={"model": "tiny", "input": "hi", "request_id": "mine"})
+    assert first.status_code == 200, first.text
+    # Draws start at the first listed: a made it, under an id naming it (the
+    # client's own request_id is replaced: the id is the gateway's to set).
+    made = a.seen[-1][1]["request_id"]
+    assert responses.replica_of(made) == "a" and a.seen[-1][1]["model"] == "small"
+    said_b = responses.new_id("b")
+    for _ in range(3):  # however the draws go, the continuation goes to b
+        r = await rig.http.post("/v1/responses", headers=AUTH, json={
+            "model": "small", "input": "more", "previous_response_id": said_b})
+        assert r.status_code == 200 and r.headers["x-llmgw-replica"] == "b"
+    assert [body["previous_response_id"] for _, body in b.seen] == [said_b] * 3
+    r = await rig.http.get(f"/v1/responses/{made}", headers=AUTH)
+    assert r.status_code == 200 and r.headers["x-llmgw-replica"] == "a"
+    assert a.seen[-1][1] == {}  # a GET, no body
+    r = await rig.http.post(f"/v1/responses/{made}/cancel?x=1", headers=AUTH)
+    assert r.status_code == 200
+    assert a.paths[-2:] == [f"/v1/responses/{made}", f"/v1/responses/{made}/cancel?x=1"]
+
+
+async def test_a_response_whose_replica_is_gone_gets_a_404_that_says_so(rig: Rig) -> None:
+    a = await rig.upstream("a")
+    rig.route("small", ("a", a.url))
+    gone = responses.new_id("small-dead0001")
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "x", "previous_response_id": gone})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("replica_gone", "previous_response_id")
+    assert "small-dead0001" in err["message"] and "gone" in err["message"]
+    for path in (f"/v1/responses/{gone}", f"/v1/responses/{gone}/cancel"):
+        method = "GET" if not path.endswith("cancel") else "POST"
+        r = await rig.http.request(method, path, headers=AUTH)
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "replica_gone"), path
+    # An id the gateway did not make cannot be located: vLLM's own words.
+    r = await rig.http.get("/v1/responses/resp_abc", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": "Response with id 'resp_abc' not found.", "type": "invalid_request_error",
+        "param": "response_id", "code": "response_not_found"}
+    assert a.paths == []
+    # A replica of another model: named to a key allowed it, else not found.
+    rig.table.set_endpoints({"small": rig.table.endpoints("small"),
+                             "other": [Endpoint("o", a.url, "k", engine="vllm")]})
+    theirs = responses.new_id("o")
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "tiny", "input": "x", "previous_response_id": theirs})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "model_mismatch")
+    assert "'other'" in r.json()["error"]["message"]
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "t",
+                                                              frozenset({"small"}))})
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "tiny", "input": "x", "previous_response_id": theirs})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
+    assert a.paths == []
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "x", "previous_response_id": 7})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "previous_response_id")
+    r = await rig.http.delete(f"/v1/responses/{responses.new_id('a')}", headers=AUTH)
+    assert r.status_code == 405  # vLLM serves no DELETE
+
+
+async def test_a_key_limited_to_other_models_is_refused_on_every_route(rig: Rig) -> None:
+    a = await rig.upstream("a")
+    rig.route("small", ("a", a.url))
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "t",
+                                                              frozenset({"other"}))})
+    made = responses.new_id("a")
+    for method, path, body in [
+            ("POST", "/v1/responses", {"model": "small", "input": "x"}),
+            ("POST", "/v1/rerank", {"model": "small", "query": "q", "documents": ["d"]}),
+            ("POST", "/tokenize", {"model": "small", "prompt": "x"}),
+            ("GET", f"/v1/responses/{made}", None)]:
+        r = await rig.http.request(method, path, headers=AUTH, json=body)
+        assert r.status_code == 404, (path, r.text)
+    r = await rig.http.post("/v1/audio/transcriptions", headers=AUTH,
+                            files={"file": ("a.wav", b"RIFF")}, data={"model": "small"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert a.paths == []
+    r = await rig.http.post("/tokenize", json={"model": "small", "prompt": "x"})
+    assert r.status_code == 401
+
+
+async def test_vllm_s_json_routes_go_to_the_model_s_replica_as_they_came(rig: Rig) -> None:
+    a = await rig.upstream("a")
+    rig.route("small", ("a", a.url))
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/tokenize",
+                 "/detokenize"):
+        r = await rig.http.post(path + "?q=1", headers=AUTH,
+                                json={"model": "tiny", "query": "x", "stream": True})
+        assert r.status_code == 200, (path, r.text)
+        assert r.json() == {"served_by": "a", "model": "small"}  # read whole, not streamed
+        assert a.paths[-1] == path + "?q=1"
+        assert a.seen[-1][0]["Authorization"] == "Bearer engine-key-a"
+    r = await rig.http.get("/v1/rerank", headers=AUTH)
+    assert r.status_code == 405
+    r = await rig.http.post("/v1/rerank", headers=AUTH, json={"model": 3})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "model")
+
+
+async def test_a_form_goes_with_its_boundary_and_nothing_else_of_its_header(rig: Rig) -> None:
+    seen: list[tuple[str, bytes]] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        seen.append((request.headers["Content-Type"], await request.read()))
+        return web.json_response({"text": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", engine)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        vllm(rig, "small", ("a", str(server.make_url("")).rstrip("/")))
+        raw, kind = _form(model="tiny")
+        r = await rig.http.post("/v1/audio/transcriptions", content=raw, headers={
+            **AUTH, "Content-Type": kind + "; x=\x01"})
+        assert r.status_code == 200, r.text
+        boundary = kind.split("boundary=")[1]
+        assert seen[0][0] == f'multipart/form-data; boundary="{boundary}"'
+        assert form_fields(seen[0][1], seen[0][0]).model == "small"
+        assert rig.table.cooldowns() == {}
+    finally:
+        await server.close()
+
+
+def _form(**fields: str) -> tuple[bytes, str]:
+    req = httpx.Request("POST", "http://x/", files={"file": ("a.wav", b"RIFF\r\n--x--")},
+                        data=fields)
+    return req.read(), req.headers["content-type"]
+
+
+def test_a_form_s_model_and_stream_are_read_and_the_model_rewritten() -> None:
+    raw, kind = _form(model="tiny", stream="true", language="en")
+    form = form_fields(raw, kind)
+    assert (form.model, form.stream) == ("tiny", True)
+    again = form_fields(form.with_model(raw, "small-model"), kind)
+    assert again.model == "small-model" and b"RIFF\r\n--x--" in form.with_model(raw, "s")
+    assert form_fields(*_form(model="m")).stream is False
+    assert form.with_model(raw, "tiny") is raw  # named already: not copied
+
+
+@pytest.mark.parametrize(("raw", "kind", "param"), [
+    (*_form(model="m", stream="1"), "stream"),
+    (*_form(model="m", stream="yes"), "stream"),
+    (*_form(language="en"), "model"),
+    (*_form(model=""), "model"),
+    (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--b--",
+     "multipart/form-data; boundary=b", "file"),
+    (b'{"model": "m"}', "application/json", None),
+    (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm", "multipart/form-data; "
+     "boundary=b", None),
+    (b"--b\r\n" + b"x" * 10000, "multipart/form-data; boundary=b", None),
+    (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--b\r\n"
+     b"Content-Disposition: form-data; name=\"model\"\r\n\r\nn\r\n--b--",
+     "multipart/form-data; boundary=b", "model"),
+])
+def test_a_form_the_gateway_cannot_read_one_way_is_refused(raw: bytes, kind: str,
+                                                           param: str | None) -> None:
+    with pytest.raises(Reply) as refused:
+        form_fields(raw, kind)
+    assert refused.value.status == 400
+    assert httpx.Response(400, content=refused.value.body).json()["error"]["param"] == param
+
+
+def test_the_responses_api_s_usage_is_charged_to_the_key() -> None:
+    limiter = Limiter(clock=lambda: 0.0, wall=lambda: 0.0)
+    ticket = limiter.admit("k", "m", Limits(tokens_per_minute=1000))
+    ticket.read_answer(b'{"usage": {"input_tokens": 5, "output_tokens": 7, '
+                       b'"total_tokens": 12}}', None)
+    ticket.release()
+    streamed = limiter.admit("k", "m", Limits(tokens_per_minute=1000))
+    streamed.read_events(b'event: response.created\ndata: {"type": "response.created", '
+                         b'"response": {"usage": null}}\n\nevent: response.completed\ndata: '
+                         b'{"type": "response.completed", "response": {"usage": '
+                         b'{"input_tokens": 2, "output_tokens": 3}}}\n\n')
+    streamed.release()
+    assert limiter.take_usage() == {("k", "m"): (2, 7, 10, 0)}
+
+
+async def test_an_external_provider_keeps_its_own_ids(rig: Rig) -> None:
+    up = await rig.upstream("p")
+    rig.route("small", ("p", up.url))  # engine "": a provider, which knows no request_id
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "x", "previous_response_id": "resp_theirs",
+        "request_id": "x"})
+    assert r.status_code == 200
+    assert up.seen[-1][1] == {"model": "small", "input": "x",
+                              "previous_response_id": "resp_theirs"}
+
+
+async def test_the_key_s_limits_count_every_route(rig: Rig) -> None:
+    a = await rig.upstream("a")
+    vllm(rig, "small", ("a", a.url))
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant(
+        "k1", "t", limits=Limits(requests_per_minute=3))})
+    made = responses.new_id("a")
+    for method, path, body in [("POST", "/tokenize", {"model": "small", "prompt": "x"}),
+                               ("GET", f"/v1/responses/{made}", None),
+                               ("POST", "/v1/score", {"model": "small"})]:
+        r = await rig.http.request(method, path, headers=AUTH, json=body)
+        assert r.status_code == 200, (path, r.text)
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={"model": "small", "input": "x"})
+    assert r.status_code == 429 and "retry-after" in r.headers
+    assert len(a.paths) == 3
+    # In the request metrics as a chat is, the refusal too.
+    assert rig.observed.seen == [("small", 200)] * 3 + [("small", 429)]
+
+
+async def test_a_response_stream_cut_short_is_charged_an_estimate(rig: Rig) -> None:
+    up = await rig.upstream("a", "die")  # one event, then the connection drops
+    vllm(rig, "small", ("a", up.url))
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "x" * 400, "stream": True})
+    assert r.status_code == 200 and '"upstream_error"' in r.text  # its last event
+    # 400 characters: about 100 tokens, counted as estimated.
+    assert rig.proxy.limits.take_usage() == {("k1", "small"): (1, 100, 0, 1)}
