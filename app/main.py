@@ -57,8 +57,10 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(settings: Settings) -> GatewayApp:
-    gw = Gateway(settings)
+def create_app(settings: Settings, campaign: bool = True) -> GatewayApp:
+    """`campaign=False`: a gateway's worker other than its first, which
+    never leads (docs/architecture.md, "Workers")."""
+    gw = Gateway(settings, campaign=campaign)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
