@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.fakes.fake_vllm import FakeVLLM
-from tests.support.procs import ADMIN, ROOT, Cluster, GatewayProc, wait_for
+from tests.support.procs import ADMIN, ROOT, Cluster, GatewayProc, free_port, wait_for
 from tests.test_keys import stand_in
 
 MESSAGES: Any = [{"role": "user", "content": "hi"}]
@@ -105,9 +107,14 @@ class Rig:
                                 json={"name": "k", "limits": limits})
             assert r.status_code == 201, r.text
             made: dict[str, Any] = r.json()
-            # Every worker knows it (a new connection reaches either).
+            seen = 0
+            # Every worker's mirror has it (a new connection reaches either).
             for _ in range(100):
-                if all([(await self.chat(made["key"], "probe")) != 401 for _ in range(8)]):
+                async with httpx.AsyncClient(headers=AUTH, timeout=10) as once:
+                    if (await once.get(self.gw.url + f"/admin/keys/{made['id']}")
+                            ).status_code == 200:
+                        seen += 1
+                if seen == 8:
                     break
             return made
 
@@ -264,7 +271,8 @@ async def test_one_leader_among_the_workers_of_two_gateways(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     cluster.ttl = 4
-    gws = [cluster.gateway(n, ready_within=60, workers="2") for n in ("ga", "gb")]
+    gws = [cluster.gateway(n, ready_within=60, workers="2", etcd_timeout="2")
+           for n in ("ga", "gb")]
     everyone = {"ga", "ga-w1", "gb", "gb-w1"}
 
     def views() -> dict[str, dict[str, Any]]:
@@ -296,3 +304,32 @@ async def test_one_leader_among_the_workers_of_two_gateways(
     wait_for(lambda: worker_pids(gw).get(0), 20, "worker 0 restarted")
     second = wait_for(one_leader, 30, "a leader again")
     assert second in ("ga", "gb")
+
+
+def test_the_default_is_the_cores_with_etcd_and_one_on_the_embedded_store(
+    tmp_path: Path
+) -> None:
+    from app import workers
+    from app.settings import Settings
+
+    etcd = {"etcd_endpoints": "127.0.0.1:2379", "secret": "s" * 32, "admin_token": "a" * 32}
+    assert workers.count(Settings(**etcd)) == len(os.sched_getaffinity(0))  # type: ignore[arg-type]
+    assert workers.count(Settings(**etcd, workers=3)) == 3  # type: ignore[arg-type]
+    assert workers.count(Settings(data_dir=tmp_path)) == 1
+    assert workers.count(Settings(data_dir=tmp_path, workers=1)) == 1
+    with pytest.raises(workers.Refused, match="LLMGW_WORKERS=2 needs etcd"):
+        workers.count(Settings(data_dir=tmp_path, workers=2))
+    with pytest.raises(workers.Refused, match="LLMGW_LOCAL_AGENT=true"):
+        workers.count(Settings(**etcd, workers=2, local_agent=True))  # type: ignore[arg-type]
+
+
+def test_workers_on_the_embedded_store_are_refused_before_anything_starts(
+    tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env |= {"LLMGW_DATA_DIR": str(tmp_path), "LLMGW_PORT": str(free_port())}
+    run = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--workers", "2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "llmgw serve: LLMGW_WORKERS=2 needs etcd (LLMGW_ETCD_ENDPOINTS)" in run.stderr
+    assert not (tmp_path / "llmgw.pid").exists() and not (tmp_path / "state.db").exists()
