@@ -74,7 +74,8 @@ def serve(args: argparse.Namespace) -> None:
         workers.tag_logs(args.worker)
         sock = socket.socket(fileno=args.listen_fd)
         # Its last lines written before uvicorn ends it with the signal.
-        _serve(args, _settings(), stop_logging, sock=sock, campaign=args.worker == 0)
+        _serve(args, _settings(), stop_logging, sock=sock, campaign=args.worker == 0,
+               ready_first=workers.READY_FIRST if args.restart else 0.0)
         return
     settings = _settings(host=args.host, port=args.port, workers=args.workers)
     try:
@@ -103,13 +104,14 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], None],
-           sock: socket.socket | None = None, campaign: bool = True) -> None:
+           sock: socket.socket | None = None, campaign: bool = True,
+           ready_first: float = 0.0) -> None:
     import uvicorn
 
     from app.main import create_app
     from app.slowclients import protocol
 
-    app = create_app(settings, campaign=campaign)
+    app = create_app(settings, campaign=campaign, ready_first=ready_first)
     gateway = app.state.gateway
 
     notice = settings.shutdown_notice_seconds
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--supervisor", type=int, default=None, help=argparse.SUPPRESS)
+    sp.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)
     sp.set_defaults(func=serve)
 
     stp = sub.add_parser("stop", help="stop the gateway running on a data dir (SIGTERM to "

@@ -40,6 +40,10 @@ STEADY = 60.0
 # would refuse them again, so the whole gateway stops (as `llmgw serve` does).
 REFUSED = 2
 _PR_SET_PDEATHSIG = 1
+# Seconds a restarted worker waits for its mirror before its socket listens
+# (new connections go to the other workers meanwhile); a first start does
+# not wait, as a lone gateway does not (/readyz says "loading").
+READY_FIRST = 10.0
 
 
 class Refused(Exception):
@@ -127,7 +131,8 @@ class Slot:
 class Supervisor:
     """Starts, restarts and stops the workers of one `llmgw serve`."""
 
-    def __init__(self, settings: Settings, n: int, argv: Callable[[int, int], list[str]]) -> None:
+    def __init__(self, settings: Settings, n: int,
+                 argv: Callable[[int, int, bool], list[str]]) -> None:
         self.settings, self.n, self._argv = settings, n, argv
         self.slots = [Slot(i) for i in range(n)]
         self.signals: list[int] = []  # caught, not yet forwarded
@@ -135,6 +140,7 @@ class Supervisor:
 
     def _start(self, slot: Slot, sock: socket.socket | None = None) -> None:
         st = self.settings
+        restart = sock is None
         if sock is None:
             try:
                 sock = bind(st.host, st.port)
@@ -147,7 +153,7 @@ class Supervisor:
         try:
             # A process group of its own: a terminal's Ctrl-C reaches the
             # supervisor only, which forwards it once.
-            slot.proc = subprocess.Popen(self._argv(slot.index, sock.fileno()), env=env,
+            slot.proc = subprocess.Popen(self._argv(slot.index, sock.fileno(), restart), env=env,
                                          pass_fds=[sock.fileno()], process_group=0)
         finally:
             sock.close()  # the worker's now: it goes with the worker
@@ -211,10 +217,11 @@ class Supervisor:
             time.sleep(0.05)
 
 
-def worker_argv(args: list[str], index: int, fd: int) -> list[str]:
+def worker_argv(args: list[str], index: int, fd: int, restart: bool) -> list[str]:
     """The command line of worker `index` on descriptor `fd`."""
     return [sys.executable, "-m", "app.cli", *args, "serve", "--worker", str(index),
-            "--listen-fd", str(fd), "--supervisor", str(os.getpid())]
+            "--listen-fd", str(fd), "--supervisor", str(os.getpid()),
+            *(["--restart"] if restart else [])]
 
 
 def supervise(level: str, fmt: str, settings: Settings, n: int,
@@ -223,7 +230,7 @@ def supervise(level: str, fmt: str, settings: Settings, n: int,
     killed by the signal that stopped it, once every worker has stopped
     (`stopped()` first: the pid file goes with a clean stop)."""
     log = ["--log-level", level, "--log-format", fmt]
-    sup = Supervisor(settings, n, lambda i, fd: worker_argv(log, i, fd))
+    sup = Supervisor(settings, n, lambda i, fd, again: worker_argv(log, i, fd, again))
     logger.info("gateway %s: %d workers on port %d", settings.gateway_id, n, settings.port)
     try:
         sig = sup.run()
