@@ -52,11 +52,12 @@ class Refused(Exception):
 
 def count(settings: Settings) -> int:
     """How many workers: LLMGW_WORKERS, else the cores this process may run
-    on with etcd and 1 on the embedded store. Refused: more than one on the
-    embedded store (one SQLite file, opened exclusively, and the in-process
-    agent belong to one process)."""
+    on with etcd and 1 on the embedded store or with the in-process agent.
+    Refused: more than one there (one SQLite file, opened exclusively, and
+    the in-process agent belong to one process)."""
     if settings.workers is None:
-        return len(os.sched_getaffinity(0)) if settings.uses_etcd else 1
+        one = not settings.uses_etcd or settings.local_agent
+        return 1 if one else len(os.sched_getaffinity(0))
     if settings.workers > 1 and not settings.uses_etcd:
         raise Refused(
             f"LLMGW_WORKERS={settings.workers} needs etcd (LLMGW_ETCD_ENDPOINTS): the embedded "

@@ -327,6 +327,7 @@ def test_the_default_is_the_cores_with_etcd_and_one_on_the_embedded_store(
     assert workers.count(Settings(**etcd)) == len(os.sched_getaffinity(0))  # type: ignore[arg-type]
     assert workers.count(Settings(**etcd, workers=3)) == 3  # type: ignore[arg-type]
     assert workers.count(Settings(data_dir=tmp_path)) == 1
+    assert workers.count(Settings(**etcd, local_agent=True)) == 1  # type: ignore[arg-type]
     assert workers.count(Settings(data_dir=tmp_path, workers=1)) == 1
     with pytest.raises(workers.Refused, match="LLMGW_WORKERS=2 needs etcd"):
         workers.count(Settings(data_dir=tmp_path, workers=2))
