@@ -156,6 +156,9 @@ class Supervisor:
             # supervisor only, which forwards it once.
             slot.proc = subprocess.Popen(self._argv(slot.index, sock.fileno(), restart), env=env,
                                          pass_fds=[sock.fileno()], process_group=0)
+        except OSError as exc:  # out of processes or descriptors: later, not the others' end
+            self._later(slot, f"could not start: {exc.strerror or exc}")
+            return
         finally:
             sock.close()  # the worker's now: it goes with the worker
         slot.started = time.monotonic()
