@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trustme
 
 from tests.fakes.fake_vllm import FakeVLLM
 from tests.support.procs import ADMIN, ROOT, Cluster, GatewayProc, free_port, wait_for
@@ -53,7 +54,7 @@ def worker_pids(gw: GatewayProc) -> dict[int, int]:
 
 def answered_by(gw: GatewayProc) -> str:
     """The gateway id of the worker answering a new connection."""
-    r = httpx.get(gw.url + "/admin/leader", headers=AUTH, timeout=5)
+    r = httpx.get(gw.url + "/admin/leader", headers=AUTH, timeout=5, verify=gw.verify)
     r.raise_for_status()
     return str(r.json()["gateway"])
 
@@ -345,3 +346,19 @@ def test_workers_on_the_embedded_store_are_refused_before_anything_starts(
     assert run.returncode == 2
     assert "llmgw serve: LLMGW_WORKERS=2 needs etcd (LLMGW_ETCD_ENDPOINTS)" in run.stderr
     assert not (tmp_path / "llmgw.pid").exists() and not (tmp_path / "state.db").exists()
+
+
+def test_both_workers_serve_tls_from_the_same_files(cluster: Cluster, tmp_path: Path) -> None:
+    from tests.test_tls import issue
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert, key = issue(ca, tmp_path, "gw")
+    gw = cluster.gateway("gw", ca=str(tmp_path / "ca.pem"), ready_within=60, workers="2",
+                         tls_cert_file=str(cert), tls_key_file=str(key))
+    assert gw.url.startswith("https://")
+    ids = {"gw", "gw-w1"}
+    wait_for(lambda: seen_workers(gw, ids, 8) == ids, 60, "both workers answering https")
+    for _ in range(8):  # nothing in clear on the port, whichever worker answers
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(gw.url.replace("https://", "http://") + "/healthz", timeout=5)
