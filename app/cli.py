@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,9 +67,22 @@ def _settings(**overrides: object) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from app import pidfile
+    from app import pidfile, workers
 
-    settings = _settings(host=args.host, port=args.port)
+    if args.worker is not None:  # started by the supervisor below
+        workers.die_with_parent(args.supervisor)
+        workers.tag_logs(args.worker)
+        sock = socket.socket(fileno=args.listen_fd)
+        # Its last lines written before uvicorn ends it with the signal.
+        _serve(args, _settings(), stop_logging, sock=sock, campaign=args.worker == 0,
+               ready_first=workers.READY_FIRST if args.restart else 0.0)
+        return
+    settings = _settings(host=args.host, port=args.port, workers=args.workers)
+    try:
+        n = workers.count(settings)
+    except workers.Refused as exc:
+        print(f"llmgw serve: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         # DATA_DIR/llmgw.pid, locked while this gateway runs (`llmgw stop`).
         held = pidfile.hold(settings.data_dir)
@@ -81,19 +95,23 @@ def serve(args: argparse.Namespace) -> None:
               f"{exc.strerror or exc}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        _serve(args, settings, held.release)
+        if n == 1:
+            _serve(args, settings, held.release)
+        else:
+            workers.supervise(args.log_level, args.log_format, settings, n, held.release)
     finally:
         held.release()
 
 
-def _serve(args: argparse.Namespace, settings: Settings,
-           stopped: Callable[[], None]) -> None:
+def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], None],
+           sock: socket.socket | None = None, campaign: bool = True,
+           ready_first: float = 0.0) -> None:
     import uvicorn
 
     from app.main import create_app
     from app.slowclients import protocol
 
-    app = create_app(settings)
+    app = create_app(settings, campaign=campaign, ready_first=ready_first)
     gateway = app.state.gateway
 
     notice = settings.shutdown_notice_seconds
@@ -166,7 +184,7 @@ def _serve(args: argparse.Namespace, settings: Settings,
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
                             ssl_keyfile=settings.tls_key_file)
-    Server(config).run()
+    Server(config).run(sockets=None if sock is None else [sock])
 
 
 def stop(args: argparse.Namespace) -> None:
@@ -300,6 +318,14 @@ def main(argv: list[str] | None = None) -> None:
     sp = sub.add_parser("serve", help="run a gateway (all-in-one without LLMGW_ETCD_ENDPOINTS)")
     sp.add_argument("--host", default=None)
     sp.add_argument("--port", type=int, default=None)
+    sp.add_argument("--workers", type=int, default=None,
+                    help="processes serving the port (LLMGW_WORKERS; default: the cores "
+                    "available with etcd, 1 on the embedded store)")
+    # A worker of a supervisor (app/workers.py): not for operators.
+    sp.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    sp.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    sp.add_argument("--supervisor", type=int, default=None, help=argparse.SUPPRESS)
+    sp.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)
     sp.set_defaults(func=serve)
 
     stp = sub.add_parser("stop", help="stop the gateway running on a data dir (SIGTERM to "

@@ -73,6 +73,7 @@ class Gateway:
         self,
         settings: Settings,
         store_factory: Callable[[Settings], Awaitable[Store]] = open_store,
+        campaign: bool = True,
     ) -> None:
         if not settings.uses_etcd:
             settings.ensure_local_secrets()
@@ -89,6 +90,9 @@ class Gateway:
         self.secrets = SecretRing(self.secret, prev.get_secret_value() if prev else None)
         self.admin_token = settings.admin_token.get_secret_value()
         self._store_factory = store_factory
+        # False for the workers of a gateway other than its first: they hold a
+        # lease but never lead (docs/architecture.md, "Workers").
+        self._campaign = campaign
         # External models' key files, read off the loop (docs/architecture.md,
         # Security, "Files an admin names").
         self.provider_keys = ProviderKeys(settings.provider_key_dir, own_files(
@@ -205,7 +209,7 @@ class Gateway:
             asyncio.create_task(self._every(elector.campaign, "campaign"),
                                 name="election-campaign"),
             asyncio.create_task(reconciler.run(), name="reconciler"),
-        ]
+        ] if self._campaign else []
         self._tasks += [
             *self._leading,
             # Two loops: a renewal never waits behind a campaign stuck on a

@@ -64,12 +64,19 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(settings: Settings) -> GatewayApp:
-    gw = Gateway(settings)
+def create_app(settings: Settings, campaign: bool = True,
+               ready_first: float = 0.0) -> GatewayApp:
+    """`campaign=False`: a gateway's worker other than its first, which
+    never leads; `ready_first`: a restarted worker, which waits up to that
+    many seconds for its mirror before its port takes connections, so the
+    other workers answer them meanwhile (docs/architecture.md, "Workers")."""
+    gw = Gateway(settings, campaign=campaign)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        if ready_first:  # the mirror's first load (revision > 0), or the bound
+            await gw.mirror.wait_past(0, ready_first)
         if settings.gc_threshold:
             # Everything built so far lives as long as the gateway: frozen,
             # the collector never walks it again (settings.gc_threshold).

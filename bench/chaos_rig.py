@@ -147,7 +147,7 @@ class Rig:
             port = free_port()
             env = self.env() | {
                 "LLMGW_SECRET": self.secret, "LLMGW_ETCD_ENDPOINTS": endpoints,
-                "LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": f"gw{i}",
+                "LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": f"gw{i}", "LLMGW_WORKERS": "1",
                 "LLMGW_DATA_DIR": str(self.tmp / f"gw{i}"), "LLMGW_LEASE_TTL": str(TTL),
                 "LLMGW_ETCD_TIMEOUT": "2",
                 # The history is the evidence: the leader must not compact it.

@@ -120,7 +120,7 @@ class Fleet:
         port = free_port()
         env = self.base_env() | {
             "LLMGW_ETCD_ENDPOINTS": self.etcd, "LLMGW_PORT": str(port),
-            "LLMGW_GATEWAY_ID": name, "LLMGW_DATA_DIR": str(self.tmp / name),
+            "LLMGW_GATEWAY_ID": name, "LLMGW_WORKERS": "1", "LLMGW_DATA_DIR": str(self.tmp / name),
             "LLMGW_ROUTER_AFFINITY": "true" if affinity else "false"}
         proc = Proc(name, [sys.executable, "-m", "app.cli", "serve"],
                     self.tmp / f"{name}.log", env).start()

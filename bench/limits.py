@@ -80,7 +80,8 @@ class Fleet:
             proc = Process(f"gw{i}", [sys.executable, "-m", "app.cli", "serve"],
                            self.tmp / f"gw{i}.log", base | {
                                "LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": f"gw{i}",
-                               "LLMGW_DATA_DIR": str(self.tmp / f"gw{i}")}).start()
+                               "LLMGW_DATA_DIR": str(self.tmp / f"gw{i}"),
+                               "LLMGW_WORKERS": "1"}).start()
             self.procs.append(proc)
             url = f"http://127.0.0.1:{port}"
             wait_for(functools.partial(ready, url), 40, "readyz", proc.alive)

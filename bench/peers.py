@@ -178,6 +178,7 @@ class Llmgw:
                      "LLMGW_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"})
         gw_env = base | {"LLMGW_ETCD_ENDPOINTS": f"127.0.0.1:{cport}",
                          "LLMGW_PORT": str(self.port), "LLMGW_GATEWAY_ID": "bench-gw",
+                         "LLMGW_WORKERS": "1",
                          "LLMGW_DATA_DIR": str(self.tmp / "gw")} | self.gateway_env
         self.procs.append(Process("gateway", pinned(self.proxy_core, [
             sys.executable, "-m", "app.cli", "serve"]), self.tmp / "gateway.log",

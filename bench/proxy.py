@@ -114,7 +114,7 @@ class Gateway:
             "LLMGW_ADMIN_TOKEN": self.admin_token,
             "LLMGW_LOCAL_GPUS": "1",
             "LLMGW_VLLM_BIN": str(FAKE_VLLM),
-            "LLMGW_PORT": str(self.port),
+            "LLMGW_PORT": str(self.port), "LLMGW_WORKERS": "1",
             "LLMGW_LOG_LEVEL": "warning",
             "FAKE_VLLM_PYTHON": sys.executable,
             "PYTHONUNBUFFERED": "1",

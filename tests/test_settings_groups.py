@@ -77,6 +77,7 @@ def environment(tmp: Path) -> dict[str, tuple[str, Any]]:
         "public_url": ("https://gw.example:9091", "https://gw.example:9091"),
         "tls_cert_file": (str(cert), cert),
         "tls_key_file": (str(key), key),
+        "workers": ("3", 3),
         "shutdown_notice_seconds": ("1", 1.0),
         "shutdown_grace_seconds": ("640", 640.0),
         "gc_threshold": ("0", 0),

@@ -32,6 +32,14 @@ class EdgeSettings(Group):
     # trusted network. Gateway -> engine and gateway -> agent API stay HTTP.
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    # Processes serving this gateway's port (`llmgw serve --workers N`;
+    # docs/architecture.md, "Workers"): each a full router with its own
+    # mirror, lease and key shares. Unset: the cores this process may run on
+    # with etcd, 1 on the embedded store (which one process owns; more is
+    # refused). More: requests per second up to about N cores' worth, for N
+    # mirrors' memory, N leases' keepalives and N key-share records in etcd,
+    # and a client's limits shared by N more claimants (L + N - 1).
+    workers: int | None = Field(None, ge=1, le=256)
 
     # --- stopping (docs/architecture.md, "Stopping") ------------------------------
     # After SIGTERM, /readyz answers 503 and the gateway still accepts for

@@ -174,14 +174,18 @@ class Cluster:
         env["FAKE_VLLM_PYTHON"] = sys.executable  # the fake needs this venv's aiohttp
         return env
 
-    def gateway(self, name: str, ca: str | None = None, **settings: str) -> GatewayProc:
+    def gateway(self, name: str, ca: str | None = None, ready_within: float = 20,
+                **settings: str) -> GatewayProc:
         """A gateway process, ready. With `tls_cert_file` (and `tls_key_file`)
         among the settings it serves https, verified against `ca` (a PEM file)."""
         port = free_port()
         env = self.base_env()
         env.update({"LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": name,
                     "LLMGW_LEASE_TTL": str(self.ttl),
-                    "LLMGW_DATA_DIR": str(self.tmp / name)})
+                    "LLMGW_DATA_DIR": str(self.tmp / name),
+                    # One process, which tests signal and whose id they read,
+                    # unless a test asks for workers=N (tests/test_workers.py).
+                    "LLMGW_WORKERS": "1"})
         if self.etcd:
             env.update({"LLMGW_ETCD_ENDPOINTS": self.etcd, "LLMGW_ETCD_PREFIX": self.prefix})
         env.update({f"LLMGW_{k.upper()}": v for k, v in settings.items()})
@@ -193,7 +197,7 @@ class Cluster:
         self.procs.append(gw)
         wait_for(lambda: httpx.get(gw.url + "/readyz", timeout=1,
                                    verify=gw.verify).status_code == 200,
-                 20, f"gateway {name} ready")
+                 ready_within, f"gateway {name} ready")
         return gw
 
     def agent(self, node: str, gateways: list[GatewayProc], *extra: str,
