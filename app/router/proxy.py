@@ -210,12 +210,15 @@ class Proxy:
                             "invalid_request_error")
             raw = await _read_body(receive)
             ex.body_read = True
-            body, model = self._request(grant, raw)
+            body, model, rewritten = self._request(grant, raw)
             ex.model = model
             query = scope.get("query_string", b"")
             url_tail = f"{path}?{query.decode('latin-1')}" if query else path
             ticket = self._admit(grant, model, path, body)  # released below, however it ends
             ex.ticket = ticket
+            # The client's bytes go on untouched when nothing was rewritten:
+            # no encode per request, which grows with the prompt.
+            untouched = None if rewritten or ticket.strip_usage else raw
             watch = Watch(receive, self._timeouts, started)
             self._open.add(watch)
             try:
@@ -226,7 +229,8 @@ class Proxy:
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
                 ex.status = await self._upstreams.forward(
                     watch, model, url_tail, body,
-                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex)
+                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex,
+                    raw=untouched)
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -316,8 +320,10 @@ class Proxy:
         raise error(404, f"The model '{ident}' does not exist or you do not have access to it.",
                     "invalid_request_error", "model_not_found", "model")
 
-    def _request(self, grant: KeyGrant, raw: bytes) -> tuple[dict[str, Any], str]:
-        """The parsed body, its model rewritten to the catalog name, and that name."""
+    def _request(self, grant: KeyGrant, raw: bytes) -> tuple[dict[str, Any], str, bool]:
+        """The parsed body, its model rewritten to the catalog name, that name,
+        and whether the body now differs from `raw` (an alias; or a key
+        "model" written more than once, which only our parse decided)."""
         body = _parse(raw)
         requested = checked_model(body)  # and the other fields the gateway acts on
         name = self._table.resolve(requested)
@@ -327,7 +333,7 @@ class Proxy:
                 "invalid_request_error", "model_not_found", "model",
             )
         body["model"] = name  # engines serve the catalog name, not the alias
-        return body, name
+        return body, name, name != requested or raw.count(b'"model"') != 1
 
 
 def _headers(scope: Scope, ex: Exchange) -> tuple[str, str | None]:

@@ -28,6 +28,7 @@ import json
 import logging
 import zlib
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 from app.router import replies
@@ -38,7 +39,7 @@ from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
-from app.router.upstream import Response, UpstreamClient, UpstreamError
+from app.router.upstream import Response, UpstreamClient, UpstreamError, header_block
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class Upstreams:
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                       stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None, *,
-                      ex: Exchange) -> int:
+                      ex: Exchange, raw: bytes | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
@@ -80,7 +81,8 @@ class Upstreams:
         model's endpoint names the provider's model instead (encoded for
         that attempt only). `meter` notes the usage the answer reports;
         `ex` is told the replica and a stream's first byte, and gives the
-        request id and trace context sent to the engine.
+        request id and trace context sent to the engine. `raw`: the client's
+        bytes, when `body` is exactly what they say (sent as they are).
         """
         started = [False]  # set by _hold once a held stream's response began
         try:
@@ -99,7 +101,7 @@ class Upstreams:
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
-                                        send, affinity, meter, started[0], ex)
+                                        send, affinity, meter, started[0], ex, raw)
         except Reply as r:
             if not started[0]:
                 raise
@@ -145,8 +147,8 @@ class Upstreams:
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                         stream: bool, send: Send,
                         affinity: str | None, meter: Ticket | None, started: bool,
-                        ex: Exchange) -> int:
-        payload = json.dumps(body).encode()
+                        ex: Exchange, raw: bytes | None = None) -> int:
+        payload = raw if raw is not None else json.dumps(body).encode()
         tried: set[str] = set()
         last_error = ""
         for _ in range(_MAX_ATTEMPTS):
@@ -165,18 +167,12 @@ class Upstreams:
                     watch.expect_first_byte()
                 data = payload if not ep.upstream_model else json.dumps(
                     body | {"model": ep.upstream_model}).encode()
-                upstream = await self.client.post(ep.url, url_tail, data, [
-                    (b"Authorization", b"Bearer " + ep.key.encode()),
-                    (b"Content-Type", b"application/json"),
-                    # Never the client's: a stream compressed as it asked
-                    # (br, say) could not be read for its usage, nor end
-                    # with an error event. Identity to a client that
-                    # accepted more is valid HTTP (docs/architecture.md,
-                    # "Security").
-                    (b"Accept-Encoding", b"identity"),
+                upstream = await self.client.post(
+                    ep.url, url_tail, data,
                     # X-Request-Id (not to llama.cpp: its server answers 400
                     # to one that is not a UUID), the client's traceparent.
-                    *(ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:])])
+                    ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:],
+                    _route_headers(ep.key))
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
@@ -373,6 +369,19 @@ class Upstreams:
         watch.close()
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return upstream.status
+
+
+@lru_cache(maxsize=1024)
+def _route_headers(key: str) -> bytes:
+    """A replica's own request headers, built and checked once (upstream.py)."""
+    return header_block((
+        (b"Authorization", b"Bearer " + key.encode()),
+        (b"Content-Type", b"application/json"),
+        # Never the client's: a stream compressed as it asked (br, say)
+        # could not be read for its usage, nor end with an error event.
+        # Identity to a client that accepted more is valid HTTP
+        # (docs/architecture.md, "Security").
+        (b"Accept-Encoding", b"identity")))
 
 
 def _passed_on(upstream: Response, ep: Endpoint, ex: Exchange,
