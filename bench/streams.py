@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httptools
 import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,15 +88,20 @@ class Step:
 
 
 class _Stream(asyncio.Protocol):
-    """One SSE stream: sends its request, reads stamps as they come."""
+    """One SSE stream: sends its request, reads stamps as they come (the
+    body de-chunked by httptools: a proxy may cut chunks anywhere, a stamp
+    included)."""
 
     def __init__(self, request: bytes, step: Step, window: tuple[float, float],
                  done: asyncio.Future[None]) -> None:
         self.request, self.step, self.window, self.done = request, step, window, done
+        self.parser = httptools.HttpResponseParser(self)
         self.buf = b""
-        self.head: bytes | None = None
+        self.status = 0
+        self.error_body = b""
         self.stamps = 0
         self.finished = False
+        self.now = 0.0
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -103,25 +109,27 @@ class _Stream(asyncio.Protocol):
         transport.write(self.request)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
-        now = time.monotonic()
-        buf = self.buf + data
-        if self.head is None:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self.buf = buf
-                return
-            self.head, buf = buf[:end], buf[end + 4:]
-            if not self.head.startswith(b"HTTP/1.1 200"):
-                self._end(self.head.split(b"\r\n", 1)[0].decode(errors="replace") + " "
-                          + buf[:300].decode(errors="replace"))
-                return
+        self.now = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._end(f"not HTTP: {exc}")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self.status != 200:
+            self.error_body += body
+            return
+        buf = self.buf + body
         cut = buf.rfind(b"\n\n")
         if cut < 0:
             self.buf = buf
             return
         whole, self.buf = buf[:cut], buf[cut + 2:]
         lo, hi = self.window
-        delays = self.step.delays
+        delays, now = self.step.delays, self.now
         for m in STAMP.finditer(whole):
             self.stamps += 1
             written = float(m.group(1))
@@ -129,7 +137,12 @@ class _Stream(asyncio.Protocol):
                 delays.append(now - written)
         if b"data: [DONE]" in whole:
             self.finished = True
-            self._end("")
+
+    def on_message_complete(self) -> None:
+        if self.status != 200:
+            self._end(f"HTTP {self.status} {self.error_body[:300].decode(errors='replace')}")
+        else:
+            self._end("" if self.finished else "the stream ended without [DONE]")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end(f"connection closed after {self.stamps} chunks" + (f" ({exc})" if exc else ""))
