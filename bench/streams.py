@@ -78,6 +78,18 @@ class Step:
     client_util: float = 0.0
     added_p99_ms: float = float("nan")
     limit_ms: float = 10.0
+    chunks: int = 0  # chunks read, every stream and all its chunks
+
+    def cpu_per_chunk_us(self) -> float:
+        """The proxy's CPU per chunk relayed, its streams' setup included:
+        steadier than delays on a shared machine, where the proxy gets a
+        share of its core that moves from minute to minute."""
+        return self.proxy_util * self.wall / self.chunks * 1e6 if self.chunks else float("nan")
+
+    def per_core(self, chunk_s: float) -> float:
+        """Streams one whole core would carry at this CPU per chunk (a
+        projection, not a measured clean count)."""
+        return 1e6 / (self.cpu_per_chunk_us() / chunk_s)
 
     def p99_ms(self) -> float:
         return load.pct(self.delays, .99) * 1e3
@@ -192,6 +204,7 @@ async def run_step(peer: Peer, n: int, chunks: int, chunk_s: float, ramp: float,
         f.cancel()
     if pending:
         step.fail(f"{len(pending)} streams unfinished after {deadline:.0f} s")
+    step.chunks = sum(s.stamps for s in streams)
     for s in streams:
         if s.transport is not None:
             s.transport.close()
@@ -264,8 +277,9 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
         "core 1. CPU columns: share of one core over the step. A row whose stand-in + client "
         f"pass {LOAD_SIDE_BUSY} measured the load side, not the proxy.", "",
         "| target | streams | clean | delay p50/p99 ms | added p99 ms | proxy CPU "
-        "| stand-in CPU | client CPU | first problem |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| stand-in CPU | client CPU | proxy CPU/chunk us | streams/core at that CPU "
+        "| first problem |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in steps:
         busy = s.standin_util + s.client_util > LOAD_SIDE_BUSY
@@ -273,7 +287,8 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
             f"| {s.target} | {s.streams} | {s.clean} | "
             f"{load.pct(s.delays, .5) * 1e3:.1f}/{s.p99_ms():.1f} | {s.added_p99_ms:.1f} | "
             f"{s.proxy_util:.2f} | {s.standin_util:.2f} | {s.client_util:.2f}"
-            f"{' (load side busy)' if busy else ''} | {s.first_error or '-'} |")
+            f"{' (load side busy)' if busy else ''} | {s.cpu_per_chunk_us():.1f} | "
+            f"{s.per_core(args.chunk_ms / 1e3):.0f} | {s.first_error or '-'} |")
     out += ["", "Targets: " + "; ".join(f"{k}: {v}" for k, v in notes.items()), ""]
     if prof:
         out += ["## Profile of llmgw's gateway (py-spy)", "", "```", prof.rstrip(), "```", ""]
@@ -300,8 +315,14 @@ def largest_clean(steps: list[Step], target: str) -> int:
 def summary(steps: list[Step], args: argparse.Namespace) -> str:
     names = {"llmgw": "llmgw", "vllm-router": "vllmrouter", "nginx": "nginx", "floor": "floor",
              "direct": "direct"}
+    first: dict[str, Step] = {}
+    for s in steps:
+        first.setdefault(s.target, s)
+    per_core = " ".join(f"{names[t]}_per_core={first[t].per_core(args.chunk_ms / 1e3):.0f}"
+                        for t in ("llmgw", "vllm-router", "nginx", "floor") if t in first)
     return "streams: " + " ".join(f"{names[t]}_clean={largest_clean(steps, t)}"
-                                  for t in ("llmgw", "vllm-router", "nginx", "floor", "direct"))
+                                  for t in ("llmgw", "vllm-router", "nginx", "floor", "direct")) \
+        + (" " + per_core if per_core else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {name:<12} {n:5} streams: {s.clean} clean, delay p99 "
                               f"{s.p99_ms():.1f} ms (added {s.added_p99_ms:+.1f}); CPU proxy "
                               f"{s.proxy_util:.2f} stand-in {s.standin_util:.2f} client "
-                              f"{s.client_util:.2f}"
+                              f"{s.client_util:.2f}; {s.cpu_per_chunk_us():.1f} us a chunk"
                               + (f"; {s.first_error}" if s.first_error else ""), flush=True)
                         if not good and name != "direct":
                             live.pop(name).stop()
