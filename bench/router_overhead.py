@@ -127,7 +127,10 @@ def measure(peer: Peer, pids: list[int], args: argparse.Namespace,
         r.proxy_cpu_us = used / ok * 1e6 if pids and ok > 0 else float("nan")
         fig.wrk[c] = r
         print(f"  {peer.name:<12} c={c:<4} {r.ok_rps:8.0f} req/s  p50 {r.p50_ms:7.2f} ms  "
-              f"p99 {r.p99_ms:8.2f} ms  errors {r.errors}  CPU/req {r.proxy_cpu_us:6.0f} us",
+              f"p99 {r.p99_ms:8.2f} ms  errors {r.errors}  CPU/req {r.proxy_cpu_us:6.0f} us  "
+              # Its share of its core: on a shared machine req/s is this
+              # share over CPU/req, and the share moves from minute to minute.
+              f"CPU share {used / args.duration:4.2f}",
               flush=True)
         if r.errors < 0:
             print(r.raw, flush=True)

@@ -369,6 +369,11 @@ class Ticket:
         self.events += chunk.count(b"data:") - done
         if b'"usage"' not in chunk:  # most events: no parse at all
             return chunk
+        # OpenAI's `"usage": null` on every chunk once asked: counted, not
+        # split (a key cannot appear unescaped inside a JSON string).
+        if chunk.count(b'"usage"') == (chunk.count(b'"usage":null')
+                                       + chunk.count(b'"usage": null')):
+            return chunk
         parts = _EVENT_SPLIT.split(chunk)
         out: list[bytes] = []
         for event, end in zip(parts[0::2], [*parts[1::2], b""], strict=True):

@@ -213,7 +213,8 @@ class Proxy:
             query = scope.get("query_string", b"").decode("latin-1")
             plan = await self._extra.prepare(grant, path, query, raw, _content_type(
                 scope)) if other else None
-            body, model = (plan.body, plan.model) if plan else self._request(grant, raw)
+            body, model, rewritten = (plan.body, plan.model, True) if plan else self._request(
+                grant, raw)
             ex.model = model
             target = plan.target if plan else path
             url_tail = f"{target}?{query}" if query else target
@@ -223,6 +224,9 @@ class Proxy:
             ex.ticket = ticket
             if plan and plan.stream:
                 ticket.body = plan.estimate  # estimated from, if cut short
+            # The client's bytes go on untouched when nothing was rewritten:
+            # no encode per request, which grows with the prompt.
+            untouched = None if rewritten or ticket.strip_usage else raw
             watch = Watch(receive, self._timeouts, started)
             self._open.add(watch)
             try:
@@ -235,7 +239,7 @@ class Proxy:
                     watch, model, url_tail, body,
                     plan.stream if plan else body.get("stream") is True, send, affinity,
                     meter=ticket, ex=ex, pin=plan.pin if plan else None,
-                    encode=plan.encode if plan else None)
+                    encode=plan.encode if plan else None, raw=untouched)
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -325,8 +329,10 @@ class Proxy:
         raise error(404, f"The model '{ident}' does not exist or you do not have access to it.",
                     "invalid_request_error", "model_not_found", "model")
 
-    def _request(self, grant: KeyGrant, raw: bytes) -> tuple[dict[str, Any], str]:
-        """The parsed body, its model rewritten to the catalog name, and that name."""
+    def _request(self, grant: KeyGrant, raw: bytes) -> tuple[dict[str, Any], str, bool]:
+        """The parsed body, its model rewritten to the catalog name, that name,
+        and whether the body now differs from `raw` (an alias; or a key
+        "model" written more than once, which only our parse decided)."""
         body = parse_json(raw)
         requested = checked_model(body)  # and the other fields the gateway acts on
         name = self._table.resolve(requested)
@@ -336,7 +342,7 @@ class Proxy:
                 "invalid_request_error", "model_not_found", "model",
             )
         body["model"] = name  # engines serve the catalog name, not the alias
-        return body, name
+        return body, name, name != requested or raw.count(b'"model"') != 1
 
 
 def _content_type(scope: Scope) -> str:

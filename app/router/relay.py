@@ -34,6 +34,7 @@ from app.router import replies
 from app.router.access import Exchange, Tracer
 from app.router.continuation import Resumed, Splice, resumable, resume
 from app.router.engine_errors import client_fault, read_capped
+from app.router.engine_headers import passed_on, route_headers
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
 from app.router.table import Endpoint, RouteTable
@@ -77,7 +78,7 @@ class Upstreams:
                       stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None, *,
                       ex: Exchange, pin: str | None = None,
-                      encode: Encoder | None = None) -> int:
+                      encode: Encoder | None = None, raw: bytes | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
@@ -87,6 +88,8 @@ class Upstreams:
         `ex` is told the replica and a stream's first byte, and gives the
         request id and trace context sent to the engine. `pin`: only that
         replica may take it; `encode`: the request each attempt sends.
+        `raw`: the client's bytes, when `body` is exactly what they say (sent
+        as they are).
         """
         started = [False]  # set by _hold once a held stream's response began
         try:
@@ -105,7 +108,8 @@ class Upstreams:
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
-                                        send, affinity, meter, started[0], ex, pin, encode)
+                                        send, affinity, meter, started[0], ex, pin, encode,
+                                        raw)
         except Reply as r:
             if not started[0]:
                 raise
@@ -152,8 +156,9 @@ class Upstreams:
                         stream: bool, send: Send,
                         affinity: str | None, meter: Ticket | None, started: bool,
                         ex: Exchange, pin: str | None = None,
-                        encode: Encoder | None = None) -> int:
-        payload = json.dumps(body).encode() if encode is None else b""
+                        encode: Encoder | None = None, raw: bytes | None = None) -> int:
+        payload = raw if raw is not None else (
+            json.dumps(body).encode() if encode is None else b"")
         tried: set[str] = set()
         last_error = ""
         for _ in range(_MAX_ATTEMPTS):
@@ -170,21 +175,19 @@ class Upstreams:
             try:
                 if stream:
                     watch.expect_first_byte()
-                method, data, content_type = encode(ep) if encode is not None else (
-                    b"POST", payload if not ep.upstream_model else json.dumps(
-                        body | {"model": ep.upstream_model}).encode(), b"application/json")
-                upstream = await self.client.post(ep.url, url_tail, data, [
-                    (b"Authorization", b"Bearer " + ep.key.encode()),
-                    (b"Content-Type", content_type),
-                    # Never the client's: a stream compressed as it asked
-                    # (br, say) could not be read for its usage, nor end
-                    # with an error event. Identity to a client that
-                    # accepted more is valid HTTP (docs/architecture.md,
-                    # "Security").
-                    (b"Accept-Encoding", b"identity"),
-                    # X-Request-Id (not to llama.cpp: its server answers 400
-                    # to one that is not a UUID), the client's traceparent.
-                    *(ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:])], method)
+                # X-Request-Id (not to llama.cpp: its server answers 400 to
+                # one that is not a UUID), the client's traceparent.
+                forwarded = ex.forwarded if ep.engine != "llamacpp" else ex.forwarded[1:]
+                if encode is not None:
+                    method, data, content_type = encode(ep)
+                    forwarded = [(b"Content-Type", content_type), *forwarded]
+                else:
+                    method = b"POST"
+                    data = payload if not ep.upstream_model else json.dumps(
+                        body | {"model": ep.upstream_model}).encode()
+                upstream = await self.client.post(
+                    ep.url, url_tail, data, forwarded,
+                    route_headers(ep.key, encode is None), method)
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"answered {upstream.status}")
                 if upstream.status == 401:
@@ -208,7 +211,7 @@ class Upstreams:
                                     "upstream_error")
                     await send_whole(send, 500, answer or openai_error_body(
                         f"Replica {ep.replica_id} failed.", "server_error", "upstream_error"),
-                        _passed_on(upstream, ep, ex))
+                        passed_on(upstream, ep, ex))
                     return 500
                 if stream:
                     return await self._relay(upstream, ep, watch, send, meter, started, ex,
@@ -219,7 +222,7 @@ class Upstreams:
                 watch.close()  # the answer is whole: a client leaving now changes nothing
                 if meter is not None and upstream.status == 200:
                     meter.read_answer(answer, upstream.headers.get("content-encoding"))
-                await send_whole(send, upstream.status, answer, _passed_on(upstream, ep, ex),
+                await send_whole(send, upstream.status, answer, passed_on(upstream, ep, ex),
                                  upstream.headers.get("content-type",
                                                       "application/json").encode())
                 return upstream.status
@@ -292,7 +295,7 @@ class Upstreams:
         decoder = (zlib.decompressobj(wbits=47)  # gzip or zlib, by its header
                    if encoding is not None and encoding.lower() in ("gzip", "deflate")
                    else None)
-        headers = _passed_on(upstream, ep, ex, decoded=decoder is not None)
+        headers = passed_on(upstream, ep, ex, decoded=decoder is not None)
         content_type = upstream.headers.get("content-type", "text/event-stream")
         headers += [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
         # Whole events only, so that an error event can follow a failure: not
@@ -381,15 +384,6 @@ class Upstreams:
         watch.close()
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return upstream.status
-
-
-def _passed_on(upstream: Response, ep: Endpoint, ex: Exchange,
-               decoded: bool = False) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-llmgw-replica", ep.replica_id.encode()), ex.header]
-    encoding = upstream.headers.get("content-encoding")
-    if encoding is not None and not decoded:  # bytes pass as the engine encoded them
-        headers.append((b"content-encoding", encoding.encode()))
-    return headers
 
 
 # What a request still open at the end of the gateway's grace period is told

@@ -5,9 +5,13 @@ of six reasons (`Why`): the client went away, the request's deadline passed,
 a stream's first byte did not come in time, a stream went silent, its
 client stopped taking what it is sent, or the gateway's stop ran out of
 grace (`cut()`). One
-watch per request, armed once its body is read: one listener task on the
-ASGI `receive` and one timer handle. The per-chunk cost of a stream is four
-attribute writes (`read_since`, `send_since`), not a timer per chunk.
+watch per request, armed once its body is read: one timer handle, and a
+listener task on the ASGI `receive` only for a request still open
+`LISTEN_AFTER` seconds after it arrived (the timer starts it): a task per
+request was the largest single cost of a plain one (bench/README.md). A
+client that left before is then seen at once (the server remembers the
+disconnect). The per-chunk cost of a stream is four attribute writes
+(`read_since`, `send_since`), not a timer per chunk.
 
 Why a self-cancelling watch rather than `asyncio.wait({upstream,
 disconnected})` as Starlette does: the work stays in the request's own task
@@ -26,6 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+# Seconds after its arrival before a request's client is listened to for a
+# disconnect. What it costs: an engine may go on this long for a client that
+# left (a plain request finishing sooner never gets a listener task).
+LISTEN_AFTER = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +83,8 @@ class Watch:
     reading nothing, its socket full) expires too.
     """
 
-    __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listener", "_loop", "_task",
-                 "_timeouts", "_timer", "read_since", "send_since", "why")
+    __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listen_at", "_listener", "_loop",
+                 "_receive", "_task", "_timeouts", "_timer", "read_since", "send_since", "why")
 
     def __init__(self, receive: Receive, timeouts: Timeouts, started: float) -> None:
         """`started`: the loop's time at the request's arrival."""
@@ -91,9 +100,10 @@ class Watch:
         self.send_since = 0.0
         self.why: Why | None = None
         self._armed = True
-        self._timer = self._loop.call_at(self._deadline, self._check)
-        self._listener = asyncio.ensure_future(_disconnect(receive))
-        self._listener.add_done_callback(self._left)
+        self._receive = receive
+        self._listener: asyncio.Future[None] | None = None  # started by the timer
+        self._listen_at = started + LISTEN_AFTER
+        self._timer = self._loop.call_at(min(self._deadline, self._listen_at), self._check)
 
     def expect_first_byte(self) -> None:
         """A stream attempt starts: its first body byte is due within the limit."""
@@ -130,7 +140,8 @@ class Watch:
         if self._armed:
             self._armed = False
             self._timer.cancel()
-            self._listener.cancel()
+            if self._listener is not None:
+                self._listener.cancel()
 
     def _fire(self, why: Why) -> None:
         if self._armed and self.why is None:
@@ -145,10 +156,18 @@ class Watch:
 
     def _schedule(self, due: float) -> None:
         self._timer.cancel()
+        if self._listener is None:
+            due = min(due, self._listen_at)
         self._timer = self._loop.call_at(min(due, self._deadline), self._check)
+
+    def _listen(self) -> None:
+        self._listener = asyncio.ensure_future(_disconnect(self._receive))
+        self._listener.add_done_callback(self._left)
 
     def _check(self) -> None:
         now = self._loop.time()
+        if self._listener is None and self._armed and now >= self._listen_at:
+            self._listen()
         if now >= self._deadline:
             self._fire(Why.DEADLINE)
         elif not self._limit:

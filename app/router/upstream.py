@@ -46,6 +46,16 @@ _UNSAFE = re.compile(rb"[\x00-\x1f\x7f]")
 _UNSAFE_TARGET = re.compile(rb"[\x00-\x20\x7f]")
 
 
+@lru_cache(maxsize=1024)
+def header_block(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
+    """Request header lines checked and joined once (a route's own, which
+    every request to it repeats); `post(preset=...)` sends them as they are."""
+    for name, value in headers:
+        if _UNSAFE.search(value) or _UNSAFE.search(name):
+            raise UpstreamError(f"unsafe value in request header {name!r}")
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+
+
 class UpstreamError(Exception):
     """The connection failed, broke, or carried something that is not HTTP."""
 
@@ -281,16 +291,18 @@ class UpstreamClient:
         self.on_request: Callable[[str], None] | None = None
 
     async def post(self, base_url: str, target: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]], method: bytes = b"POST") -> Response:
+                   headers: list[tuple[bytes, bytes]], preset: bytes = b"",
+                   method: bytes = b"POST") -> Response:
         """POSTs `body` to `target` (path and query) under `base_url`; returns
-        once the answer's headers came. `headers` go as given, after Host
-        and Content-Length; none may hold a control character."""
+        once the answer's headers came. `headers` go as given, after Host,
+        Content-Length and `preset` (from `header_block`); none may hold a
+        control character."""
         o = origin(base_url)
         path = o.prefix + target.encode("latin-1")
         if _UNSAFE_TARGET.search(path):
             raise UpstreamError(f"unsafe request target {target!r}")
         lines = [method, b" ", path, b" HTTP/1.1\r\nHost: ", o.host_header,
-                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", preset]
         for name, value in headers:
             if _UNSAFE.search(value) or _UNSAFE.search(name):
                 raise UpstreamError(f"unsafe value in request header {name!r}")

@@ -57,6 +57,7 @@ class Upstream:
         self.name, self.mode, self.delay = name, mode, delay
         self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
         self.paths: list[str] = []  # path and query string of each request
+        self.raw: list[bytes] = []  # each request's body as it came
         self.release = asyncio.Event()
         self.arrived = asyncio.Event()  # a request reached this engine
         self.closed = asyncio.Event()
@@ -72,7 +73,9 @@ class Upstream:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.paths.append(request.path_qs)
-        body = await request.json() if request.can_read_body else {}
+        raw = await request.read() if request.can_read_body else b""
+        self.raw.append(raw)
+        body = json.loads(raw) if raw else {}
         self.seen.append((dict(request.headers), body))
         self.arrived.set()
         try:

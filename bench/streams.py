@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""Concurrent SSE streams per core: llmgw beside vllm-router, nginx and the
+Python floor, in front of one stand-in, stepping up the number of streams.
+
+Not a test (pytest never collects bench/). From the repository root:
+
+    python bench/streams.py                         # 256..4096 streams, ~5 min
+    python bench/streams.py --steps 256,512 --targets direct,llmgw --profile 512
+
+Layout as bench/router_overhead.py: each proxy pinned to core 0 (taskset);
+the stand-in (bench/standin.py, a chunk every `--chunk-ms` ms, 20: 50 chunks
+a second), etcd, llmgw's agent and this process, the client, on core 1. Every
+proxy is started before the first step and measured side by side, step by
+step: at each step (256, 512, 1,024, 2,048, 4,096 streams) `direct` (the
+stand-in alone: what the load side itself adds) and then every target still
+clean. Stream starts are spread over `--ramp` s; each stream lasts
+`--ramp + --steady` s. Only chunks written while every stream of the step
+was running count (the steady window): a chunk's delay is the client's
+monotonic time on reading it minus the stand-in's stamp in it (written at
+its send; CLOCK_MONOTONIC is system-wide). The added delay is a target's p99
+minus `direct`'s p99 in the same step. A step is clean when every stream got
+HTTP 200, every chunk and `[DONE]`, and the added p99 is at most
+`--limit-ms` (10); a target stops at its first step that is not.
+
+The client is raw asyncio protocols on uvloop (an aiohttp client costs more
+CPU per chunk than some proxies do). Beside each figure: the proxy's CPU
+share of its core, the stand-in's and the client's, over the step's wall
+time; when the load side's two (on one core) pass 0.9, the step measures the
+load side, and the row says so.
+
+Writes bench/RESULTS-streams.md; the last line (also printed last):
+`streams: llmgw_clean=N vllmrouter_clean=N nginx_clean=N floor_clean=N direct_clean=N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httptools
+import uvloop
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import load  # noqa: E402
+import peers  # noqa: E402
+from peers import MODEL, Peer, Unavailable  # noqa: E402
+from router_overhead import cpu_seconds, group  # noqa: E402
+
+TARGETS = ("direct", "llmgw", "vllm-router", "nginx", "floor")
+STAMP = re.compile(rb"@(\d+\.\d+) ")
+LOAD_SIDE_BUSY = 0.9
+
+
+@dataclass
+class Step:
+    target: str
+    streams: int
+    clean: int = 0  # streams read whole
+    delays: list[float] = field(default_factory=list)  # seconds, steady window only
+    first_error: str = ""
+    wall: float = 0.0
+    proxy_util: float = float("nan")
+    standin_util: float = 0.0
+    client_util: float = 0.0
+    added_p99_ms: float = float("nan")
+    limit_ms: float = 10.0
+    chunks: int = 0  # chunks read, every stream and all its chunks
+
+    def cpu_per_chunk_us(self) -> float:
+        """The proxy's CPU per chunk relayed, its streams' setup included:
+        steadier than delays on a shared machine, where the proxy gets a
+        share of its core that moves from minute to minute."""
+        return self.proxy_util * self.wall / self.chunks * 1e6 if self.chunks else float("nan")
+
+    def per_core(self, chunk_s: float) -> float:
+        """Streams one whole core would carry at this CPU per chunk (a
+        projection, not a measured clean count)."""
+        return 1e6 / (self.cpu_per_chunk_us() / chunk_s)
+
+    def p99_ms(self) -> float:
+        return load.pct(self.delays, .99) * 1e3
+
+    def fail(self, why: str) -> None:
+        if not self.first_error:
+            self.first_error = why
+
+
+class _Stream(asyncio.Protocol):
+    """One SSE stream: sends its request, reads stamps as they come (the
+    body de-chunked by httptools: a proxy may cut chunks anywhere, a stamp
+    included)."""
+
+    def __init__(self, request: bytes, step: Step, window: tuple[float, float],
+                 done: asyncio.Future[None]) -> None:
+        self.request, self.step, self.window, self.done = request, step, window, done
+        self.parser = httptools.HttpResponseParser(self)
+        self.buf = b""
+        self.status = 0
+        self.error_body = b""
+        self.stamps = 0
+        self.finished = False
+        self.now = 0.0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.now = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._end(f"not HTTP: {exc}")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self.status != 200:
+            self.error_body += body
+            return
+        buf = self.buf + body
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self.buf = buf
+            return
+        whole, self.buf = buf[:cut], buf[cut + 2:]
+        lo, hi = self.window
+        delays, now = self.step.delays, self.now
+        for m in STAMP.finditer(whole):
+            self.stamps += 1
+            written = float(m.group(1))
+            if lo <= written <= hi:
+                delays.append(now - written)
+        if b"data: [DONE]" in whole:
+            self.finished = True
+
+    def on_message_complete(self) -> None:
+        if self.status != 200:
+            self._end(f"HTTP {self.status} {self.error_body[:300].decode(errors='replace')}")
+        else:
+            self._end("" if self.finished else "the stream ended without [DONE]")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(f"connection closed after {self.stamps} chunks" + (f" ({exc})" if exc else ""))
+
+    def _end(self, why: str) -> None:
+        if self.done.done():
+            return
+        if why:
+            self.step.fail(why)
+        self.done.set_result(None)
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def run_step(peer: Peer, n: int, chunks: int, chunk_s: float, ramp: float,
+                   steady: float, step: Step) -> None:
+    loop = asyncio.get_running_loop()
+    host, port = peer.url.removeprefix("http://").rsplit(":", 1)
+    body = (b'{"model": "' + MODEL.encode() + b'", "stream": true, "max_tokens": '
+            + str(chunks).encode() + b', "messages": [{"role": "user", "content": "'
+            + load.PROMPT.encode() + b'"}]}')
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + host.encode()
+               + b"\r\nAuthorization: Bearer " + peer.token.encode()
+               + b"\r\nContent-Type: application/json\r\nContent-Length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+    t0 = time.monotonic()
+    window = (t0 + ramp + 0.1, t0 + ramp + steady - 0.1)
+    futures: list[asyncio.Future[None]] = []
+    streams: list[_Stream] = []
+
+    async def start(i: int) -> None:
+        await asyncio.sleep(ramp * i / n)
+        fut = loop.create_future()
+        futures.append(fut)
+        proto = _Stream(request, step, window, fut)
+        streams.append(proto)
+        try:
+            await loop.create_connection(lambda: proto, host, int(port))
+        except OSError as exc:
+            step.fail(f"connect: {exc}")
+            fut.set_result(None)
+
+    await asyncio.gather(*(start(i) for i in range(n)))
+    deadline = ramp + steady + chunks * chunk_s + 30
+    _, pending = await asyncio.wait(futures, timeout=deadline)
+    for f in pending:
+        f.cancel()
+    if pending:
+        step.fail(f"{len(pending)} streams unfinished after {deadline:.0f} s")
+    step.chunks = sum(s.stamps for s in streams)
+    for s in streams:
+        if s.transport is not None:
+            s.transport.close()
+        if s.finished and s.stamps == chunks:
+            step.clean += 1
+        elif s.finished:
+            step.fail(f"{s.stamps} of {chunks} chunks")
+    await asyncio.sleep(0)
+
+
+def measure(runner: asyncio.Runner, peer: Peer, n: int, pids: list[int], standin: int,
+            args: argparse.Namespace) -> Step:
+    step = Step(peer.name, n, limit_ms=args.limit_ms)
+    steady = args.steady
+    chunks = round((args.ramp + steady) / (args.chunk_ms / 1e3))
+    p0, s0, c0, t0 = cpu_seconds(pids), cpu_seconds([standin]), sum(os.times()[:2]), \
+        time.monotonic()
+    runner.run(run_step(peer, n, chunks, args.chunk_ms / 1e3, args.ramp, steady, step))
+    step.wall = time.monotonic() - t0
+    if pids:
+        step.proxy_util = (cpu_seconds(pids) - p0) / step.wall
+    step.standin_util = (cpu_seconds([standin]) - s0) / step.wall
+    step.client_util = (sum(os.times()[:2]) - c0) / step.wall
+    return step
+
+
+def profile_llmgw(gw: peers.Llmgw, seconds: float, out: Path, tmp: Path) -> peers.Process:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists() and Path("/tmp/bench-spy/bin/py-spy").exists():
+        spy = "/tmp/bench-spy/bin/py-spy"
+    return peers.Process("py-spy", [spy, "record", "--pid", str(gw.gateway.pid), "--duration",
+                                    str(max(1, round(seconds))), "--rate", "250", "--format",
+                                    "raw", "--output", str(out), "--threads"],
+                         tmp / "py-spy.log").start()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--steps", default="256,512,1024,2048,4096")
+    p.add_argument("--chunk-ms", type=float, default=20)
+    p.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams start")
+    p.add_argument("--steady", type=float, default=3.0,
+                   help="seconds every stream of a step runs together (delays counted)")
+    p.add_argument("--limit-ms", type=float, default=10.0, help="most added p99 delay")
+    p.add_argument("--vllm-router-venv", type=Path, default=Path("/tmp/bench-vrouter"))
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="py-spy llmgw's gateway during its step of N streams")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS-streams.md")
+    args = p.parse_args(argv)
+    args.targets = [t for t in args.targets.split(",") if t]
+    args.steps = [int(n) for n in args.steps.split(",") if n]
+    if set(args.targets) - set(TARGETS) or "direct" not in args.targets:
+        p.error(f"--targets: some of {TARGETS}, direct included")
+    return args
+
+
+def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
+           load_before: tuple[float, ...], load_after: tuple[float, ...], wall: float,
+           prof: str) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [
+        "# Streams per core: llmgw beside other proxies, one run", "",
+        f"Written by `python bench/streams.py` on {now}: nproc {os.cpu_count()}, load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after, {wall:.0f} s in all; a chunk "
+        f"every {args.chunk_ms:g} ms, starts spread over {args.ramp:g} s, delays counted over "
+        f"{args.steady:g} s with every stream running; clean = every stream whole and the "
+        f"added p99 within {args.limit_ms:g} ms.",
+        "Each proxy pinned to core 0; the stand-in, etcd, llmgw's agent and the client on "
+        "core 1. CPU columns: share of one core over the step. A row whose stand-in + client "
+        f"pass {LOAD_SIDE_BUSY} measured the load side, not the proxy.", "",
+        "| target | streams | clean | delay p50/p99 ms | added p99 ms | proxy CPU "
+        "| stand-in CPU | client CPU | proxy CPU/chunk us | streams/core at that CPU "
+        "| first problem |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in steps:
+        busy = s.standin_util + s.client_util > LOAD_SIDE_BUSY
+        out.append(
+            f"| {s.target} | {s.streams} | {s.clean} | "
+            f"{load.pct(s.delays, .5) * 1e3:.1f}/{s.p99_ms():.1f} | {s.added_p99_ms:.1f} | "
+            f"{s.proxy_util:.2f} | {s.standin_util:.2f} | {s.client_util:.2f}"
+            f"{' (load side busy)' if busy else ''} | {s.cpu_per_chunk_us():.1f} | "
+            f"{s.per_core(args.chunk_ms / 1e3):.0f} | {s.first_error or '-'} |")
+    out += ["", "Targets: " + "; ".join(f"{k}: {v}" for k, v in notes.items()), ""]
+    if prof:
+        out += ["## Profile of llmgw's gateway (py-spy)", "", "```", prof.rstrip(), "```", ""]
+    out.append(summary(steps, args))
+    return "\n".join(out) + "\n"
+
+
+def ok(s: Step) -> bool:
+    """Every stream whole, and the added p99 within the limit (direct: whole only)."""
+    return (s.clean == s.streams and not s.first_error
+            and (s.target == "direct" or not s.added_p99_ms > s.limit_ms))
+
+
+def largest_clean(steps: list[Step], target: str) -> int:
+    best = 0
+    for s in steps:
+        if s.target == target:
+            if not ok(s):
+                break
+            best = s.streams
+    return best
+
+
+def summary(steps: list[Step], args: argparse.Namespace) -> str:
+    names = {"llmgw": "llmgw", "vllm-router": "vllmrouter", "nginx": "nginx", "floor": "floor",
+             "direct": "direct"}
+    first: dict[str, Step] = {}
+    for s in steps:
+        first.setdefault(s.target, s)
+    per_core = " ".join(f"{names[t]}_per_core={first[t].per_core(args.chunk_ms / 1e3):.0f}"
+                        for t in ("llmgw", "vllm-router", "nginx", "floor") if t in first)
+    return "streams: " + " ".join(f"{names[t]}_clean={largest_clean(steps, t)}"
+                                  for t in ("llmgw", "vllm-router", "nginx", "floor", "direct")) \
+        + (" " + per_core if per_core else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    two = len(os.sched_getaffinity(0)) >= 2
+    proxy_core, other_core = (0, 1) if two else (None, None)
+    if other_core is not None:
+        os.sched_setaffinity(0, {other_core})
+    os.environ["STANDIN_CHUNK_MS"] = str(args.chunk_ms)
+    started, load_before = time.monotonic(), os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-streams-"))
+    gw = peers.Llmgw(tmp, proxy_core, other_core)
+    live: dict[str, Peer] = {}
+    notes: dict[str, str] = {}
+    steps: list[Step] = []
+    prof = ""
+    with peers.signals_raise():
+        try:
+            gw.start()
+            assert gw.engine_pid is not None
+            up, key = gw.engine_url, gw.engine_key
+            starters = {
+                "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
+                "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
+                                      "cluster mode (etcd), through the agent's engine"),
+                "floor": lambda: peers.start_floor(tmp, proxy_core, up, key),
+                "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
+                "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,
+                                                               args.vllm_router_venv),
+            }
+            for name in args.targets:
+                try:
+                    live[name] = starters[name]()
+                    notes[name] = live[name].note
+                except Unavailable as exc:
+                    notes[name] = f"not measured: {exc}"
+            print(f"setup {time.monotonic() - started:.1f} s; load {load_before[0]:.2f}; "
+                  f"targets {list(live)}", flush=True)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                for n in args.steps:
+                    base: Step | None = None
+                    for name in [t for t in args.targets if t in live]:
+                        peer = live[name]
+                        pids = ([gw.gateway.pid] if name == "llmgw" else
+                                group(peer.proc.pid) if peer.proc is not None else [])
+                        rec = None
+                        if name == "llmgw" and n == args.profile:
+                            rec = profile_llmgw(gw, args.ramp + args.steady,
+                                                tmp / "profile.txt", tmp)
+                        s = measure(runner, peer, n, pids, gw.engine_pid, args)
+                        if rec is not None and rec.popen is not None:
+                            rec.popen.wait(30)
+                            import flame
+                            text = (tmp / "profile.txt").read_text() \
+                                if (tmp / "profile.txt").exists() else ""
+                            prof = (f"llmgw at {n} streams\n\n" + flame.summarize(text)
+                                    if text else "py-spy wrote nothing:\n" + rec.tail())
+                        if name == "direct":
+                            base = s
+                            s.added_p99_ms = 0.0
+                        elif base is not None:
+                            s.added_p99_ms = s.p99_ms() - base.p99_ms()
+                        steps.append(s)
+                        good = ok(s)
+                        print(f"  {name:<12} {n:5} streams: {s.clean} clean, delay p99 "
+                              f"{s.p99_ms():.1f} ms (added {s.added_p99_ms:+.1f}); CPU proxy "
+                              f"{s.proxy_util:.2f} stand-in {s.standin_util:.2f} client "
+                              f"{s.client_util:.2f}; {s.cpu_per_chunk_us():.1f} us a chunk"
+                              + (f"; {s.first_error}" if s.first_error else ""), flush=True)
+                        if not good and name != "direct":
+                            live.pop(name).stop()
+                        time.sleep(1.0)
+                    if len(live) <= 1 and "direct" in live:
+                        break
+        except KeyboardInterrupt:
+            print("interrupted; stopping everything", file=sys.stderr)
+            return 130
+        except Unavailable as exc:
+            print(f"llmgw did not come up: {exc}\n" + "\n".join(
+                f"--- {p.name}\n{p.tail()}" for p in gw.procs), file=sys.stderr)
+            return 1
+        finally:
+            for peer in live.values():
+                peer.stop()
+            gw.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+    text = render(steps, args, notes, load_before, os.getloadavg(),
+                  time.monotonic() - started, prof)
+    args.results.write_text(text)
+    print()
+    print(text.split("\n## Profile")[0].rstrip() if prof else text.rstrip())
+    if prof:
+        print(text.rstrip().splitlines()[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The request's watch in-process (app/router/timeouts.py): a plain request
+that ends within `LISTEN_AFTER` costs no listener task; one still open then
+is listened to, and a client that left before is seen at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from app.router import timeouts
+from app.router.timeouts import Timeouts, Watch, Why
+
+
+class Client:
+    """An ASGI `receive`: the body was read; `leave` makes it answer disconnect.
+    `asked` counts the calls (each one is a listener waiting)."""
+
+    def __init__(self) -> None:
+        self.leave = asyncio.Event()
+        self.asked = 0
+
+    async def receive(self) -> dict[str, Any]:
+        self.asked += 1
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_a_request_ending_before_listen_after_starts_no_listener_task() -> None:
+    client = Client()
+    loop = asyncio.get_running_loop()
+    before = len(asyncio.all_tasks())
+    watch = Watch(client.receive, Timeouts(), loop.time())
+    await asyncio.sleep(0)
+    assert len(asyncio.all_tasks()) == before  # no task per plain request
+    watch.close()
+    await asyncio.sleep(timeouts.LISTEN_AFTER + 0.05)
+    assert client.asked == 0  # closed before the listener was due: never started
+
+
+async def test_a_client_that_left_early_is_seen_once_the_listener_starts() -> None:
+    client = Client()
+    loop = asyncio.get_running_loop()
+
+    async def serve() -> Why | None:
+        watch = Watch(client.receive, Timeouts(), loop.time())
+        try:
+            await asyncio.sleep(10)  # the engine holds the request
+        except asyncio.CancelledError:
+            return watch.caught()
+        return None
+
+    started = loop.time()
+    task = asyncio.ensure_future(serve())
+    client.leave.set()  # gone at once: the server remembers the disconnect
+    assert await asyncio.wait_for(task, 2) is Why.CLIENT_GONE
+    waited = loop.time() - started
+    assert timeouts.LISTEN_AFTER - 0.01 <= waited < timeouts.LISTEN_AFTER + 0.5
+    assert client.asked == 1
+
+
+async def test_a_stream_waiting_for_its_first_byte_is_listened_to_after_listen_after() -> None:
+    # expect_first_byte reschedules the timer (300 s): the listener's start
+    # must not move with it.
+    client = Client()
+    loop = asyncio.get_running_loop()
+
+    async def serve() -> Why | None:
+        watch = Watch(client.receive, Timeouts(), loop.time())
+        watch.expect_first_byte()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return watch.caught()
+        return None
+
+    task = asyncio.ensure_future(serve())
+    await asyncio.sleep(timeouts.LISTEN_AFTER + 0.1)
+    assert client.asked == 1  # listening now
+    client.leave.set()
+    assert await asyncio.wait_for(task, 1) is Why.CLIENT_GONE
