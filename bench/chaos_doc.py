@@ -12,6 +12,18 @@ from chaos_rig import MODEL, REPLICAS, TTL
 from peers import ROOT
 
 
+def _commit() -> str:
+    """The commit the run's code is from: read once, as the run starts."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "app", "bench", "tests"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return commit + (" with uncommitted changes" if dirty else "")
+
+
+COMMIT = _commit()
+
+
 def summary(results: list[Any]) -> dict[str, Any]:
     fo = [f for r in results for f in r.failovers]
     down = {k: sum(r.etcd_down.get(k, 0) for r in results)
@@ -38,11 +50,7 @@ def summary(results: list[Any]) -> dict[str, Any]:
 
 def write(path: Path, seed: int, asked: int, faults: int, etcd_down_s: float,
           results: list[Any], s: dict[str, Any]) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "app", "bench", "tests"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    commit += " with uncommitted changes" if dirty else ""
+    commit = COMMIT
     rows = "\n".join(
         f"| {r.seed} | {', '.join(r.faults)} | {r.requests} | {r.classes.get('ok', 0)} | "
         f"{r.classes.get('refused', 0)} | {r.classes.get('killed', 0)} | "
