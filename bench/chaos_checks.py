@@ -83,7 +83,15 @@ def writes_after_lease(events: Iterable[Event], dead: dict[int, int]) -> list[st
     touch it), and its lease must not have been seen gone (`dead`: lease id
     -> the revision etcd answered "TTL -1" at) before that revision, nor the
     key deleted. Seen to fail: a replica put after the leader key's delete,
-    and one after its lease was reported expired."""
+    and one after its lease was reported expired. Broken llmgw: NOT seen to
+    fail. With the fence gone (`Elector.fence()` returning no compare) and
+    a gateway that once led leading for good (`is_leader` true ever after),
+    a run of etcd_down and stop_leader made the stale leader write while
+    another gateway held a live `leader` key: etcd's history does not say
+    who made a write, so this check gives it to the live key's holder and
+    reports nothing; gpu_double_holds caught that run ("revision 126:
+    node-1 GPU 1 held by ['churn-806dbe63', 'churn-a69709f4']"). This check
+    only sees writes made while no live leader lease exists."""
     leader: Event | None = None
     out = []
     for group in by_revision(events):
