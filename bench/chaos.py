@@ -331,7 +331,9 @@ class Run:
                                 [f"node-{i}" for i in (1, 2)], rids, load.client_keys)
         return sec.find(wanted, itertools.chain(
             sec.files(rig.tmp), sec.answers(load.calls, load.answers),
-            self.cmdlines.places(), sec.etcd_values(self.events, rig.dump())))
+            self.cmdlines.places(), sec.etcd_values(self.events, rig.dump()),
+            ((f"the argv the rig gave {slot.name}", "\0".join(slot.argv).encode())
+             for slot in [*rig.gws, *rig.agents])))
 
     def close(self) -> None:
         if self.load is not None:
