@@ -59,7 +59,7 @@ def write(path: Path, seed: int, asked: int, faults: int, etcd_down_s: float,
         f"{_window(r.etcd_down, r.etcd_back_s)} | {r.edits} | "
         f"{r.replica_writes} | {r.engines_started} / {r.engines_needed} |" for r in results)
     fo = [f for r in results for f in r.failovers]
-    done = "complete" if len(results) == asked else "stopped before its end"
+    done = "complete" if len(results) == asked else "the run had not ended when this was written"
     back = [b for r in results for b in r.etcd_back_s]
     refusing = [b for r in results for b in r.etcd_refusing_s]
     path.write_text(f"""# Reliability: llmgw under faults
