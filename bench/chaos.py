@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +51,9 @@ from peers import ROOT, http, wait_for  # noqa: E402
 FAULTS = ["kill_leader", "stop_leader", "kill_etcd", "kill_agent", "kill_follower", "rolling",
           "etcd_down"]
 ETCD_DOWN_S = 60.0  # the long form's etcd outage; the short form's is shorter
+# A SIGTERMed gateway's notice (3 s) and its streams' end (each runs 4 s, a
+# client gives up after 60): past this it is stuck.
+STOP_WAIT = 120
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Result:
     etcd_refusing_s: list[float] = field(default_factory=list)
     etcd_refused_after: int = 0  # those 503s
     secrets_found: list[str] = field(default_factory=list)
+    stops_stuck: list[str] = field(default_factory=list)  # gateways SIGTERM did not stop
     notes: list[str] = field(default_factory=list)
 
 
@@ -95,6 +101,7 @@ class Chaos:
         self.faults = checks.Faults()
         self.leader_kills: list[tuple[float, str]] = []
         self.etcd_back: list[float] = []
+        self.stuck: list[str] = []  # gateways that did not stop on SIGTERM
 
     def gw(self, name: str) -> Any:
         return next(g for g in self.rig.gws if g.name == name)
@@ -181,7 +188,13 @@ class Chaos:
         for g in self.rig.gws:
             t = time.monotonic()
             g.signal(signal.SIGTERM, group=False)
-            g.wait_exit(120)
+            try:
+                g.wait_exit(STOP_WAIT)
+            except subprocess.TimeoutExpired:  # a finding: SIGKILLed, and the run goes on
+                tail = " | ".join(g.proc.tail().splitlines()[-3:]) if g.proc else ""
+                self.stuck.append(f"{g.name} had not exited {STOP_WAIT} s after SIGTERM "
+                                  f"(SIGKILLed): {tail}"[:400])
+                self.kill_gateway(g.name)
             self.restart(g, t)
             time.sleep(3)  # haproxy's checks see it up (rise 2, 1 s apart)
 
@@ -243,6 +256,7 @@ class Run:
         self.log(f"chaos: seed={seed} faults={','.join(plan)}")
         self.chaos.rng = random.Random(seed)
         kills, backs = len(self.chaos.leader_kills), len(self.chaos.etcd_back)
+        stuck = len(self.chaos.stuck)
         downs = len(self.chaos.faults.etcd_down)
         for f in plan:
             t = time.monotonic()
@@ -255,6 +269,7 @@ class Run:
             time.sleep(2)
         res = Result(seed, plan)
         res.etcd_back_s = self.chaos.etcd_back[backs:]
+        res.stops_stuck = self.chaos.stuck[stuck:]
         self.gather(res, self.chaos.leader_kills[kills:], self.chaos.faults.etcd_down[downs:])
         if last or len(self.results) % 10 == 9:
             res.secrets_found = self.fresh("secrets", self.secrets())
@@ -363,12 +378,22 @@ def main() -> None:
         args.seed + i for i in range(args.schedules)]
     print(f"chaos: seed {seeds[0]}, {len(seeds)} schedule(s), {args.faults} fault(s) each",
           flush=True)
-    with tempfile.TemporaryDirectory(prefix="llmgw-chaos-") as tmp, \
-            Run(Path(tmp), args.etcd_down_s, lambda s: print(s, flush=True)) as run:
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-chaos-"))
+    failed = ""
+    with Run(tmp, args.etcd_down_s, lambda s: print(s, flush=True)) as run:
         for i, seed in enumerate(seeds):
-            r = run.schedule(seed, schedule(seed, args.faults), last=i == len(seeds) - 1)
+            try:
+                r = run.schedule(seed, schedule(seed, args.faults), last=i == len(seeds) - 1)
+            except Exception as exc:  # the fleet is in an unknown state: the run ends here
+                failed = f"schedule {seed} failed: {exc!r}"[:300]
+                print(f"chaos: {failed}; its logs are kept in {tmp}", flush=True)
+                if args.replay is None:
+                    doc.write(args.doc, seeds[0], len(seeds), args.faults, args.etcd_down_s,
+                              run.results, doc.summary(run.results), failed)
+                break
             for line in [*r.notes, *r.edits_lost, *r.gpu_double_holds, *r.writes_after_lease,
-                         *r.streams_cut_unexplained, *r.limit_exceeded, *r.secrets_found]:
+                         *r.streams_cut_unexplained, *r.limit_exceeded, *r.secrets_found,
+                         *r.stops_stuck]:
                 print("  " + line)
             print(f"chaos: schedule {r.seed} ({i + 1}/{len(seeds)}): {r.classes} "
                   f"failovers={r.failovers} etcd_down={r.etcd_down} edits={r.edits} "
@@ -379,7 +404,10 @@ def main() -> None:
                 doc.write(args.doc, seeds[0], len(seeds), args.faults, args.etcd_down_s,
                           run.results, doc.summary(run.results))
         s = doc.summary(run.results)
-    print("chaos: " + " ".join(f"{k}={v}" for k, v in s.items()))
+    if not failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("chaos: " + " ".join(f"{k}={v}" for k, v in s.items())
+          + (f" failed=1 (logs in {tmp})" if failed else ""))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def summary(results: list[Any]) -> dict[str, Any]:
         "writes_after_lease": sum(len(r.writes_after_lease) for r in results),
         "engines_duplicated": results[-1].engines_duplicated if results else 0,
         "secrets_found": sum(len(r.secrets_found) for r in results),
+        "stops_stuck": sum(len(r.stops_stuck) for r in results),
         "streams_cut_unexplained": sum(len(r.streams_cut_unexplained) for r in results),
         "limit_exceeded": sum(len(r.limit_exceeded) for r in results),
         "etcd_down_windows": sum(1 for r in results for f in r.faults if f == "etcd_down"),
@@ -49,7 +50,7 @@ def summary(results: list[Any]) -> dict[str, Any]:
 
 
 def write(path: Path, seed: int, asked: int, faults: int, etcd_down_s: float,
-          results: list[Any], s: dict[str, Any]) -> None:
+          results: list[Any], s: dict[str, Any], failed: str = "") -> None:
     commit = COMMIT
     rows = "\n".join(
         f"| {r.seed} | {', '.join(r.faults)} | {r.requests} | {r.classes.get('ok', 0)} | "
@@ -59,7 +60,8 @@ def write(path: Path, seed: int, asked: int, faults: int, etcd_down_s: float,
         f"{_window(r.etcd_down, r.etcd_back_s)} | {r.edits} | "
         f"{r.replica_writes} | {r.engines_started} / {r.engines_needed} |" for r in results)
     fo = [f for r in results for f in r.failovers]
-    done = "complete" if len(results) == asked else "the run had not ended when this was written"
+    done = ("complete" if len(results) == asked else f"then {failed}; the run ended there"
+            if failed else "the run had not ended when this was written")
     back = [b for r in results for b in r.etcd_back_s]
     refusing = [b for r in results for b in r.etcd_refusing_s]
     path.write_text(f"""# Reliability: llmgw under faults
@@ -99,6 +101,7 @@ the clients, haproxy's log, the harness's kills |
 | `replicas/` writes with no live leader lease | {s['writes_after_lease']} | \
 etcd's `leader` history, lease TTLs |
 | engines started beyond those needed | {s['engines_duplicated']} | the stand-ins' logs |
+| gateways a SIGTERM did not stop within 120 s | {s['stops_stuck']} | the harness |
 | secrets found in what the run captured | {s['secrets_found']} | logs, \
 answers, command lines, etcd's values and history |
 | etcd-down window served | {s['etcd_down_served']} served, {s['etcd_down_failed']} \
