@@ -6,7 +6,9 @@ what clients and the admin were answered, haproxy's log and the engines' own
 logs. None asks a gateway what it thinks (docs/architecture.md, "Invariants").
 
 Each check was seen to fail on a history that breaks what it guards
-(tests/test_chaos.py, the `test_*_flags_*` tests).
+(tests/test_chaos.py, the `test_*_flags_*` tests), and on a real run of
+bench/chaos.py's short form against a scratch copy of llmgw broken on
+purpose (then thrown away): each docstring says how ("Broken llmgw").
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Event:
     lease: int = 0
     create_rev: int = 0
     seen: float = 0.0  # when the harness's live watch got it (monotonic); 0 = not seen live
+    raw: str = ""  # the value as etcd holds it (the secrets grep reads it)
 
 
 def by_revision(events: Iterable[Event]) -> list[list[Event]]:
@@ -42,7 +45,10 @@ def by_revision(events: Iterable[Event]) -> list[list[Event]]:
 def gpu_double_holds(events: Iterable[Event]) -> list[str]:
     """GPUs held by two replicas at one revision: `replicas/` replayed
     revision by revision, each (node, GPU) claimed by at most one replica.
-    Seen to fail: two replicas put on node-1 GPU 0 by one history."""
+    Seen to fail: two replicas put on node-1 GPU 0 by one history. Broken
+    llmgw: the placer seeing no GPU taken (`placement.used_gpus` reading no
+    replica): "revision 20: node-2 GPU 0 held by ['chat-6fee7407',
+    'chat-a85084f6']" in a two-fault run."""
     held: dict[str, tuple[str, tuple[int, ...]]] = {}
     found: set[tuple[str, int, frozenset[str]]] = set()
     out = []
@@ -77,7 +83,15 @@ def writes_after_lease(events: Iterable[Event], dead: dict[int, int]) -> list[st
     touch it), and its lease must not have been seen gone (`dead`: lease id
     -> the revision etcd answered "TTL -1" at) before that revision, nor the
     key deleted. Seen to fail: a replica put after the leader key's delete,
-    and one after its lease was reported expired."""
+    and one after its lease was reported expired. Broken llmgw: NOT seen to
+    fail. With the fence gone (`Elector.fence()` returning no compare) and
+    a gateway that once led leading for good (`is_leader` true ever after),
+    a run of etcd_down and stop_leader made the stale leader write while
+    another gateway held a live `leader` key: etcd's history does not say
+    who made a write, so this check gives it to the live key's holder and
+    reports nothing; gpu_double_holds caught that run ("revision 126:
+    node-1 GPU 1 held by ['churn-806dbe63', 'churn-a69709f4']"). This check
+    only sees writes made while no live leader lease exists."""
     leader: Event | None = None
     out = []
     for group in by_revision(events):
@@ -108,7 +122,10 @@ class Edit:
 def edits_lost(edits: Iterable[Edit], final: dict[str, int | None]) -> list[str]:
     """Acknowledged edits missing at the end: a key's final marker must be
     its last acknowledged edit's, or that of a later edit whose outcome the
-    admin did not learn. Seen to fail: an acknowledged put absent at the end."""
+    admin did not learn. Seen to fail: an acknowledged put absent at the end.
+    Broken llmgw: a catalog change to `edit-1` answered as made but never
+    written (its ops dropped, only `catalog/serial` bumped, app/api/admin.py):
+    "catalog/models/edit-1: None at the end, acknowledged 657"."""
     per_key: dict[str, list[Edit]] = defaultdict(list)
     for e in edits:
         per_key[e.key].append(e)
@@ -137,6 +154,9 @@ class Call:
     reason: str = ""  # the error's message, for an HTTP error
     cut: bool = False  # a stream that ended without its finish_reason
     error: str = ""
+    answered: float = 0.0  # when the answer's head came (a stream's first byte)
+    finished: float = 0.0  # when a stream's finish_reason came; 0: never
+    body: str = ""  # what the client was answered (the secrets grep reads it)
 
 
 @dataclass
@@ -147,6 +167,7 @@ class Faults:
 
     kills: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     down: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    etcd_down: list[tuple[float, float]] = field(default_factory=list)  # every member stopped
 
 
 def classify(calls: Iterable[Call], served_by: dict[str, str], faults: Faults,
@@ -156,7 +177,9 @@ def classify(calls: Iterable[Call], served_by: dict[str, str], faults: Faults,
     named by haproxy's log for it, or the one it was sent to),
     `target_down` (sent straight to a gateway that was not running) or
     `other`; streams cut elsewhere are `other` too. Seen to fail: a cut
-    stream on a gateway no one killed is `other`."""
+    stream on a gateway no one killed is `other`. Broken llmgw: the relay
+    breaking off 2 % of its streams' chunks (see streams_cut_unexplained):
+    failed "other" = 11."""
     counts = {"ok": 0, "refused": 0, "killed": 0, "target_down": 0, "other": 0}
     for c in calls:
         if c.status == 200 and not c.cut:
@@ -220,5 +243,57 @@ def engine_starts(work_dirs: Iterable[Path]) -> dict[str, int]:
 def engines_duplicated(starts: dict[str, int], needed: int) -> int:
     """Starts beyond what the catalog needs: a replica started twice, or
     more replicas started than the catalog asks for. Seen to fail: one
-    replica's log with two starts."""
+    replica's log with two starts. Broken llmgw: the agent adopting no
+    engine on restart (`Agent.adopt` reading no record) starts its replicas
+    again after a `kill_agent`: engines_duplicated=1 (4 started, 3 needed)."""
     return max(0, sum(starts.values()) - needed, sum(max(0, n - 1) for n in starts.values()))
+
+
+def in_window(calls: Iterable[Call], window: tuple[float, float]) -> list[Call]:
+    """The calls sent while `window` lasted (an etcd-down window, a schedule)."""
+    return [c for c in calls if window[0] <= c.start < window[1]]
+
+
+def streams_cut_unexplained(calls: Iterable[Call], served_by: dict[str, str],
+                            faults: Faults, slack: float = 1.0) -> list[str]:
+    """Streams cut where neither their gateway nor their engine died: the
+    gateway is the one haproxy's log names (or the one it was sent to), and
+    it must have been SIGKILLed while the stream ran. Engines are never
+    killed by the faults (an agent's SIGKILL leaves them running), so no
+    engine death explains a cut. Seen to fail: a stream cut on a gateway no
+    one killed (tests/test_chaos.py). Broken llmgw: the relay raising
+    UpstreamError after 2 % of its chunks (app/router/relay.py): 11 streams
+    cut with no kill of their gateway, and the same 11 failed "other"."""
+    out = []
+    for c in calls:
+        if not c.cut:
+            continue
+        gw = c.target if c.target != "haproxy" else served_by.get(c.id, "")
+        if not any(c.start - slack <= t <= c.end + slack for t in faults.kills.get(gw, [])):
+            out.append(f"stream {c.id} via {c.target} (served by {gw or '?'}) cut at "
+                       f"{c.end:.1f} with no kill of its gateway: {c.error}"[:200])
+    return out
+
+
+def limit_exceeded(calls: Iterable[Call], limit: int, slack: float = 0.5) -> list[str]:
+    """Moments at which more than `limit` of one key's streams were held
+    at once across all the gateways, as its client saw them (`limit`: the
+    bound the gateways promise together for a concurrency limit L, L + N - 1
+    with N gateways, docs/architecture.md "Client keys"): a stream is
+    held from its answer (the gateway admitted it before answering) until
+    `slack` s before its finish_reason came (the gateway frees the slot
+    once it has sent it). Seen to fail: three overlapping streams of a key
+    limited to two (tests/test_chaos.py). Broken llmgw: each gateway
+    admitting the whole concurrency limit, its claim ignored
+    (app/router/limits.py): 5 streams held at once against the bound of 4,
+    3 times in a one-fault run."""
+    spans = sorted((c.answered, c.finished - slack, c.id) for c in calls
+                   if c.stream and c.status == 200 and not c.cut and c.answered
+                   and c.finished - slack > c.answered)
+    out = []
+    for start, _, _ in spans:
+        held = [i for s, e, i in spans if s <= start < e]
+        if len(held) > limit:
+            out.append(f"at {start:.1f}: {len(held)} streams held at once "
+                       f"(limit {limit}): {sorted(held)}")
+    return out

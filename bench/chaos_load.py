@@ -20,6 +20,9 @@ from peers import wait_for
 
 CLIENTS = 3
 LIMIT = 2  # the limited key's concurrent_requests
+# What the gateways together may admit of it at once: L + N - 1 with N = 3
+# gateways (docs/architecture.md, Client keys); its client asks one more.
+BOUND = LIMIT + 3 - 1
 
 
 class Load:
@@ -29,6 +32,10 @@ class Load:
         self.edits: list[Edit] = []
         self.key = ""
         self.limited = ""
+        self.client_keys: list[str] = []  # every key the admin was given
+        self.answers: list[tuple[str, str]] = []  # (request, body) of every admin answer
+        self.admin_idle = threading.Event()  # set while the admin holds off (pause_admin)
+        self._admin_hold = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -36,23 +43,46 @@ class Load:
     def prepare(self) -> None:
         """Keys made, and every gateway routing to all the replicas."""
         url = self.rig.haproxy_url
-        status, body = http("POST", url + "/admin/keys", {"name": "chaos"}, self.rig.admin)
+        status, body = self.call("POST", url + "/admin/keys", {"name": "chaos"})
         assert status == 201, body
         self.key = str(body["key"])
-        status, body = http("POST", url + "/admin/keys", {
-            "name": "chaos-limited", "limits": {"concurrent_requests": LIMIT}}, self.rig.admin)
+        status, body = self.call("POST", url + "/admin/keys", {
+            "name": "chaos-limited", "limits": {"concurrent_requests": LIMIT}})
         assert status == 201, body
         self.limited = str(body["key"])
 
         def routed() -> bool:
             for g in self.rig.gws:
-                status, body = http("GET", f"{g.url}/admin/routes?model={MODEL}",
-                                    token=self.rig.admin)
+                status, body = self.call("GET", f"{g.url}/admin/routes?model={MODEL}")
                 if status != 200 or len(body["endpoints"]) != REPLICAS:
                     return False
             return True
 
         wait_for(routed, 180, f"every gateway routing to {REPLICAS} replicas")
+
+    def call(self, method: str, url: str, body: Any = None,
+             timeout: float = 15) -> tuple[int, Any]:
+        """An admin request, its answer kept for the secrets grep (a created
+        key's one showing, in its `key` field, kept aside as that key)."""
+        status, got = http(method, url, body, self.rig.admin, timeout=timeout)
+        shown = got
+        if isinstance(got, dict) and "key" in got and method == "POST":
+            self.client_keys.append(str(got["key"]))
+            shown = {k: v for k, v in got.items() if k != "key"}
+        with self._lock:
+            self.answers.append((f"{method} {url.split('/', 3)[-1]} -> {status}",
+                                 shown if isinstance(shown, str) else repr(shown)))
+        return status, got
+
+    def pause_admin(self) -> None:
+        """The admin holds off its next edit; returns once none is in flight."""
+        self.admin_idle.clear()
+        self._admin_hold.set()
+        if self._threads:
+            self.admin_idle.wait(60)
+
+    def resume_admin(self) -> None:
+        self._admin_hold.clear()
 
     def start(self) -> None:
         for i in range(CLIENTS):
@@ -86,17 +116,24 @@ class Load:
                     model=MODEL, messages=msgs, stream=True, max_tokens=20,
                     extra_headers={"X-Chaos-Id": cid})
                 started = True  # answered 200: from here on a failure cuts it
+                c.answered = time.monotonic()
+                parts = []
                 for chunk in chunks:
+                    parts.append(chunk.model_dump_json())
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finished = True
+                        c.finished = time.monotonic()
+                c.body = "\n".join(parts)
                 c.cut = not finished
             else:
-                client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
-                                               extra_headers={"X-Chaos-Id": cid})
+                got = client.chat.completions.create(
+                    model=MODEL, messages=msgs, max_tokens=4, extra_headers={"X-Chaos-Id": cid})
+                c.answered, c.body = time.monotonic(), got.model_dump_json()
         except openai.APIStatusError as exc:
             c.status = exc.status_code
             body = exc.body if isinstance(exc.body, dict) else {}
             c.reason = str(body.get("message") or "")
+            c.body = exc.response.text
         except Exception as exc:  # a connection failed or cut: the class says which
             c.status, c.cut = 0, started
             c.error = f"{exc!r} {exc.__cause__!r}"[:200]
@@ -116,14 +153,15 @@ class Load:
                 time.sleep(0.05)
 
     def _limited(self) -> None:
-        """LIMIT + 1 streams at once, again and again: one is refused each time."""
+        """BOUND + 1 streams at once, again and again: at least one is refused
+        each time, wherever haproxy sends them."""
         with openai.DefaultHttpxClient(timeout=60) as h:
             client = openai.OpenAI(base_url=self.rig.haproxy_url + "/v1", api_key=self.limited,
                                    max_retries=0, http_client=h)
             n = 0
             while not self._stop.is_set():
                 threads = []
-                for _ in range(LIMIT + 1):
+                for _ in range(BOUND + 1):
                     n += 1
                     t = threading.Thread(target=lambda k=n: self.record(
                         self.ask(client, f"l-{k}", "haproxy", True)))
@@ -137,37 +175,38 @@ class Load:
         """Catalog puts and deletes (models at min 0: no engine; `churn`
         between one replica and none, every 5 s), key creates and revokes,
         through haproxy, one at a time."""
-        url, token = self.rig.haproxy_url, self.rig.admin
+        url = self.rig.haproxy_url
         keys: list[tuple[str, str]] = []  # (id, etcd key) of acknowledged creates
         n = 0
         while not self._stop.wait(0.3):
+            if self._admin_hold.is_set():
+                self.admin_idle.set()
+                continue
             n += 1
             name = f"edit-{n % 4}"
             if n % 16 == 5:  # `churn` at one replica, then none: the leader writes
                 k = (n // 16) % 2
-                status, _ = http("PUT", f"{url}/admin/models/churn", {
+                status, _ = self.call("PUT", f"{url}/admin/models/churn", {
                     "model": "acme/churn", "gpus": 1, "replicas": {"min": k, "max": k},
-                    "idle_timeout": 600 + n}, token, timeout=15)
+                    "idle_timeout": 600 + n})
                 self.edits.append(Edit("catalog/models/churn", 600 + n, status in (200, 201)))
             elif n % 7 == 0:
-                status, _ = http("DELETE", f"{url}/admin/models/{name}", token=token,
-                                 timeout=15)
+                status, _ = self.call("DELETE", f"{url}/admin/models/{name}")
                 self.edits.append(Edit(f"catalog/models/{name}", None,
                                        status in (200, 204, 404)))
             elif n % 3 == 0:
-                status, _ = http("PUT", f"{url}/admin/models/{name}", {
+                status, _ = self.call("PUT", f"{url}/admin/models/{name}", {
                     "model": "acme/edit", "gpus": 1, "replicas": {"min": 0, "max": 1},
-                    "idle_timeout": 600 + n}, token, timeout=15)
+                    "idle_timeout": 600 + n})
                 self.edits.append(Edit(f"catalog/models/{name}", 600 + n,
                                        status in (200, 201)))
             elif n % 3 == 1 or not keys:
-                status, body = http("POST", f"{url}/admin/keys", {"name": f"chaos-{n}"},
-                                    token, timeout=15)
+                status, body = self.call("POST", f"{url}/admin/keys", {"name": f"chaos-{n}"})
                 if status == 201:
                     digest = hashlib.sha256(str(body["key"]).encode()).hexdigest()
                     keys.append((str(body["id"]), f"keys/{digest}"))
                     self.edits.append(Edit(keys[-1][1], 1, True))
             else:
                 kid, ekey = keys.pop(0)
-                status, _ = http("DELETE", f"{url}/admin/keys/{kid}", token=token, timeout=15)
+                status, _ = self.call("DELETE", f"{url}/admin/keys/{kid}")
                 self.edits.append(Edit(ekey, None, status in (200, 204)))

@@ -66,6 +66,10 @@ class Member:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.popen.wait(5)  # type: ignore[union-attr]
 
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.alive():
+            os.killpg(self.proc.pid, sig)
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
@@ -112,6 +116,9 @@ class Rig:
         self.tag = f"CHAOS_TAG={tmp}"
         self.admin = "chaos-admin-0123456789abcdef"
         self.secret = "chaos-secret-0123456789abcdef"
+        self.provider_key = "sk-chaos-provider-0123456789abcdef"
+        (tmp / "keys").mkdir(parents=True, exist_ok=True)
+        (tmp / "keys" / "provider.key").write_text(self.provider_key + "\n")
         self.members = [Member(tmp, i) for i in range(3)]
         cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.pport}" for m in self.members)
         for m in self.members:
@@ -149,7 +156,7 @@ class Rig:
                 "LLMGW_SECRET": self.secret, "LLMGW_ETCD_ENDPOINTS": endpoints,
                 "LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": f"gw{i}", "LLMGW_WORKERS": "1",
                 "LLMGW_DATA_DIR": str(self.tmp / f"gw{i}"), "LLMGW_LEASE_TTL": str(TTL),
-                "LLMGW_ETCD_TIMEOUT": "2",
+                "LLMGW_ETCD_TIMEOUT": "2", "LLMGW_PROVIDER_KEY_DIR": str(self.tmp / "keys"),
                 # The history is the evidence: the leader must not compact it.
                 "LLMGW_ETCD_COMPACTION_INTERVAL": "0"}
             slot = Slot(f"gw{i}", [sys.executable, "-m", "app.cli", "serve"], env,
@@ -224,20 +231,41 @@ class Rig:
         return {base64.b64decode(kv["key"]).decode().removeprefix(PREFIX):
                 json.loads(base64.b64decode(kv["value"])) for kv in got.get("kvs") or []}
 
+    def dump(self) -> dict[str, str]:
+        """Every key under the prefix and its value as stored, now."""
+        end = PREFIX[:-1] + chr(ord(PREFIX[-1]) + 1)
+        got = self.etcd("/v3/kv/range", {"key": b64(PREFIX), "range_end": b64(end)})
+        return {base64.b64decode(kv["key"]).decode(errors="replace"):
+                base64.b64decode(kv.get("value", "")).decode(errors="replace")
+                for kv in got.get("kvs") or []}
+
+    def live_leader(self) -> str:
+        """The leader's id if the `leader` key is there and etcd says its
+        lease is alive; "" otherwise."""
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            kvs = self.etcd("/v3/kv/range", {"key": b64(PREFIX + "leader")}).get("kvs") or []
+            if kvs and int(kvs[0].get("lease", 0)):
+                got = self.etcd("/v3/lease/timetolive", {"ID": kvs[0]["lease"]})
+                if int(got.get("TTL", -1)) > 0:
+                    return str(json.loads(base64.b64decode(kvs[0]["value"])).get("id") or "?")
+        return ""
+
     def leader_id(self) -> str:
         return str((self.get("leader") or {}).get("id") or "")
 
-    def history(self, timeout: float = 30) -> list[Event]:
-        """Every event under the prefix from revision 1, by a watch read to
-        the revision etcd is at now."""
+    def history(self, timeout: float = 30, start: int = 1) -> list[Event]:
+        """Every event under the prefix from revision `start`, by a watch
+        read to the revision etcd is at now."""
         target = int(self.etcd("/v3/kv/range", {"key": b64(PREFIX)})["header"]["revision"])
         events: list[Event] = []
+        if start > target:
+            return []
         for m in self.members:
             if m.proc is None or not m.proc.alive():
                 continue
             events = []
             with contextlib.suppress(OSError, ValueError):
-                for e in self._stream(m, 1, time.monotonic() + timeout):
+                for e in self._stream(m, start, time.monotonic() + timeout):
                     events.append(e)
                     if e.rev >= target:
                         break
@@ -247,7 +275,7 @@ class Rig:
             raise RuntimeError(f"etcd's history read to {events[-1].rev if events else 0}, "
                                f"not to its revision {target}")
         return [Event(e.rev, e.key, e.kind, e.value, e.lease, e.create_rev,
-                      self.seen.get((e.rev, e.key), 0.0)) for e in events]
+                      self.seen.get((e.rev, e.key), 0.0), e.raw) for e in events]
 
     def _stream(self, m: Member, start: int, deadline: float) -> Any:
         end = PREFIX[:-1] + chr(ord(PREFIX[-1]) + 1)
@@ -270,7 +298,8 @@ class Rig:
                                 base64.b64decode(kv["key"]).decode().removeprefix(PREFIX),
                                 "delete" if ev.get("type") == "DELETE" else "put",
                                 value if isinstance(value, dict) else None,
-                                int(kv.get("lease", 0)), int(kv.get("create_revision", 0)))
+                                int(kv.get("lease", 0)), int(kv.get("create_revision", 0)),
+                                raw=raw.decode(errors="replace"))
 
     def _watch(self) -> None:
         """The live watch: when each event was seen; the leases of `leader`."""

@@ -58,6 +58,7 @@ async def test_a_put_with_the_etag_read_applies_and_a_stale_one_is_412(
     assert r.status_code == 412, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["etag"] == second and second in r.json()["detail"]
+    assert r.headers["etag"] == second  # the current revision, as a header too
     assert (await c.get("/admin/models/m")).json()["gpus"] == 2
     assert await etag_of(c, "m") == second
 
@@ -162,7 +163,7 @@ async def test_node_conf_and_quota_writes_take_if_match_and_deadlines(
     r = await c.put("/admin/nodes/n1/conf", json={"pool": "b"}, headers={"If-Match": first})
     assert r.status_code == 412, r.text
     now = (await c.get("/admin/nodes/n1/conf")).headers["etag"]
-    assert r.json()["etag"] == now
+    assert r.json()["etag"] == now and r.headers["etag"] == now
     conf = (await c.get("/admin/nodes/n1/conf")).json()
     assert (conf["pool"], conf["cordoned"]) == ("a", True)
     r = await c.put("/admin/nodes/n1/conf", json={"pool": "b"}, headers={"If-Match": now})
@@ -174,6 +175,7 @@ async def test_node_conf_and_quota_writes_take_if_match_and_deadlines(
     assert [q["etag"] for q in (await c.get("/admin/quotas")).json()] == [tag]
     r = await c.put("/admin/quotas/team", json={"max_gpus": 8}, headers={"If-None-Match": "*"})
     assert r.status_code == 412, r.text
+    assert r.headers["etag"] == tag == r.json()["etag"]
     gone = {"X-Request-Deadline": f"{time.time() - 1:.3f}"}
     assert (await c.delete("/admin/quotas/team", headers=gone)).status_code == 408
     assert (await c.put("/admin/quotas/team", json={"max_gpus": 2},

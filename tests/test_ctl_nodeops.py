@@ -138,3 +138,38 @@ def test_quotas(gw: GatewayProc) -> None:
     said = one_line_error(run(gw, "quota", "set", "bad scope", "--max-gpus", "1"))
     assert "400" in said and "quota scope 'bad scope'" in said
     assert json.loads(ok(gw, "quota", "list", "--json")) == []
+
+
+def test_if_match_conditions_node_conf_and_quota_writes(gw: GatewayProc) -> None:
+    """`--if-match ETAG` (as `node conf` and `quota list --json` show it):
+    the write is made only if the record is still at ETAG; else the
+    gateway's 412 is one line and nothing is written."""
+    ok(gw, "node", "cordon", "gpu-1")  # a conf stored: it has an ETag
+    tag = grid(ok(gw, "node", "conf", "gpu-1"))["etag"]
+    assert tag.startswith('"') and tag.endswith('"'), tag
+    ok(gw, "node", "uncordon", "gpu-1")  # another admin's change: the ETag moves on
+    said = one_line_error(run(gw, "node", "conf", "gpu-1", "--pool", "p9", "--if-match", tag))
+    assert "412" in said and "If-Match does not hold" in said, said
+    assert (conf(gw)["pool"], conf(gw)["cordoned"]) == ("default", False)
+    now = grid(ok(gw, "node", "conf", "gpu-1"))["etag"]
+    assert now != tag
+    shown = grid(ok(gw, "node", "conf", "gpu-1", "--pool", "p9", "--if-match", now.strip('"')))
+    assert shown["pool"] == "p9" and shown["etag"] != now, shown
+    bad = run(gw, "node", "conf", "gpu-1", "--if-match", shown["etag"])
+    assert bad.returncode == 2 and "--if-match" in bad.stderr, bad.stderr
+    ok(gw, "node", "conf", "gpu-1", "--pool", "default")
+
+    ok(gw, "quota", "set", "team-b", "--max-gpus", "2")
+    (q,) = json.loads(ok(gw, "quota", "list", "--json"))
+    ok(gw, "quota", "set", "team-b", "--max-gpus", "3")
+    for args in (["set", "team-b", "--max-gpus", "4"], ["delete", "team-b"]):
+        said = one_line_error(run(gw, "quota", *args, "--if-match", q["etag"]))
+        assert "412" in said and "If-Match does not hold" in said, said
+    (q,) = json.loads(ok(gw, "quota", "list", "--json"))
+    assert q["max_gpus"] == 3
+    ok(gw, "quota", "set", "team-b", "--max-gpus", "4", "--if-match", q["etag"])
+    (q,) = json.loads(ok(gw, "quota", "list", "--json"))
+    assert q["max_gpus"] == 4
+    assert ok(gw, "quota", "delete", "team-b", "--if-match", q["etag"]) == (
+        "quota team-b deleted\n")
+    assert json.loads(ok(gw, "quota", "list", "--json")) == []

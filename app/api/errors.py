@@ -51,6 +51,8 @@ def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResp
         body["detail"] = detail
     body.update(extra)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 412 and isinstance(extra.get("etag"), str):  # the revision now (writes.py)
+        headers = {"ETag": extra["etag"]}
     return JSONResponse(body, status_code=status, media_type="application/problem+json",
                         headers=headers)
 

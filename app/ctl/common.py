@@ -51,8 +51,10 @@ def _admin_token() -> str:
 def send(gateway: str, method: str, path: str, body: Any = None,
          params: dict[str, str] | None = None, timeout: float = TIMEOUT,
          accept: str | None = None, about: str = "",
-         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """One admin API call: its status and raw body. Fails with the gateway's
+         headers: dict[str, str] | None = None,
+         answer_headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One admin API call: its status and raw body (its headers, lower-cased,
+    put in `answer_headers` when given). Fails with the gateway's
     problem detail (each field named when the body did not match the schema),
     after `about` ("model m: ") when given. A write carries this call's
     deadline (X-Request-Deadline: now + `timeout`), so that a gateway does
@@ -71,6 +73,8 @@ def send(gateway: str, method: str, path: str, body: Any = None,
     req = urllib.request.Request(url, data=data, method=method, headers=sent)
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=_tls()) as resp:
+            if answer_headers is not None:
+                answer_headers.update((k.lower(), v) for k, v in resp.headers.items())
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         said = _problem_said(exc.read())

@@ -4,6 +4,7 @@ app/api/fleet.py. Registered by app/ctl/__init__.py."""
 
 from __future__ import annotations
 
+import json
 import sys
 import urllib.parse
 from typing import Annotated, Any
@@ -21,6 +22,16 @@ quota_app = sub_app("Capacity quotas: the most GPUs the models naming a scope ho
 
 NodeName = Annotated[str, typer.Argument(help="node name (from `llmgw ctl nodes`)")]
 Scope = Annotated[str, typer.Argument(help="the quota scope (a model spec's `quota`)")]
+IfMatch = Annotated[str | None, typer.Option(
+    "--if-match", metavar="ETAG",
+    help="write only if the record is still at ETAG (as `node conf` or `quota list --json` "
+         "showed it); else the gateway's 412, nothing written")]
+
+
+def _conditions(if_match: str | None) -> dict[str, str] | None:
+    from app.ctl.catalog import quoted
+
+    return {"If-Match": quoted(if_match)} if if_match is not None else None
 
 
 def _node_path(node: str, rest: str) -> str:
@@ -94,9 +105,10 @@ def conf(
         "--label", help="KEY=VALUE: set a label (repeat for more)")] = None,
     unlabel: Annotated[list[str] | None, typer.Option(
         "--unlabel", help="KEY: remove a label (repeat for more)")] = None,
-    gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False,
+    gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False, if_match: IfMatch = None,
 ) -> None:
-    """Show NODE's conf; with --pool, --label or --unlabel, change it (the rest is kept)."""
+    """Show NODE's conf and its ETag; with --pool, --label or --unlabel, change it
+    (the rest is kept)."""
     if pool is not None:
         try:
             check_name(pool, "pool")
@@ -107,23 +119,32 @@ def conf(
     if both := sorted(removing & setting.keys()):
         raise typer.BadParameter(f"{', '.join(both)} both set and removed",
                                  param_hint="--unlabel")
+    changing = pool is not None or bool(setting) or bool(removing)
+    if if_match is not None and not changing:
+        raise typer.BadParameter("conditions a change: give --pool, --label or --unlabel too",
+                                 param_hint="--if-match")
     path = _node_path(node, "/conf")
-    data = request(gateway, "GET", path)
-    if pool is not None or setting or removing:
+    got: dict[str, str] = {}
+    data = json.loads(send(gateway, "GET", path, answer_headers=got)[1] or b"null")
+    if changing:
         # The PUT takes pool and labels whole: what is not changed is sent as
-        # read. Not guaranteed: another admin's change between the two calls
-        # is overwritten (the gateway's write is conditioned, this read is not).
+        # read. Without --if-match, another admin's change between the two
+        # calls is overwritten (the gateway's write is conditioned, this read
+        # is not); with it, the PUT is refused (412) unless nothing changed.
         labels = {k: v for k, v in (data.get("labels") or {}).items() if k not in removing}
         body = {"pool": data.get("pool", "default") if pool is None else pool,
                 "labels": labels | setting}
-        data = request(gateway, "PUT", path, body=body)
+        got = {}
+        data = json.loads(send(gateway, "PUT", path, body=body, about=f"node {node}: ",
+                               headers=_conditions(if_match), answer_headers=got)[1] or b"null")
     if as_json:
         out(data, True)
         return
     grid = Table.grid(padding=(0, 2))
     for key, value in (("node", data.get("node", node)), ("state", _state(data)),
                        ("pool", data.get("pool", "?")), ("labels", _labels(data)),
-                       ("engine build", data.get("engine_build", "?"))):
+                       ("engine build", data.get("engine_build", "?")),
+                       *([("etag", got["etag"])] if "etag" in got else [])):
         grid.add_row(key, Text(str(value)))
     console().print(grid)
 
@@ -150,10 +171,12 @@ def set_quota(
     scope: Scope,
     max_gpus: Annotated[int, typer.Option(
         "--max-gpus", min=0, max=100_000, help="the most GPUs the scope's replicas hold")],
-    gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False,
+    gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False, if_match: IfMatch = None,
 ) -> None:
     """Set SCOPE's limit: no replica is placed that would take its models past it."""
-    data = request(gateway, "PUT", _quota_path(scope), body={"max_gpus": max_gpus})
+    data = json.loads(send(gateway, "PUT", _quota_path(scope), body={"max_gpus": max_gpus},
+                           about=f"quota {scope}: ", headers=_conditions(if_match))[1]
+                      or b"null")
     if as_json:
         out(data, True)
     else:
@@ -162,7 +185,9 @@ def set_quota(
 
 
 @quota_app.command("delete")
-def delete_quota(scope: Scope, gateway: Gateway = DEFAULT_GATEWAY) -> None:
+def delete_quota(scope: Scope, gateway: Gateway = DEFAULT_GATEWAY,
+                 if_match: IfMatch = None) -> None:
     """Remove SCOPE's limit (its models are no longer held to one)."""
-    send(gateway, "DELETE", _quota_path(scope))  # 204, no body
+    send(gateway, "DELETE", _quota_path(scope), about=f"quota {scope}: ",  # 204, no body
+         headers=_conditions(if_match))
     sys.stdout.write(f"quota {scope} deleted\n")
