@@ -50,7 +50,8 @@ def find(secrets: dict[str, str], places: Iterable[tuple[str, bytes]]) -> list[s
 
 def secrets_of(secret: str, admin: str, provider: str, nodes: Iterable[str],
                replica_ids: Iterable[str], client_keys: Iterable[str]) -> dict[str, str]:
-    from app.control.keys import engine_key, node_token
+    from app.control.keys import engine_key
+    from app.wire.tokens import node_token
 
     out = {"the shared secret": secret, "the admin token": admin, "the provider key": provider}
     out |= {f"node {n}'s token": node_token(secret, n) for n in nodes}
