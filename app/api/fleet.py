@@ -1,5 +1,6 @@
 """Admin routes for the fleet: cordon, uncordon and drain a node, its pool
-and labels (`nodeconf/{node}`), and capacity quotas (`quotas/{scope}`).
+and labels, clear a GPU's fault (`nodeconf/{node}`), and capacity quotas
+(`quotas/{scope}`).
 
 Every write is decided on the mirror and conditioned on the key's revision
 as read, or on its absence (DESIGN invariant 9): two admins on two gateways
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -25,7 +27,7 @@ from app.api.auth import admin_guard, bearer
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.writes import Deadline, Precondition, etag
-from app.control import fleet
+from app.control import fleet, gpuhealth
 from app.control import state as s
 from app.store.base import Compare, Delete, Put
 
@@ -189,6 +191,19 @@ def routes(gw: Gateway) -> APIRouter:
         """Cordons the node and moves its replicas to other nodes."""
         return await change(node, lambda c: c.model_copy(
             update={"cordoned": True, "draining": True}), request, response)
+
+    @r.post("/nodes/{node}/gpus/{index}/clear", responses=problems(404, 409))
+    async def clear_gpu(node: str, index: Annotated[int, PathParam(ge=0, lt=s.MAX_GPUS)],
+                        request: Request, response: Response) -> dict[str, Any]:
+        """Clears the fault a GPU reports: placement uses it again until its
+        agent reports another (docs/architecture.md, "GPUs that fall sick")."""
+        def edit(conf: s.NodeConf) -> s.NodeConf:
+            try:
+                return gpuhealth.cleared(conf, gw.mirror.nodes().get(node), node, index)
+            except gpuhealth.NoSuchGpu as exc:
+                raise Problem(404, "No such GPU", str(exc)) from None
+
+        return await change(node, edit, request, response)
 
     # --- quotas ------------------------------------------------------------------
 

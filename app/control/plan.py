@@ -16,6 +16,7 @@ from typing import Any
 from app.control import state as s
 from app.control.agentversion import Window
 from app.control.displace import displace
+from app.control.gpuhealth import on_sick_gpu, sick_by_node
 from app.control.placement import Fit, NoFit, Placer, place
 
 _SLUG = re.compile(r"[^a-z0-9]+")
@@ -173,8 +174,9 @@ def plan(
     request (docs/architecture.md, Security: Rotating the shared secret).
 
     `nodeconfs` and `quotas` go to place() (cordons, pools, quota scopes).
-    A replica on a node being drained rolls like one of a changed spec: its
-    replacement goes elsewhere first. Models are served by priority (their
+    A replica on a node being drained, or on a GPU its agent reports sick
+    and no admin has cleared (gpuhealth.py), rolls like one of a changed
+    spec: its replacement goes elsewhere first. Models are served by priority (their
     first profile's), highest first: one whose minimum finds no room may
     displace replicas of lower-priority models above their own minimum
     (placement.displace()); those drain, and the room is taken once they stop.
@@ -215,9 +217,13 @@ def plan(
         profiles = item[1].profile_list
         return (-(profiles[0].priority if profiles else 0), item[0])
 
+    sick = sick_by_node(nodes, confs)
+
     def moving(rid: str) -> bool:
+        # On a drained node, or on a GPU fallen sick (gpuhealth.py): its
+        # replacement goes elsewhere first, as for a changed spec.
         conf = confs.get(live[rid].node)
-        return conf is not None and conf.draining
+        return (conf is not None and conf.draining) or bool(on_sick_gpu(live[rid], sick))
 
     # Indexes built once, not per model (docs/architecture.md, Scale): the
     # replicas by model (a model's own are added to `live` only while it is
@@ -252,6 +258,9 @@ def plan(
         short = max(0, want - sum(map(ready, current)))
         keep = [rid for rid in stale if ready(rid)][:short]
         out.drain += [rid for rid in stale if rid not in keep]
+        for rid in stale:
+            if rid not in keep and (why := on_sick_gpu(live[rid], sick)):
+                out.drain_reasons[rid] = why
         for i in range(want - len(current)):
             fit: Fit | NoFit = NoFit({})
             prof = spec.profile_list[0]
