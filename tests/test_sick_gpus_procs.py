@@ -137,6 +137,14 @@ def test_the_page_marks_a_sick_gpu_with_its_reason(rig: Rig, page: Page) -> None
     expect(node.locator(".count")).to_contain_text("1 unhealthy")
     expect(page.locator("#legend")).to_contain_text("unhealthy")
     shot(node, "sick-gpu")
-    # Cleared: the marker goes on the next refresh.
-    ok_on(rig.gw, "node", "gpu-clear", NODE, str(gpu))
+    # Cleared from the page: the marker and the button go.
+    node.get_by_role("button", name=f"Clear GPU {gpu}").click()
+    dialog = page.locator("#act")
+    expect(dialog.locator("#act-title")).to_have_text(f"Clear GPU {gpu} of node {NODE}?")
+    expect(dialog.locator("#act-text")).to_contain_text(f"Its fault: {reason}.")
+    dialog.locator("#act-ok").click()
+    expect(dialog).to_be_hidden()
     expect(cell).not_to_have_class(re.compile(r"\bsick\b"), timeout=15_000)
+    expect(node.get_by_role("button", name=f"Clear GPU {gpu}")).to_have_count(0)
+    conf = admin_get(rig.gw, f"/admin/nodes/{NODE}/conf")
+    assert conf["gpu_cleared"][str(gpu)] == reason

@@ -150,6 +150,9 @@ function nodeActions(n) {
   else td.appendChild(button("Cordon", "cordon", node));
   if (!conf.draining) td.appendChild(button("Drain", "drain", node));
   td.appendChild(button("Engine build…", "build", node));
+  for (const g of n.gpus || []) {
+    if (g.unhealthy) td.appendChild(button("Clear GPU " + g.index, "gpuclear", { node: n.name, gpu: g.index }));
+  }
   return td;
 }
 
