@@ -210,3 +210,27 @@ def test_the_inventory_carries_each_gpus_health(replay: Replay, tmp_path: Path) 
     for g in old["gpus"]:
         del g["health"], g["health_reason"]
     assert [g.health for g in NodeInfo.model_validate(old).gpus] == ["ok", "ok"]
+
+
+def test_without_events_the_counts_are_still_watched(replay: Replay,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused() -> None:
+        raise replay.module.NVMLError(3)  # NVML_ERROR_NOT_SUPPORTED
+
+    monkeypatch.setattr(replay.module, "nvmlEventSetCreate", refused)
+    h = watch(replay)
+    h.step(0)
+    replay.device(0, nvmlDeviceGetTotalEccErrors=1)
+    assert h.step(0) is True
+    assert h.reasons() == {0: "1 uncorrected ECC errors since the GPU's last reset"}
+
+
+def test_an_nvml_that_cannot_start_is_tried_again(replay: Replay) -> None:
+    replay.rec["nvmlInit"] = {"error": 9}  # NVML_ERROR_DRIVER_NOT_LOADED
+    replay.save()
+    h = watch(replay)
+    assert h.step(0) is False and h.step(0) is False
+    del replay.rec["nvmlInit"]
+    replay.xid(1, 95)
+    assert h.step(0) is True
+    assert h.reasons()[1].startswith("XID 95: uncontained ECC error")

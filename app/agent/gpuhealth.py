@@ -141,6 +141,7 @@ class GpuHealth:
         self.gpus: dict[int, GpuState] = self._read()
         # The GPU whose NVML call is running now: the one a stall is blamed on.
         self.checking: int | None = None
+        self._failing = False
 
     # --- kept across restarts --------------------------------------------------------
 
@@ -186,7 +187,11 @@ class GpuHealth:
             return self._nvml
         nvml = self._load()
         nvml.nvmlInit()  # reference-counted: discovery's init/shutdown leave it up
-        self._events = nvml.nvmlEventSetCreate()
+        try:
+            self._events = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            logger.warning("XID events not delivered on this node (%s)", exc)
+            self._events = None
         for i in range(int(nvml.nvmlDeviceGetCount())):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
@@ -194,6 +199,8 @@ class GpuHealth:
                 self._observe(nvml, i, None, exc)
                 continue
             self._handles[i] = handle
+            if self._events is None:
+                continue
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, XID_CRITICAL_EVENT, self._events)
             except nvml.NVMLError as exc:
@@ -210,9 +217,13 @@ class GpuHealth:
         before = self.reasons()
         try:
             nvml = self._start()
-        except Exception as exc:  # ImportError, NVMLError, OSError: the library's trouble
-            logger.warning("GPU health: NVML unusable (%s); trying again", exc)
+        except Exception:  # ImportError, NVMLError, OSError: the library's trouble
+            # Once per streak with its traceback; then quietly, every step.
+            logger.log(logging.DEBUG if self._failing else logging.WARNING,
+                       "GPU health: NVML unusable; trying again next step", exc_info=True)
+            self._failing = True
             return False
+        self._failing = False
         for i, handle in sorted(self._handles.items()):
             self._observe(nvml, i, handle, None)
         self._wait_events(nvml, wait_ms)
@@ -265,6 +276,9 @@ class GpuHealth:
             raise
 
     def _wait_events(self, nvml: HealthNvml, wait_ms: int) -> None:
+        if self._events is None:
+            time.sleep(wait_ms / 1000)  # the step's pace, without events
+            return
         timeout = wait_ms
         for _ in range(MAX_EVENTS_PER_STEP):
             try:
