@@ -191,6 +191,8 @@ async def test_a_step_that_hangs_marks_the_gpu_it_reads(
     assert h.reasons() == {1: "NVML did not answer within 0.3 s reading the GPU"}
     release.set()
     assert await step is True
+    # The step that hung, once it returns, keeps the fault it was blamed for.
+    assert h.reasons() == {1: "NVML did not answer within 0.3 s reading the GPU"}
 
 
 def test_the_inventory_carries_each_gpus_health(replay: Replay, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -142,6 +143,9 @@ class GpuHealth:
         # The GPU whose NVML call is running now: the one a stall is blamed on.
         self.checking: int | None = None
         self._failing = False
+        # Steps run in a worker thread; `stalled()` and `reasons()` on the
+        # event loop.
+        self._lock = threading.Lock()
 
     # --- kept across restarts --------------------------------------------------------
 
@@ -162,8 +166,9 @@ class GpuHealth:
         tmp = self._path.with_suffix(".tmp")
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"gpus": {str(i): asdict(g)
-                                                for i, g in sorted(self.gpus.items())}}))
+            with self._lock:
+                kept = {str(i): asdict(g) for i, g in sorted(self.gpus.items())}
+            tmp.write_text(json.dumps({"gpus": kept}))
             os.replace(tmp, self._path)
         except OSError as exc:
             logger.warning("GPU health record %s not saved: %s", self._path, exc)
@@ -172,13 +177,15 @@ class GpuHealth:
 
     def reasons(self) -> dict[int, str]:
         """GPU index -> its latest fault, for the GPUs that had one."""
-        return {i: g.reason for i, g in self.gpus.items() if g.reason}
+        with self._lock:
+            return {i: g.reason for i, g in self.gpus.items() if g.reason}
 
     def _fault(self, index: int, reason: str) -> None:
-        gpu = self.gpus.setdefault(index, GpuState())
-        if gpu.reason != reason:
-            logger.error("GPU %d is unhealthy: %s", index, reason)
-            gpu.reason = reason
+        with self._lock:
+            gpu = self.gpus.setdefault(index, GpuState())
+            if gpu.reason != reason:
+                logger.error("GPU %d is unhealthy: %s", index, reason)
+                gpu.reason = reason
 
     # --- one step ----------------------------------------------------------------------
 
@@ -259,10 +266,14 @@ class GpuHealth:
                 now = GpuState(**{**asdict(prev)})
         finally:
             self.checking = None
-        for reason in condition_faults(prev, now):
-            now.reason = reason
-            logger.error("GPU %d is unhealthy: %s", index, reason)
-        self.gpus[index] = now
+        with self._lock:
+            # A stall reported meanwhile (`stalled()`, from the event loop)
+            # is kept: the reason is read again, not taken from before.
+            now.reason = self.gpus.get(index, GpuState()).reason
+            for reason in condition_faults(prev, now):
+                now.reason = reason
+                logger.error("GPU %d is unhealthy: %s", index, reason)
+            self.gpus[index] = now
 
     @staticmethod
     def _optional(nvml: HealthNvml, read: Callable[[], int], last: int | None) -> int | None:
@@ -310,10 +321,11 @@ class GpuHealth:
         if index is None:
             return False
         reason = f"NVML did not answer within {seconds:g} s reading the GPU"
-        gpu = self.gpus.setdefault(index, GpuState())
-        if gpu.lost == reason:
-            return False
-        gpu.lost = reason
+        with self._lock:
+            gpu = self.gpus.setdefault(index, GpuState())
+            if gpu.lost == reason:
+                return False
+            gpu.lost = reason
         self._fault(index, reason)
         self._save()
         return True
