@@ -21,7 +21,8 @@ from app.wire.nodes import GpuInfo, NodeInfo
 
 DATA = Path(__file__).parent / "data"
 FAKE = Path(__file__).parent / "fakes" / "nvml" / "pynvml.py"
-T0 = 1_795_000_000.0  # 2026-11-18T11:06:40Z
+T0 = 1_795_000_000.0
+AT = " (at 2026-11-18T11:06:40Z)"  # T0, as each reason ends
 
 
 class Replay:
@@ -78,7 +79,7 @@ def test_a_fatal_xid_makes_its_gpu_unhealthy_and_a_benign_one_does_not(replay: R
     assert h.reasons() == {}
     replay.xid(1, 79)
     assert h.step(0) is True
-    assert h.reasons() == {1: "XID 79: GPU has fallen off the bus (at 2026-11-18T11:06:40Z)"}
+    assert h.reasons() == {1: "XID 79: GPU has fallen off the bus" + AT}
     assert {48, 64, 74, 79, 95} <= FATAL_XIDS.keys() and not {13, 31, 43, 94} & FATAL_XIDS.keys()
 
 
@@ -89,7 +90,7 @@ def test_a_growing_uncorrected_ecc_count_is_a_fault_a_standing_one_is_not(
     h.step(0)
     replay.device(0, nvmlDeviceGetTotalEccErrors=2)
     assert h.step(0) is True
-    assert h.reasons() == {0: "2 uncorrected ECC errors since the GPU's last reset"}
+    assert h.reasons() == {0: "2 uncorrected ECC errors since the GPU's last reset" + AT}
     assert h.step(0) is False  # still 2: nothing new
     # An agent restart keeps the fault and the count: 2 is not news.
     again = watch(replay, kept)
@@ -97,14 +98,14 @@ def test_a_growing_uncorrected_ecc_count_is_a_fault_a_standing_one_is_not(
     assert again.step(0) is False
     replay.device(0, nvmlDeviceGetTotalEccErrors=3)
     assert again.step(0) is True
-    assert again.reasons() == {0: "3 uncorrected ECC errors since the GPU's last reset"}
+    assert again.reasons() == {0: "3 uncorrected ECC errors since the GPU's last reset" + AT}
 
 
 def test_ecc_present_at_the_first_check_is_a_fault(replay: Replay) -> None:
     replay.device(1, nvmlDeviceGetTotalEccErrors=1)
     h = watch(replay)
     h.step(0)
-    assert h.reasons() == {1: "1 uncorrected ECC errors since the GPU's last reset"}
+    assert h.reasons() == {1: "1 uncorrected ECC errors since the GPU's last reset" + AT}
 
 
 def test_retired_pages_pending_and_a_failed_row_remap(replay: Replay) -> None:
@@ -114,8 +115,8 @@ def test_retired_pages_pending_and_a_failed_row_remap(replay: Replay) -> None:
     replay.device(1, nvmlDeviceGetRemappedRows=[0, 3, 0, 1])
     h.step(0)
     assert h.reasons() == {
-        0: "retired pages pending: the GPU needs a reset",
-        1: "row remapping failed: the GPU's memory cannot repair itself"}
+        0: "retired pages pending: the GPU needs a reset" + AT,
+        1: "row remapping failed: the GPU's memory cannot repair itself" + AT}
 
 
 def test_what_a_board_does_not_support_is_not_a_fault(replay: Replay) -> None:
@@ -134,15 +135,33 @@ def test_a_lost_gpu_and_one_timing_out(replay: Replay) -> None:
     replay.device(0, all={"error": 15})  # NVML_ERROR_GPU_IS_LOST
     replay.device(1, nvmlDeviceGetTotalEccErrors={"error": 10})  # NVML_ERROR_TIMEOUT
     h.step(0)
-    assert h.reasons() == {0: "GPU is lost: NVML cannot reach it (GPU is lost)",
-                           1: "NVML timed out reading the GPU (Timeout)"}
+    assert h.reasons() == {0: "GPU is lost: NVML cannot reach it (GPU is lost)" + AT,
+                           1: "NVML timed out reading the GPU (Timeout)" + AT}
+
+
+def test_a_gpu_lost_again_after_answering_is_a_new_reason(replay: Replay) -> None:
+    clock = [T0]
+    h = GpuHealth(replay.nvml, None, clock=lambda: clock[0])
+    h.step(0)
+    healthy = replay.rec["devices"][0].copy()
+    replay.device(0, all={"error": 15})
+    h.step(0)
+    first = h.reasons()[0]
+    replay.rec["devices"][0] = healthy  # back (a reset); the fault is kept
+    replay.save()
+    clock[0] += 60
+    h.step(0)
+    assert h.reasons() == {0: first}
+    replay.device(0, all={"error": 15})
+    h.step(0)
+    assert h.reasons()[0] != first and h.reasons()[0].endswith("(at 2026-11-18T11:07:40Z)")
 
 
 def test_a_gpu_lost_before_the_agent_started(replay: Replay) -> None:
     replay.device(1, all={"error": 15})
     h = watch(replay)
     h.step(0)
-    assert h.reasons() == {1: "GPU is lost: NVML cannot reach it (GPU is lost)"}
+    assert h.reasons() == {1: "GPU is lost: NVML cannot reach it (GPU is lost)" + AT}
 
 
 def test_a_cleared_xid_comes_back_as_a_new_reason(replay: Replay) -> None:
@@ -188,11 +207,11 @@ async def test_a_step_that_hangs_marks_the_gpu_it_reads(
                   clock=lambda: 0.0)
     step = __import__("asyncio").create_task(ops.health_step(h))
     await __import__("asyncio").sleep(0.6)
-    assert h.reasons() == {1: "NVML did not answer within 0.3 s reading the GPU"}
+    assert h.reasons() == {1: "NVML did not answer within 0.3 s reading the GPU" + AT}
     release.set()
     assert await step is True
     # The step that hung, once it returns, keeps the fault it was blamed for.
-    assert h.reasons() == {1: "NVML did not answer within 0.3 s reading the GPU"}
+    assert h.reasons() == {1: "NVML did not answer within 0.3 s reading the GPU" + AT}
 
 
 def test_the_inventory_carries_each_gpus_health(replay: Replay, tmp_path: Path) -> None:
@@ -224,7 +243,7 @@ def test_without_events_the_counts_are_still_watched(replay: Replay,
     h.step(0)
     replay.device(0, nvmlDeviceGetTotalEccErrors=1)
     assert h.step(0) is True
-    assert h.reasons() == {0: "1 uncorrected ECC errors since the GPU's last reset"}
+    assert h.reasons() == {0: "1 uncorrected ECC errors since the GPU's last reset" + AT}
 
 
 def test_an_nvml_that_cannot_start_is_tried_again(replay: Replay) -> None:

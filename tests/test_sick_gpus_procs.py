@@ -124,11 +124,13 @@ def test_the_page_marks_a_sick_gpu_with_its_reason(rig: Rig, page: Page) -> None
     gpu = 1
     rig.rec["devices"][gpu]["nvmlDeviceGetTotalEccErrors"] = 2
     rig.save()
-    reason = "2 uncorrected ECC errors since the GPU's last reset"
     sign_in(page, rig.gw)
     node = page.locator("#nodes tbody tr", has_text=NODE)
     cell = node.locator(".grid .cell").nth(gpu)
     expect(cell).to_have_class(re.compile(r"\bsick\b"), timeout=30_000)
+    reason = rig.gpus()[gpu]["health_reason"]
+    assert re.fullmatch(r"2 uncorrected ECC errors since the GPU's last reset "
+                        r"\(at [0-9T:-]+Z\)", reason), reason
     expect(cell).to_have_attribute("title", re.compile(re.escape(f"unhealthy: {reason}")))
     line = node.locator(".gpu").nth(gpu)
     expect(line).to_have_class(re.compile(r"\bsick\b"))

@@ -14,8 +14,10 @@ What counts as new: an XID event whose number NVIDIA's Xid catalog sends
 to a GPU reset or a node restart (`FATAL_XIDS`); an uncorrected volatile
 ECC count that grew (volatile counts start again at a GPU reset); retired
 pages pending, or row remapping failed, turning true; NVML answering a GPU
-"GPU is lost" or timing out. The NVML values used are the library's
-documented enum values (nvml.h), so any pynvml that has the functions works.
+"GPU is lost" or timing out. Every reason carries the time it was seen, so
+that the same fault seen again after a clear is a new reason. The NVML
+values used are the library's documented enum values (nvml.h), so any
+pynvml that has the functions works.
 
 `step()` blocks (NVML calls, waiting for events): the agent runs it in a
 thread (app/agent/nodeops.py). A call that never returns is the caller's
@@ -271,8 +273,8 @@ class GpuHealth:
             # is kept: the reason is read again, not taken from before.
             now.reason = self.gpus.get(index, GpuState()).reason
             for reason in condition_faults(prev, now):
-                now.reason = reason
-                logger.error("GPU %d is unhealthy: %s", index, reason)
+                now.reason = f"{reason} (at {_when(self._clock())})"
+                logger.error("GPU %d is unhealthy: %s", index, now.reason)
             self.gpus[index] = now
 
     @staticmethod
@@ -326,6 +328,6 @@ class GpuHealth:
             if gpu.lost == reason:
                 return False
             gpu.lost = reason
-        self._fault(index, reason)
+        self._fault(index, f"{reason} (at {_when(self._clock())})")
         self._save()
         return True
