@@ -201,6 +201,7 @@ def agent(args: argparse.Namespace) -> None:
     from app.agent.builds import builds_config
     from app.agent.config import AgentConfig
     from app.agent.engines import available_engines, resolve_vllm
+    from app.agent.gpuhealth import GpuHealth, load_pynvml
     from app.agent.gpus import declared_hardware, probe
     from app.agent.nodeops import NodeOpsConfig
     from app.agent.upgrade import UpgradeConfig, Upgrader, parse_source, reexec_argv
@@ -232,11 +233,16 @@ def agent(args: argparse.Namespace) -> None:
     # Before the event loop runs: discovery blocks (NVML, nvidia-smi).
     hw = declared_hardware(args.gpus) if args.gpus is not None else probe()
     gpus = hw.gpus
+    work_dir = Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node)
+    # Health is watched where NVML found the GPUs (docs/architecture.md,
+    # "GPUs that fall sick"); kept across restarts in the work directory.
+    health = (GpuHealth(load_pynvml, work_dir / "gpu_health.json")
+              if hw.source == "nvml" else None)
     cfg = AgentConfig(
         gateways=[u for u in args.gateway.split(",") if u], node=args.node, token=token,
         # With no vLLM of the operator's, a GPU node installs its build itself.
         gpus=gpus, engines=available_engines(gpus, vllm_env or ("managed" if gpus else "")),
-        work_dir=Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node),
+        work_dir=work_dir,
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
         # LLMGW_VLLM_BIN, or a vllm on PATH, is the operator's own build:
         # used as it is, never installed over (docs/architecture.md).
@@ -245,7 +251,7 @@ def agent(args: argparse.Namespace) -> None:
         start_timeout=args.start_timeout,
         ops=NodeOpsConfig(
             hardware=hw, rediscover=probe if args.gpus is None else None,
-            api_port=args.api_port, builds=builds,
+            api_port=args.api_port, builds=builds, gpu_health=health,
             cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir
             else default_cache_dir()),
     )

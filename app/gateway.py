@@ -23,6 +23,7 @@ from app import __version__
 from app.agent.agent import Agent
 from app.agent.config import AgentConfig
 from app.agent.engines import available_engines, resolve_vllm
+from app.agent.gpuhealth import GpuHealth, load_pynvml
 from app.agent.gpus import declared_hardware, probe
 from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog, storeid
@@ -301,7 +302,12 @@ class Gateway:
             stop_engines_on_exit=st.stop_engines_on_exit, gateway_tls=tls,
             start_timeout=st.engine_start_timeout,
             ops=NodeOpsConfig(hardware=hw,
-                              rediscover=probe if st.local_gpus is None else None),
+                              rediscover=probe if st.local_gpus is None else None,
+                              # Watched as a remote agent's (docs/architecture.md,
+                              # "GPUs that fall sick").
+                              gpu_health=GpuHealth(load_pynvml, st.data_dir / "agent" /
+                                                   "gpu_health.json")
+                              if hw.source == "nvml" else None),
         ))
         await self.agent.start()
         await self.agent.run()

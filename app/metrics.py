@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.control import fleet
+from app.control import fleet, gpuhealth
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import Replica, replica_phase
@@ -148,12 +148,19 @@ class _FleetCollector(Collector):
         gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports, free or "
                                  "used (held by a replica, draining ones included)",
                                  labels=["node", "state"])
+        # One series per live node, as above: as bounded as the fleet.
+        sick = GaugeMetricFamily("llmgw_node_gpus_unhealthy", "GPUs each live node's agent "
+                                 "reports unhealthy that no admin has cleared: kept out of "
+                                 "placement (GET /admin/nodes says why)", labels=["node"])
         holders = fleet.gpu_holders(replicas)
+        confs = mirror.nodeconfs()
         for name, node in sorted(nodes.items()):
             free, used = fleet.gpu_use(node, holders.get(name, {}))
             gpus.add_metric([name, "free"], free)
             gpus.add_metric([name, "used"], used)
-        yield from (leader, ready, revision, by_phase, wanted, unplaceable, inflight, gpus)
+            sick.add_metric([name], len(gpuhealth.sick_gpus(node, confs.get(name))))
+        yield from (leader, ready, revision, by_phase, wanted, unplaceable, inflight, gpus,
+                    sick)
         yield from _held(gw)
         yield from _engine_loads(gw, replicas)
 

@@ -50,7 +50,7 @@ async def test_cordon_drain_and_uncordon_a_node(
         assert r.status_code == 200, r.text
         assert r.json() == {"node": "h1", "cordoned": True, "draining": False,
                             "pool": "default", "labels": {}, "engine_build": "auto",
-                            "vllm_version": ""}
+                            "vllm_version": "", "gpu_cleared": {}}
         assert (await _stored(gw, s.NODECONF + "h1"))["cordoned"] is True  # type: ignore[index]
         # Placement, on this gateway's mirror, now refuses the node and says why.
         spec = s.StoredModel(name="m", model="org/m")
@@ -88,7 +88,7 @@ async def test_pool_and_labels_and_their_bad_bodies(
         assert r.json() == {"node": "r1", "cordoned": True, "draining": False,
                             "pool": "research", "labels": {"rack": "b7"},
                             "engine_build": "auto",
-                            "vllm_version": ""}
+                            "vllm_version": "", "gpu_cleared": {}}
         for bad in ({"pool": "-x"}, {"labels": {"rack": "a\nb"}}, {"colour": "blue"},
                     {"labels": {" ": "x"}}, {"pool": 3}):
             body = _problem(await c.put("/admin/nodes/r1/conf", json=bad), 422)
@@ -152,7 +152,41 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
         assert await _stored(ga, s.NODECONF + "h1") == {
             "cordoned": True, "draining": False, "pool": "research", "labels": {},
             "engine_build": "auto",
-                            "vllm_version": ""}
+                            "vllm_version": "", "gpu_cleared": {}}
+
+
+async def test_clearing_a_sick_gpu_puts_it_back_into_placement(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> None:
+    reason = "XID 48: double-bit ECC error (at 2026-11-18T11:06:40Z)"
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 1) as [(a, c)]:
+        gw = a.state.gateway
+        info = s.NodeInfo(name="h1", engines=["vllm"], gpus=[
+            s.GpuInfo(index=0, health="unhealthy", health_reason=reason)])
+        await gw.mirror.wait_for(
+            await gw.store.put(s.NODES + "h1", info.model_dump_json().encode()), 5)
+        spec = s.StoredModel(name="m", model="org/m")
+        fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())
+        assert isinstance(fit, NoFit)
+        assert fit.reasons == {"h1": "needs 1 free GPUs, has 0 of 1; GPU 0 unhealthy"}
+        nodes = (await c.get("/admin/nodes")).json()
+        assert nodes[0]["gpus_unhealthy"] == 1 and nodes[0]["gpus"][0]["unhealthy"] is True
+
+        r = await c.post("/admin/nodes/h1/gpus/0/clear")
+        assert r.status_code == 200, r.text
+        assert r.json()["gpu_cleared"] == {"0": reason} and r.headers["ETag"]
+        assert (await _stored(gw, s.NODECONF + "h1"))["gpu_cleared"] == {  # type: ignore[index]
+            "0": reason}
+        assert not isinstance(place("m", spec, gw.mirror.nodes(), {},
+                                    nodeconfs=gw.mirror.nodeconfs()), NoFit)
+        nodes = (await c.get("/admin/nodes")).json()
+        assert nodes[0]["gpus_unhealthy"] == 0 and nodes[0]["gpus"][0]["unhealthy"] is False
+
+        body = _problem(await c.post("/admin/nodes/h1/gpus/3/clear"), 404)
+        assert body["detail"] == "node 'h1' reports no GPU 3"
+        _problem(await c.post("/admin/nodes/ghost/gpus/0/clear"), 404)
+        _problem(await c.post("/admin/nodes/h1/gpus/-1/clear"), 422)
+        _problem(await c.post("/admin/nodes/h1/gpus/64/clear"), 422)
 
 
 async def test_fleet_routes_answer_503_until_the_state_is_loaded(tmp_path: Path) -> None:

@@ -109,7 +109,7 @@ class Agent:
     def inventory(self) -> NodeInfo:
         return NodeInfo(
             name=self.cfg.node, engines=self.cfg.engines, address=self.host,
-            version=__version__, api_url=self.ops.api.url, **self.ops.hardware.node_fields(),
+            version=__version__, api_url=self.ops.api.url, **self.ops.node_fields(),
             **self.ops.build_fields(),
         )
 

@@ -16,17 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from app.agent import logfiles
 from app.agent.builds import Builds, BuildsConfig
+from app.agent.gpuhealth import GpuHealth
 from app.agent.gpus import Hardware, host_only, refreshed
 from app.agent.loads import LoadGatherer, ReadyEngines
 from app.agent.nodeapi import NodeApi, NodeApiConfig, NodeView
 from app.agent.weights import default_cache_dir
-from app.wire.nodes import GpuInfo
+from app.wire.nodes import MAX_TEXT, GpuInfo, fit
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,15 @@ class NodeOpsConfig:
     log_keep: int = 3
     # The vLLM build: installer and GPU check commands (builds.py).
     builds: BuildsConfig = field(default_factory=BuildsConfig)
+    # Each GPU's health through NVML (gpuhealth.py); None: not watched
+    # (GPUs declared or found by nvidia-smi). Each step checks every GPU's
+    # ECC counts, then waits up to `health_interval` s for XID events: a
+    # longer wait finds a grown ECC count or a lost GPU later; a shorter
+    # one costs a few NVML calls per GPU more often. A step that has not
+    # returned in `health_stall` s marks the GPU it was reading unhealthy.
+    gpu_health: GpuHealth | None = None
+    health_interval: float = 5.0
+    health_stall: float = 30.0
 
 
 class NodeOps:
@@ -66,6 +76,7 @@ class NodeOps:
         self._rediscovered = clock()
         self.loads = LoadGatherer(engines) if engines is not None else None
         self._gathering: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
         self.api = NodeApi(NodeApiConfig(node=node, token=token, work_dir=work_dir,
                                          cache_dir=cfg.cache_dir, log_keep=cfg.log_keep), view,
                            self.loads)
@@ -75,6 +86,9 @@ class NodeOps:
         self.build_chosen = asyncio.Event()
 
     async def start(self, host: str) -> None:
+        if self.cfg.gpu_health is not None:
+            self._watching = asyncio.create_task(self._watch_health(self.cfg.gpu_health),
+                                                 name="gpu-health")
         if self.cfg.log_to_file:
             self._log_handler = logfiles.file_handler(
                 self.api.cfg.agent_log, self.cfg.log_max_bytes, self.cfg.log_keep)
@@ -89,6 +103,38 @@ class NodeOps:
             if self.loads is not None:
                 self._gathering = asyncio.create_task(self.loads.run(), name="engine-loads")
 
+    async def health_step(self, health: GpuHealth) -> bool:
+        """One health step in a worker thread; a step stuck past
+        `health_stall` marks the GPU it reads (and is then waited out: a
+        hung NVML call cannot be cancelled). Returns whether a GPU's
+        health changed."""
+        job = asyncio.ensure_future(asyncio.to_thread(
+            health.step, round(self.cfg.health_interval * 1000)))
+        done, _ = await asyncio.wait({job}, timeout=self.cfg.health_stall)
+        if done:
+            return job.result()
+        health.stalled(self.cfg.health_stall)
+        await job
+        return True
+
+    async def _watch_health(self, health: GpuHealth) -> None:
+        while True:
+            try:
+                await self.health_step(health)
+            except Exception:
+                logger.exception("GPU health step crashed")
+                await asyncio.sleep(self.cfg.health_interval)
+
+    def node_fields(self) -> dict[str, Any]:
+        """The hardware's inventory fields, each GPU's health on it."""
+        fields = self.hardware.node_fields()
+        faults = self.cfg.gpu_health.reasons() if self.cfg.gpu_health is not None else {}
+        fields["gpus"] = [
+            g.model_copy(update={"health": "unhealthy",
+                                 "health_reason": fit(faults[g.index], MAX_TEXT)})
+            if g.index in faults else g for g in fields["gpus"]]
+        return fields
+
     async def refresh(self) -> bool:
         """Discovers the hardware again if it is time, in a worker thread
         (gpus.refreshed decides what to keep). Returns whether it ran."""
@@ -97,7 +143,16 @@ class NodeOps:
             return False
         self._rediscovered = self._clock()
         found = await asyncio.to_thread(self.cfg.rediscover)
-        self.hardware = refreshed(self.hardware, found)
+        before = self.hardware
+        self.hardware = refreshed(before, found)
+        if self.cfg.gpu_health is not None:
+            # A GPU fallen off the bus drops out of discovery: it stays in
+            # the inventory, unhealthy, so that its replica is moved.
+            sick, seen = self.cfg.gpu_health.reasons(), {g.index for g in self.hardware.gpus}
+            kept = [g for g in before.gpus if g.index in sick and g.index not in seen]
+            if kept:
+                self.hardware = replace(self.hardware, gpus=sorted(
+                    [*self.hardware.gpus, *kept], key=lambda g: g.index))
         return True
 
     def choose(self, build: str, version: str) -> None:
@@ -118,6 +173,10 @@ class NodeOps:
         return await logfiles.rotate_oversized(logs, self.cfg.log_max_bytes, self.cfg.log_keep)
 
     async def stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self._watching = None
         if self._gathering is not None:
             self._gathering.cancel()
             await asyncio.gather(self._gathering, return_exceptions=True)

@@ -21,7 +21,7 @@ from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
 from app.api.writes import deadline, etag, precondition
-from app.control import catalog, fleet
+from app.control import catalog, fleet, gpuhealth
 from app.control import state as s
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.placement import NoFit, place
@@ -191,11 +191,16 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
             conf = confs.get(node.name) or s.NodeConf()
             held = holders.get(node.name, {})
             free, used = fleet.gpu_use(node, held)
+            sick = gpuhealth.sick_gpus(node, conf)
             view = node.model_dump() | {"replicas": mine, "conf": conf.model_dump(),
-                                        "gpus_free": free, "gpus_used": used}
-            # Which replica holds each GPU (None: free).
+                                        "gpus_free": free, "gpus_used": used,
+                                        "gpus_unhealthy": len(sick)}
+            # Which replica holds each GPU (None: free); whether it is kept
+            # out as unhealthy (`health` is as its agent reports it, and an
+            # admin may have cleared that reason).
             for gpu in view["gpus"]:
                 gpu["replica"] = held.get(gpu["index"])
+                gpu["unhealthy"] = gpu["index"] in sick
             out.append(view)
         return out
 

@@ -1,5 +1,6 @@
 """Admin routes for the fleet: cordon, uncordon and drain a node, its pool
-and labels (`nodeconf/{node}`), and capacity quotas (`quotas/{scope}`).
+and labels, clear a GPU's fault (`nodeconf/{node}`), and capacity quotas
+(`quotas/{scope}`).
 
 Every write is the control plane's (app/control/ops/node_ops.py), decided
 on the mirror and conditioned on the key's revision as read, or on its
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,7 +30,7 @@ from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
 from app.api.writes import deadline, etag, precondition
-from app.control import fleet
+from app.control import fleet, gpuhealth
 from app.control import state as s
 from app.control.ops.node_ops import FleetOps
 
@@ -147,6 +149,19 @@ def routes(state: MirrorState, ops: FleetOps, *, admin_token: str,
         """Cordons the node and moves its replicas to other nodes."""
         return await change(node, lambda c: c.model_copy(
             update={"cordoned": True, "draining": True}), request, response)
+
+    @r.post("/nodes/{node}/gpus/{index}/clear", responses=problems(404, 409))
+    async def clear_gpu(node: str, index: Annotated[int, PathParam(ge=0, lt=s.MAX_GPUS)],
+                        request: Request, response: Response) -> dict[str, Any]:
+        """Clears the fault a GPU reports: placement uses it again until its
+        agent reports another (docs/architecture.md, "GPUs that fall sick")."""
+        def edit(conf: s.NodeConf) -> s.NodeConf:
+            try:
+                return gpuhealth.cleared(conf, state.mirror.nodes().get(node), node, index)
+            except gpuhealth.NoSuchGpu as exc:
+                raise Problem(404, "No such GPU", str(exc)) from None
+
+        return await change(node, edit, request, response)
 
     # --- quotas ------------------------------------------------------------------
 

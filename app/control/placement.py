@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.control import agentversion, fleet
+from app.control import agentversion, fleet, gpuhealth
 from app.control import state as s
 
 
@@ -260,9 +260,13 @@ class Placer:
             if not node.cpu_only:
                 return "llamacpp replicas go to CPU nodes"
             return [], 0
-        idle = fleet.free_gpus(node, self._used.get(node.name, set()))
+        # A sick GPU is out until an admin clears it (gpuhealth.py).
+        sick = gpuhealth.sick_gpus(node, conf)
+        idle = fleet.free_gpus(node, self._used.get(node.name, set()) | sick.keys())
         if len(idle) < prof.gpu_count:
-            return f"needs {prof.gpu_count} free GPUs, has {len(idle)} of {len(node.gpus)}"
+            out = "".join(f"; GPU {i} unhealthy" for i in sorted(sick))
+            return (f"needs {prof.gpu_count} free GPUs, has {len(idle)} of "
+                    f"{len(node.gpus)}{out}")
         # Memory as discovered, not only the count; unknown memory (None)
         # is not refused (fleet.gpu_free_mib).
         roomy = {i: m for i, m in idle.items()

@@ -16,6 +16,7 @@ from typing import Any
 
 from app.control import state as s
 from app.control.agentversion import Window
+from app.control.gpuhealth import on_sick_gpu, sick_by_node
 from app.control.placement import Placer
 from app.control.plan_phases import (
     Plan,
@@ -125,8 +126,9 @@ def plan(
     request (docs/architecture.md, Security: Rotating the shared secret).
 
     `nodeconfs` and `quotas` go to place() (cordons, pools, quota scopes).
-    A replica on a node being drained rolls like one of a changed spec: its
-    replacement goes elsewhere first. Models are served by priority (their
+    A replica on a node being drained, or on a GPU its agent reports sick
+    and no admin has cleared (gpuhealth.py), rolls like one of a changed
+    spec: its replacement goes elsewhere first. Models are served by priority (their
     first profile's), highest first: one whose minimum finds no room may
     displace replicas of lower-priority models above their own minimum
     (placement.displace()); those drain, and the room is taken once they stop.
@@ -141,6 +143,7 @@ def plan(
     live = swept.live
     ready = ready_replicas(live, nodes, statuses or {})
     out.drain += orphans(live, models)
+    sick = sick_by_node(nodes, confs)
 
     # Indexes built once, not per model (docs/architecture.md, Scale): the
     # replicas by model (a model's own are added to `live` only while it is
@@ -153,9 +156,12 @@ def plan(
         want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
         mine = sort_out(spec, by_model.get(name, []), live, ready=ready, loads=loads or {},
                         nodeconfs=confs, failed=failed, secret_id=secret_id,
-                        unrecorded_secret_id=unrecorded_secret_id)
+                        unrecorded_secret_id=unrecorded_secret_id, sick=sick)
         kept = trim(mine, want, ready)
         out.drain += kept.drain
+        for rid in mine.stale:
+            if rid not in kept.keep and (why := on_sick_gpu(live[rid], sick)):
+                out.drain_reasons[rid] = why
         place_missing(out, fleet, name, spec, want, kept, mine.avoid, ready,
                       new_suffix=new_suffix, secret_id=secret_id)
     return out

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from app.control import state as s
+from app.control.gpuhealth import on_sick_gpu
 
 
 @dataclass
@@ -144,7 +145,8 @@ class Mine:
 def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Replica], *,
              ready: Collection[str], loads: Mapping[str, float],
              nodeconfs: Mapping[str, s.NodeConf], failed: Collection[str],
-             secret_id: str, unrecorded_secret_id: str) -> Mine:
+             secret_id: str, unrecorded_secret_id: str,
+             sick: Mapping[str, Mapping[int, str]] | None = None) -> Mine:
     """The model's replicas (`ids`) sorted out, those draining left out. A
     replica `loads` leaves out counts as the busiest: unknown is never idle."""
     mine = [rid for rid in ids if live[rid].draining_since is None]
@@ -153,8 +155,12 @@ def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Rep
     by_use = sorted(mine, key=lambda rid: (rid not in ready, -loads.get(rid, math.inf), rid))
 
     def moving(rid: str) -> bool:
+        # On a drained node, or on a GPU fallen sick (gpuhealth.py; `sick`:
+        # node -> its sick GPUs): its replacement goes elsewhere first, as
+        # for a changed spec.
         conf = nodeconfs.get(live[rid].node)
-        return conf is not None and conf.draining
+        return (conf is not None and conf.draining) or bool(
+            sick and on_sick_gpu(live[rid], sick))
 
     current = [rid for rid in by_use
                if _matches(spec, live[rid], secret_id, unrecorded_secret_id)

@@ -159,6 +159,18 @@ class NodeConf(_Stored):
     vllm_version: str = Field(
         default="", max_length=64,
         description="the vLLM version that build installs; empty: LLMGW_VLLM_VERSION")
+    # GPU index -> the fault an admin cleared (app/control/gpuhealth.py): the
+    # GPU is placed on again until its agent reports another fault.
+    gpu_cleared: dict[int, str] = Field(
+        default_factory=dict, max_length=MAX_GPUS,
+        description="per GPU index, the unhealthy reason an admin cleared")
+
+    @field_validator("gpu_cleared")
+    @classmethod
+    def _gpu_cleared(cls, v: dict[int, str]) -> dict[int, str]:
+        if any(len(r) > MAX_TEXT for r in v.values()):
+            raise ValueError(f"a cleared reason is longer than {MAX_TEXT} characters")
+        return v
 
     @field_validator("pool")
     @classmethod

@@ -42,6 +42,10 @@ def _gpus(node: dict[str, Any]) -> str:
     total = sum(g.get("memory_mib") or 0 for g in gpus)
     if total and all(f is not None for f in free):
         text += f" ({_gib(sum(f for f in free if f is not None))} of {_gib(total)} free)"
+    # Kept out of placement until `llmgw ctl node gpu-clear NODE INDEX`.
+    for g in gpus:
+        if g.get("unhealthy"):
+            text += f"; GPU {g.get('index')} UNHEALTHY: {g.get('health_reason') or '?'}"
     return text
 
 

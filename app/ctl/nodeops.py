@@ -17,7 +17,7 @@ from app.ctl.common import DEFAULT_GATEWAY, AsJson, Gateway, console, out, reque
 from app.wire.names import check_labels, check_name
 
 node_app = sub_app("A node's placement: cordon, uncordon, drain; its pool and labels "
-                   "(conf).")
+                   "(conf); clear a GPU's fault (gpu-clear).")
 quota_app = sub_app("Capacity quotas: the most GPUs the models naming a scope hold.")
 
 NodeName = Annotated[str, typer.Argument(help="node name (from `llmgw ctl nodes`)")]
@@ -81,6 +81,21 @@ def uncordon(node: NodeName, gateway: Gateway = DEFAULT_GATEWAY,
 def drain(node: NodeName, gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
     """Cordon NODE and move its replicas to other nodes (uncordon ends it)."""
     _act(node, "drain", gateway, as_json)
+
+
+@node_app.command("gpu-clear")
+def gpu_clear(node: NodeName,
+              index: Annotated[int, typer.Argument(min=0, help="the GPU's index on NODE")],
+              gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
+    """Clear the fault GPU INDEX of NODE reports: replicas are placed on it
+    again until it reports another."""
+    data = request(gateway, "POST", _node_path(node, f"/gpus/{index}/clear"))
+    if as_json:
+        out(data, True)
+        return
+    reason = (data.get("gpu_cleared") or {}).get(str(index))
+    said = f"fault cleared ({reason})" if reason else "healthy, nothing to clear"
+    sys.stdout.write(f"node {node}: GPU {index} {said}; placement may use it\n")
 
 
 def _label_pairs(pairs: list[str]) -> dict[str, str]:

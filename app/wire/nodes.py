@@ -68,6 +68,12 @@ class GpuInfo(Body):
     # GPUs, MIG mode). Refreshed now and then, not per heartbeat.
     memory_free_mib: int | None = None
     utilization: int | None = None  # percent
+    # Its agent's health watch (app/agent/gpuhealth.py): "unhealthy" with
+    # its latest fault; older agents send neither and read as "ok". The
+    # gateways keep an unhealthy GPU out until an admin clears that reason
+    # (docs/architecture.md, "GPUs that fall sick").
+    health: Literal["ok", "unhealthy"] = "ok"
+    health_reason: str = Field(default="", max_length=MAX_TEXT)
 
 
 class NodeInfo(Body):

@@ -95,6 +95,15 @@ function nodeAct(act, name) {
     () => send("POST", node(name, "/" + act)), verb);
 }
 
+// A GPU its agent found sick (docs/architecture.md, "GPUs that fall sick").
+function gpuClearAct(name, gpu) {
+  const n = view.nodes.find((x) => x.name === name) || {};
+  const g = (n.gpus || []).find((x) => String(x.index) === gpu) || {};
+  ask("Clear GPU " + gpu + " of node " + name + "?", "Its fault: " + (g.health_reason || "?") +
+    ". Replicas are placed on it again until it reports another fault; clearing does not " +
+    "reset the GPU.", null, () => send("POST", node(name, "/gpus/" + gpu + "/clear")), "Clear");
+}
+
 function buildAct(name) {
   const n = view.nodes.find((x) => x.name === name) || {};
   const conf = n.conf || {};
@@ -164,6 +173,7 @@ document.addEventListener("DOMContentLoaded", () => {
     const d = b.dataset;
     if (d.act in NODE_ACTS) nodeAct(d.act, d.node);
     else if (d.act === "build") buildAct(d.node);
+    else if (d.act === "gpuclear") gpuClearAct(d.node, d.gpu);
     else if (d.act === "range") rangeAct(d.model);
     else if (d.act === "revoke") revokeAct(d.key, d.name);
   });

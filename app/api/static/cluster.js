@@ -76,8 +76,9 @@ function gpuGrid(node, byId) {
   const grid = el("span", null, "grid");
   for (const g of node.gpus) {
     const rep = g.replica ? byId[g.replica] : null;
-    const cell = el("span", g.index, "cell" + (g.replica ? " held" : " free"));
-    cell.title = "GPU " + g.index + ": " + (g.replica ? g.replica + (rep ? " (" + rep.model + ")" : "") : "free");
+    const cell = el("span", g.index, "cell" + (g.replica ? " held" : " free") + (g.unhealthy ? " sick" : ""));
+    cell.title = "GPU " + g.index + ": " + (g.replica ? g.replica + (rep ? " (" + rep.model + ")" : "") : "free") +
+      (g.unhealthy ? "; unhealthy: " + g.health_reason : "");
     if (g.replica) cell.style.backgroundColor = colour(rep ? rep.model : g.replica, g.replica);
     grid.appendChild(cell);
   }
@@ -91,11 +92,16 @@ function gpus(node, byId) {
     return td;
   }
   td.appendChild(gpuGrid(node, byId));
-  td.appendChild(el("span", (node.gpus_free ?? "?") + " free, " + (node.gpus_used ?? "?") + " used", "count"));
+  td.appendChild(el("span", (node.gpus_free ?? "?") + " free, " + (node.gpus_used ?? "?") + " used" +
+    (node.gpus_unhealthy ? ", " + node.gpus_unhealthy + " unhealthy" : ""), "count"));
   for (const g of node.gpus) {
-    const line = el("div", null, "gpu");
+    // A GPU its agent reports sick, not cleared by an admin: out of
+    // placement until `llmgw ctl node gpu-clear` (docs/architecture.md).
+    const line = el("div", null, "gpu" + (g.unhealthy ? " sick" : ""));
+    if (g.unhealthy) line.title = "unhealthy: " + g.health_reason;
     line.appendChild(el("span", g.index + ": " + (g.name || "GPU"), "gname"));
-    line.appendChild(el("span", g.replica ? g.replica : "free", g.replica ? "holder" : "holder free"));
+    const holder = g.replica ? g.replica : (g.unhealthy ? "unhealthy" : "free");
+    line.appendChild(el("span", holder, g.replica ? "holder" : g.unhealthy ? "holder sick" : "holder free"));
     if (g.memory_mib && known(g.memory_free_mib)) {
       const used = g.memory_mib - g.memory_free_mib;
       line.appendChild(bar(used / g.memory_mib, gib(used) + " used, " + gib(g.memory_free_mib) + " free", "mem"));
@@ -144,6 +150,9 @@ function nodeActions(n) {
   else td.appendChild(button("Cordon", "cordon", node));
   if (!conf.draining) td.appendChild(button("Drain", "drain", node));
   td.appendChild(button("Engine build…", "build", node));
+  for (const g of n.gpus || []) {
+    if (g.unhealthy) td.appendChild(button("Clear GPU " + g.index, "gpuclear", { node: n.name, gpu: g.index }));
+  }
   return td;
 }
 
@@ -223,6 +232,9 @@ function legend(replicas) {
   const free = el("span", null, "item");
   free.append(el("span", null, "swatch free"), document.createTextNode("free"));
   items.push(free);
+  const sick = el("span", null, "item");
+  sick.append(el("span", null, "swatch free sick"), document.createTextNode("unhealthy"));
+  items.push(sick);
   for (const model of [...new Set(replicas.map((r) => r.model))].sort()) {
     const item = el("span", null, "item");
     const sw = el("span", null, "swatch");
