@@ -135,9 +135,12 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
         outcomes: list[bool] = []
         real_txn = gb.store.txn
 
-        async def txn(*args: Any, **kw: Any) -> TxnResult:
-            res: TxnResult = await real_txn(*args, **kw)
-            outcomes.append(res.succeeded)
+        async def txn(compares: Any, success: Any, *args: Any, **kw: Any) -> TxnResult:
+            res: TxnResult = await real_txn(compares, success, *args, **kw)
+            # This write's outcomes only: b's own loops (its election, key
+            # shares, usage) write through the same store.
+            if any(op.key == s.NODECONF + "h1" for op in success):
+                outcomes.append(res.succeeded)
             return res
 
         gb.store.txn = txn
@@ -153,6 +156,40 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
             "cordoned": True, "draining": False, "pool": "research", "labels": {},
             "engine_build": "auto",
                             "vllm_version": "", "gpu_cleared": {}}
+
+
+async def test_a_write_whose_mirror_does_not_catch_up_is_decided_on_the_store_s_read(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Gateway b's mirror stays behind (its watch stopped, as a slow resync
+    under load leaves it for seconds): after its first write is refused, the
+    second is decided on what the store answered, not on the stale mirror
+    again. Before the fix every try was decided on the mirror's stale conf
+    and refused, and the admin got 409 'kept changing' (outcomes [False,
+    False, False])."""
+    async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, ca), (b, cb)]:
+        ga, gb = a.state.gateway, b.state.gateway
+        await _add_node(ga, "h1")
+        await until(lambda: "h1" in gb.mirror.nodes(), "h1 on gateway b")
+        await gb.mirror.stop()
+        assert (await ca.post("/admin/nodes/h1/cordon")).status_code == 200
+        outcomes: list[bool] = []
+        real_txn = gb.store.txn
+
+        async def txn(compares: Any, success: Any, *args: Any, **kw: Any) -> TxnResult:
+            res: TxnResult = await real_txn(compares, success, *args, **kw)
+            # This write's outcomes only: b's own loops (its election, key
+            # shares, usage) write through the same store.
+            if any(op.key == s.NODECONF + "h1" for op in success):
+                outcomes.append(res.succeeded)
+            return res
+
+        gb.store.txn = txn
+        r = await cb.put("/admin/nodes/h1/conf", json={"pool": "research"})
+        assert r.status_code == 200, r.text
+        assert outcomes == [False, True]
+        stored = await _stored(ga, s.NODECONF + "h1")
+        assert stored["cordoned"] is True and stored["pool"] == "research", stored
 
 
 async def test_clearing_a_sick_gpu_puts_it_back_into_placement(

@@ -20,7 +20,7 @@ from app.control import state as s
 from app.control.ops.base import SETTLE, State
 from app.control.ops.conditions import Deadline, Precondition
 from app.control.ops.refusals import Busy, NotFound
-from app.store.base import Compare, Delete, Put, StoreUnavailable
+from app.store.base import Compare, Delete, KeyValue, Put, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +96,16 @@ class FleetOps:
         accept. A race lost to another gateway waits for the winner's write
         and decides again."""
         store, mirror = self._state.store, self._state.mirror
+        # What the next decision reads when the mirror has not caught up with
+        # the store (a slow resync): the store's own answer, so that a lagging
+        # mirror costs one refused write, not every try.
+        read: KeyValue | None = None
+        behind = False
         if pre.given:  # an ETag read elsewhere is compared with the store's
-            latest = await store.get(key)
-            if latest is not None:
-                await mirror.wait_for(latest.mod_revision, SETTLE)
+            read = await store.get(key)
+            behind = read is not None and not await mirror.wait_for(read.mod_revision, SETTLE)
         for _ in range(_TRIES):
-            kv = mirror.get(key)
+            kv = read if behind else mirror.get(key)
             pre.check(kv, key)
             new = decide(kv.value if kv is not None else None)
             if new == (kv.value if kv is not None else None):
@@ -113,7 +117,7 @@ class FleetOps:
             if res.succeeded:
                 await mirror.wait_for(res.revision, SETTLE)
                 return
-            latest = await store.get(key)
-            await mirror.wait_for(latest.mod_revision if latest is not None else res.revision,
-                                  SETTLE)
+            read = await store.get(key)
+            behind = not await mirror.wait_for(
+                read.mod_revision if read is not None else res.revision, SETTLE)
         raise Busy("record", f"{key} kept changing under this request; retry")
