@@ -75,6 +75,10 @@ class UsageSource(Protocol):
         """The same polls' waiting requests and KV-cache use, per replica."""
         ...
 
+    def adapter_inflight(self) -> Mapping[str, int]:
+        """Requests this gateway has in flight per LoRA adapter."""
+        ...
+
 
 def drain_inflight(
     draining: Mapping[str, int],
@@ -208,7 +212,9 @@ class UsagePublisher:
         return (s.Usage(gateway=self._gateway_id, revision=revision, inflight=inflight,
                         last_used=used, held=held, updated=now, loads=loads,
                         waiting={rid: q.waiting for rid, q in queues.items()},
-                        kv_cache={rid: q.kv for rid, q in queues.items()}), let_go)
+                        kv_cache={rid: q.kv for rid, q in queues.items()},
+                        adapters={a: n for a, n in self._source.adapter_inflight().items()
+                                  if n > 0 and a in models}), let_go)
 
     def _due(self, usage: s.Usage, let_go: frozenset[str], lease: int) -> bool:
         old = self.written
