@@ -238,6 +238,11 @@ def _adapter_endpoints(models: Mapping[str, s.StoredModel], sets: Mapping[str, s
             # The leader loads it on a ready replica of the base within a pass.
             coming.add(name)
             why[name] = [f"adapter '{name}' is being loaded on a replica of '{base}'"]
+        elif base in models and base not in why and _starts_on_use(models[base]):
+            # Its base stopped while idle: a held request for the adapter is
+            # a use of the base (app/control/usage.py), which starts it.
+            coming.add(name)
+            why[name] = [f"its base '{base}' is started on demand"]
         else:
             why[name] = [f"no replica of its base '{base}' is ready"
                          + (": " + "; ".join(why[base]) if why.get(base) else "")]

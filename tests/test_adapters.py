@@ -17,12 +17,14 @@ from app.control.keys import SecretRing
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.plan_phases import _matches
+from app.control.usage import UsagePublisher
 from app.publish import Publisher
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from app.wire.adapters import engine_flags, max_loras
 from app.wire.catalog import check_catalog, check_spec
 from app.wire.spec import ModelSpec, Profile
+from tests.test_usage import Source
 
 SECRET = "adapters-test-secret-0123456789"
 ROOTS = ["/models"]
@@ -306,3 +308,24 @@ async def test_requests_for_an_adapter_stay_in_its_subset_with_prompt_affinity(
     # The base's own requests still go to every replica.
     assert len({table.choose("base", set(), affinity=f"c{i}").replica_id  # type: ignore[union-attr]
                 for i in range(60)}) == 4
+
+
+async def test_a_request_for_an_adapter_of_a_stopped_base_is_held_and_starts_the_base(
+    parts: tuple[EmbeddedStore, Mirror, Elector],
+) -> None:
+    store, mirror, _ = parts
+    secrets = SecretRing(SECRET)
+    await put(store, mirror, s.MODELS + "base", s.StoredModel(
+        name="base", model="org/base", replicas={"min": 0, "max": 1}, idle_timeout=60))
+    await put(store, mirror, s.MODELS + "sql", s.StoredModel(name="sql", **{
+        "adapter": {"base": "base", "weights": "/models/sql"}}))
+    table = RouteTable()
+    Publisher(mirror, table, secrets).publish()
+    assert table.holdable("sql") and "started on demand" in (table.unavailable("sql") or "")
+    src = Source()
+    src.held = {"sql": 1}
+    pub = UsagePublisher(store, mirror, src, "gw", lambda: 0, refresh=30, wall=lambda: 500.0)
+    usage, _ = pub.snapshot()
+    assert usage.last_used == {"sql": 500.0, "base": 500.0}
+    src.held, src.used = {}, {"sql": 450.0, "base": 400.0}
+    assert pub.snapshot()[0].last_used == {"sql": 450.0, "base": 450.0}

@@ -201,6 +201,12 @@ class UsagePublisher:
         held = {m: n for m, n in self._source.held_by_model().items() if m in models}
         for m in held:
             used[m] = now
+        # A LoRA adapter's use is its base's: what keeps (or starts) the
+        # replicas it is loaded on (docs/architecture.md, LoRA adapters).
+        for m, at in list(used.items()):
+            adapter = spec.adapter if (spec := models.get(m)) is not None else None
+            if adapter is not None and adapter.base in models:
+                used[adapter.base] = max(used.get(adapter.base, 0.0), at)
         let_go = frozenset(
             rid for rid, r in replicas.items()
             if r.draining_since is not None
