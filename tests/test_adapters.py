@@ -151,8 +151,8 @@ def test_a_replica_gone_leaves_the_subset_and_another_takes_its_place() -> None:
     a = SQL.adapter
     assert a is not None
     rec = s.AdapterSet(name="sql", base="base", replicas=["r1"])
-    rec = decide("sql", a, rec, reps("r2"), 0, 0.0, shrink_after=60)
-    assert rec.replicas == ["r2"]
+    rec = decide("sql", a, rec, reps("r2"), 0, 5.0, shrink_after=60)
+    assert rec.replicas == ["r2"] and rec.unloading == {"r1": 5.0}
 
 
 # --- the leader's step and the router ------------------------------------------

@@ -69,6 +69,11 @@ def decide(name: str, spec: Adapter, rec: s.AdapterSet | None,
     by_id = {r.id: r for r in ready}
     current = [rid for rid in (rec.replicas if rec else []) if rid in by_id]
     unloading = dict(rec.unloading) if rec else {}
+    for rid in rec.replicas if rec else []:
+        if rid not in by_id:
+            # Not ready (or gone): out of the router now; unloaded after the
+            # drain if it comes back, so its slot is not lost.
+            unloading.setdefault(rid, now)
     low_since = rec.low_since if rec else None
     free = [r for r in ready
             if r.id not in current and (r.held < r.slots or r.id in unloading)]
