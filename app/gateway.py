@@ -28,6 +28,7 @@ from app.agent.gpus import declared_hardware, probe
 from app.agent.nodeops import NodeOpsConfig
 from app.control import catalog, storeid
 from app.control import state as s
+from app.control.adapters import AdapterLoop
 from app.control.agentversion import default_window
 from app.control.compaction import Compactor
 from app.control.keyfiles import ProviderKeys, own_files
@@ -129,6 +130,7 @@ class Gateway:
         self.closing = asyncio.Event()
         # The loops that lead, stopped at the start of a stop (`begin_shutdown`).
         self._leading: list[asyncio.Task[Any]] = []
+        self.adapters: AdapterLoop | None = None
         self._stepping_down: asyncio.Task[None] | None = None
 
     # The parts that exist only once started; routes use them per request.
@@ -191,6 +193,9 @@ class Gateway:
                                 default_load_target=st.default_load_target,
                                 saturated_after=st.saturated_after,
                                 agent_window=self.agent_window, secrets=self.secrets)
+        self.adapters = AdapterLoop(self._store, self._mirror, self._elector, self.secrets,
+                                    shrink_after=st.adapter_shrink_after,
+                                    drain=st.drain_seconds)
         elector = self._elector
         usage = UsagePublisher(self._store, self._mirror,
                                RouterUsage(self.table, self.last_use, publisher),
@@ -210,6 +215,7 @@ class Gateway:
             asyncio.create_task(self._every(elector.campaign, "campaign"),
                                 name="election-campaign"),
             asyncio.create_task(reconciler.run(), name="reconciler"),
+            asyncio.create_task(self.adapters.run(st.reconcile_interval), name="adapters"),
         ] if self._campaign else []
         self._tasks += [
             *self._leading,
@@ -346,6 +352,8 @@ class Gateway:
             await self.agent.shutdown()
         if self._elector is not None:
             await self._elector.resign()
+        if self.adapters is not None:
+            await self.adapters.close()
         if self._mirror is not None:
             await self._mirror.stop()
         await self.proxy.stop()

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from app.api.agent import check_engine_url
 from app.control import state as s
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 # Keys whose change can alter what the router serves.
 # The gateway count too: a limiter's equal shares before its claims loop runs.
-_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS)
+_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAPTERS)
 
 
 class Publisher:
@@ -122,7 +123,8 @@ class Publisher:
         revision = m.revision
         models = m.models()
         catalog = tuple(
-            CatalogEntry(name, tuple(spec.aliases), int(spec.created))
+            CatalogEntry(name, tuple(spec.aliases), int(spec.created),
+                         spec.adapter.base if spec.adapter is not None else "")
             for name, spec in sorted(models.items())
         )
         statuses = m.statuses()
@@ -175,6 +177,7 @@ class Publisher:
             endpoints[name] = [Endpoint(f"external:{name}", ext.url.rstrip("/"), key,
                                         upstream_model=ext.model)]
         self._keys.retain(key_files)
+        _adapter_endpoints(models, m.parsed(s.ADAPTERS, s.AdapterSet), endpoints, why, coming)
         unavailable = {
             name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints
@@ -213,6 +216,36 @@ class Publisher:
         logger.debug("published %d models, %d endpoints",
                      len(catalog), sum(len(v) for v in endpoints.values()))
         return True
+
+
+def _adapter_endpoints(models: Mapping[str, s.StoredModel], sets: Mapping[str, s.AdapterSet],
+                       endpoints: dict[str, list[Endpoint]], why: dict[str, list[str]],
+                       coming: set[str]) -> None:
+    """Each LoRA adapter's endpoints: its base's ready replicas that the
+    leader has loaded it on (`adapters/{name}`), asked for it by name
+    (docs/architecture.md, LoRA adapters)."""
+    for name, spec in sorted(models.items()):
+        if spec.adapter is None:
+            continue
+        base = spec.adapter.base
+        loaded = set(sets[name].replicas) if name in sets else set()
+        eps = [replace(ep, upstream_model=name, adapter=name)
+               for ep in endpoints.get(base, ()) if ep.replica_id in loaded]
+        if eps:
+            endpoints[name] = eps
+            continue
+        if endpoints.get(base) or base in coming:
+            # The leader loads it on a ready replica of the base within a pass.
+            coming.add(name)
+            why[name] = [f"adapter '{name}' is being loaded on a replica of '{base}'"]
+        elif base in models and base not in why and _starts_on_use(models[base]):
+            # Its base stopped while idle: a held request for the adapter is
+            # a use of the base (app/control/usage.py), which starts it.
+            coming.add(name)
+            why[name] = [f"its base '{base}' is started on demand"]
+        else:
+            why[name] = [f"no replica of its base '{base}' is ready"
+                         + (": " + "; ".join(why[base]) if why.get(base) else "")]
 
 
 def _starts_on_use(spec: s.StoredModel) -> bool:
@@ -284,6 +317,9 @@ class RouterUsage:
     def engine_queues(self) -> dict[str, Queue]:
         return {rid: Queue(load.waiting, load.kv_cache)
                 for rid, load in self._table.fresh_loads().items()}
+
+    def adapter_inflight(self) -> dict[str, int]:
+        return self._table.adapter_inflight()
 
 
 class NodeAgents:

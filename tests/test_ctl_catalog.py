@@ -291,3 +291,22 @@ def test_every_write_carries_a_deadline_and_apply_conditions_each_on_what_it_rea
     for headers in writes.values():
         deadline = float(headers["x-request-deadline"])
         assert before + TIMEOUT - 1 < deadline < time.time() + TIMEOUT, headers
+
+
+def test_apply_puts_adapters_after_their_base_and_prunes_them_first(
+    gw: GatewayProc, tmp_path: Path,
+) -> None:
+    start = get(gw, "/admin/catalog")
+    with_adapter: dict[str, Any] = {"models": dict(start["models"]) | {
+        # Sorted by name (as YAML dumps them) the adapter comes first.
+        "a-sql": {"adapter": {"base": "zz-base", "weights": "acme/sql-lora"}},
+        "zz-base": {"model": "acme/base", "gpus": 1, "replicas": {"min": 0, "max": 0}}}}
+    file = tmp_path / "adapters.yaml"
+    file.write_text(yaml.safe_dump(with_adapter))
+    out = ok(gw, "catalog", "apply", str(file))
+    assert out[-2:] == ["model zz-base created", "model a-sql created"], out
+    assert get(gw, "/admin/models/a-sql")["adapter"]["base"] == "zz-base"
+    file.write_text(yaml.safe_dump(start))
+    out = ok(gw, "catalog", "apply", str(file), "--prune")
+    assert out[-2:] == ["model a-sql deleted", "model zz-base deleted"], out
+    assert get(gw, "/admin/catalog") == start

@@ -69,6 +69,7 @@ def environment(tmp: Path) -> dict[str, tuple[str, Any]]:
         "usage_refresh": ("20", 20.0),
         "scale_down_window": ("120", 120.0),
         "default_load_target": ("8", 8),
+        "adapter_shrink_after": ("30", 30.0),
         "saturated_after": ("7", 7.0),
         "node_grace": ("30", 30.0),
         "host": ("127.0.0.2", "127.0.0.2"),

@@ -45,6 +45,9 @@ class Source:
     def engine_queues(self) -> dict[str, Queue]:
         return {}
 
+    def adapter_inflight(self) -> dict[str, int]:
+        return {}
+
 
 async def put(store: EmbeddedStore, mirror: Mirror, key: str, value: s.BaseModel) -> int:
     rev = await store.put(key, value.model_dump_json().encode())

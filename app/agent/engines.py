@@ -116,6 +116,11 @@ def environment(spec: EngineSpec) -> dict[str, str]:
     if spec.engine == "vllm":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
         env["VLLM_API_KEY"] = spec.key
+        if "--enable-lora" in spec.engine_args:
+            # The leader loads adapters at run time (/v1/load_lora_adapter),
+            # which vLLM serves only with this set (docs/architecture.md,
+            # LoRA adapters).
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # The guard middleware's folder, first: it holds nothing but that module.
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ENGINE_SITE), env.get("PYTHONPATH", "")) if p)

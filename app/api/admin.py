@@ -87,10 +87,21 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
             # Withheld by this gateway's router (its key file): say why.
             health = fleet.Health("unplaceable", gw.table.unavailable(model.name)
                                   or "not published yet")
+        extra: dict[str, Any] = {}
+        if model.adapter is not None:
+            # Where the leader loaded it (docs/architecture.md, LoRA adapters).
+            rec = gw.mirror.parsed(s.ADAPTERS, s.AdapterSet).get(model.name)
+            loaded = list(rec.replicas) if rec is not None else []
+            extra = {"loaded_on": loaded,
+                     "unloading": sorted(rec.unloading) if rec is not None else []}
+            health = (fleet.Health("ok", f"loaded on {len(loaded)} replica(s) of "
+                                         f"{model.adapter.base}") if loaded else
+                      fleet.Health("degraded", gw.table.unavailable(model.name)
+                                   or "not loaded yet"))
         return stored_view(model) | {"status": {
             "wanted": wanted, "replicas": len(mine), "ready": ready,
             "failed": failed, "unplaced": str(nofit) if nofit is not None else None,
-            "health": health.as_dict()}}
+            "health": health.as_dict(), **extra}}
 
     def stored_view(model: s.StoredModel) -> dict[str, Any]:
         """The spec as given (fields left out stay out), its name and creation."""

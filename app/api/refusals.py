@@ -19,6 +19,11 @@ def as_problem(refusal: r.Refusal) -> Problem:
             return Problem(404, f"No such {refusal.what}", refusal.detail)
         case r.Taken():
             return Problem(409, "Name already in use", refusal.detail)
+        case r.Invalid():
+            return Problem(422, "Invalid request body", refusal.detail, errors=[
+                {"loc": ["body", *refusal.loc], "msg": refusal.detail, "type": "value_error"}])
+        case r.InUse():
+            return Problem(409, "Model in use", refusal.detail)
         case r.Busy():
             return Problem(409, _BUSY[refusal.what], refusal.detail)
         case r.PreconditionFailed():

@@ -29,6 +29,7 @@ from app.control.plan_phases import (
     trim,
 )
 from app.control.plan_place import Fleet, place_missing
+from app.wire.adapters import lora_bases
 
 __all__ = ["Plan", "plan", "wanted"]
 
@@ -152,11 +153,13 @@ def plan(
     by_model = replicas_by_model(live)
     fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now)
 
+    bases = lora_bases(models)
     for name, spec in placing_order(models):
         want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
         mine = sort_out(spec, by_model.get(name, []), live, ready=ready, loads=loads or {},
                         nodeconfs=confs, failed=failed, secret_id=secret_id,
-                        unrecorded_secret_id=unrecorded_secret_id, sick=sick)
+                        unrecorded_secret_id=unrecorded_secret_id, sick=sick,
+                        lora=name in bases)
         kept = trim(mine, want, ready)
         out.drain += kept.drain
         for rid in mine.stale:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from app.control import state as s
 from app.control.gpuhealth import on_sick_gpu
+from app.wire.adapters import engine_flags
 
 
 @dataclass
@@ -112,7 +113,8 @@ def placing_order(models: Mapping[str, s.StoredModel]) -> list[tuple[str, s.Stor
 # --- 4. a model's own replicas: which still run its spec ---------------------------
 
 
-def _matches(spec: s.StoredModel, r: s.Replica, secret_id: str, unrecorded: str) -> bool:
+def _matches(spec: s.StoredModel, r: s.Replica, secret_id: str, unrecorded: str,
+             lora: bool = False) -> bool:
     """Whether replica `r` still runs what the spec asks for: the engine,
     GPUs and flags of the profile it was placed with (by name; a replica of
     an unnamed or renamed profile is held to the first, so renaming the only
@@ -124,7 +126,7 @@ def _matches(spec: s.StoredModel, r: s.Replica, secret_id: str, unrecorded: str)
         return False
     prof = next((p for p in profiles if p.name == r.profile), profiles[0])
     return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
-        spec.model, spec.revision, prof.engine, prof.gpu_count, prof.engine_flags)
+        spec.model, spec.revision, prof.engine, prof.gpu_count, engine_flags(prof, lora))
 
 
 @dataclass
@@ -146,7 +148,7 @@ def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Rep
              ready: Collection[str], loads: Mapping[str, float],
              nodeconfs: Mapping[str, s.NodeConf], failed: Collection[str],
              secret_id: str, unrecorded_secret_id: str,
-             sick: Mapping[str, Mapping[int, str]] | None = None) -> Mine:
+             sick: Mapping[str, Mapping[int, str]] | None = None, lora: bool = False) -> Mine:
     """The model's replicas (`ids`) sorted out, those draining left out. A
     replica `loads` leaves out counts as the busiest: unknown is never idle."""
     mine = [rid for rid in ids if live[rid].draining_since is None]
@@ -163,7 +165,7 @@ def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Rep
             sick and on_sick_gpu(live[rid], sick))
 
     current = [rid for rid in by_use
-               if _matches(spec, live[rid], secret_id, unrecorded_secret_id)
+               if _matches(spec, live[rid], secret_id, unrecorded_secret_id, lora)
                and not moving(rid)
                and rid not in failed]
     return Mine(current=current, stale=[rid for rid in by_use if rid not in current],

@@ -18,6 +18,7 @@ from app.control import state as s
 from app.control.displace import displace
 from app.control.placement import Fit, NoFit, Placer, place
 from app.control.plan_phases import Plan, Trimmed
+from app.wire.adapters import adapters_of, engine_flags
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -72,7 +73,8 @@ def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want:
             id=replica_id(name, new_suffix()), model=name, node=fit.node,
             gpus=fit.gpus, engine=prof.engine, weights=weights,
             weights_revision=spec.revision, profile=prof.name,
-            engine_args=prof.engine_flags, secret=secret_id,
+            engine_args=engine_flags(prof, bool(adapters_of(name, fleet.models))),
+            secret=secret_id,
         )
         live[rep.id] = rep
         fleet.placer.add(rep)

@@ -82,8 +82,12 @@ KEY_SHARES = "keyshares/"
 # from one node's agent to another's, written by the gateway that ran the test
 # (app/api/fabric.py), kept for placing multi-node replicas.
 FABRIC = "fabric/"
+# Where each LoRA adapter is loaded, `adapters/{name}` (app/control/adapters.py;
+# docs/architecture.md, LoRA adapters), written by the leader.
+ADAPTERS = "adapters/"
 
 __all__ = [
+    "ADAPTERS",
     "CATALOG_SERIAL",
     "DEFAULT_VLLM_VERSION",
     "FABRIC",
@@ -105,6 +109,7 @@ __all__ = [
     "STORE_ID",
     "USAGE",
     "VLLM_VERSION",
+    "AdapterSet",
     "ClientKey",
     "Engine",
     "EngineArg",
@@ -186,6 +191,20 @@ class NodeConf(_Stored):
     @classmethod
     def _vllm_version(cls, v: str) -> str:
         return check_vllm_version(v) if v else v
+
+
+class AdapterSet(_Stored):
+    """`adapters/{name}`: the base replicas a LoRA adapter is loaded on and
+    routed to (`replicas`), those taken out of it and unloaded once their
+    requests had time to end (`unloading`: replica -> unix time taken out),
+    and since when its load has been below the size it has (`low_since`)."""
+
+    name: str
+    base: str
+    replicas: list[str] = Field(default_factory=list)
+    unloading: dict[str, float] = Field(default_factory=dict)
+    low_since: float | None = None
+    updated: float = 0.0
 
 
 class Quota(_Stored):
@@ -322,6 +341,9 @@ class Usage(_Stored):
     # them says nothing of its replicas' queues.
     waiting: dict[str, float] = Field(default_factory=dict)
     kv_cache: dict[str, float] = Field(default_factory=dict)
+    # Requests in flight on this gateway per LoRA adapter (only those above 0):
+    # what sizes its set of replicas (app/control/adapters.py).
+    adapters: dict[str, int] = Field(default_factory=dict)
 
 
 class FabricResult(_Stored):

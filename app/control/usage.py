@@ -75,6 +75,10 @@ class UsageSource(Protocol):
         """The same polls' waiting requests and KV-cache use, per replica."""
         ...
 
+    def adapter_inflight(self) -> Mapping[str, int]:
+        """Requests this gateway has in flight per LoRA adapter."""
+        ...
+
 
 def drain_inflight(
     draining: Mapping[str, int],
@@ -197,6 +201,12 @@ class UsagePublisher:
         held = {m: n for m, n in self._source.held_by_model().items() if m in models}
         for m in held:
             used[m] = now
+        # A LoRA adapter's use is its base's: what keeps (or starts) the
+        # replicas it is loaded on (docs/architecture.md, LoRA adapters).
+        for m, at in list(used.items()):
+            adapter = spec.adapter if (spec := models.get(m)) is not None else None
+            if adapter is not None and adapter.base in models:
+                used[adapter.base] = max(used.get(adapter.base, 0.0), at)
         let_go = frozenset(
             rid for rid, r in replicas.items()
             if r.draining_since is not None
@@ -208,7 +218,9 @@ class UsagePublisher:
         return (s.Usage(gateway=self._gateway_id, revision=revision, inflight=inflight,
                         last_used=used, held=held, updated=now, loads=loads,
                         waiting={rid: q.waiting for rid, q in queues.items()},
-                        kv_cache={rid: q.kv for rid, q in queues.items()}), let_go)
+                        kv_cache={rid: q.kv for rid, q in queues.items()},
+                        adapters={a: n for a, n in self._source.adapter_inflight().items()
+                                  if n > 0 and a in models}), let_go)
 
     def _due(self, usage: s.Usage, let_go: frozenset[str], lease: int) -> bool:
         old = self.written

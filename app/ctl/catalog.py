@@ -208,7 +208,10 @@ def apply(
         sys.stdout.write(f"{where}: {len(specs)} models, valid (dry run: nothing changed)\n")
         return
     current = current_catalog(gateway)
-    for name, spec in specs.items():
+    # An adapter's base must be in the catalog before it, and may leave it
+    # only after it (docs/architecture.md, LoRA adapters): adapters go last,
+    # and are pruned first.
+    for name, spec in sorted(specs.items(), key=lambda item: item[1].adapter is not None):
         body = spec.spec_dump()
         seen = current.get(name)
         if seen is not None and seen[0] == body:
@@ -224,7 +227,8 @@ def apply(
                                  else {"If-None-Match": "*"}))
             result = "created" if status == 201 else "updated"
         sys.stdout.write(f"model {name} {result}\n")
-    for name in sorted(set(current) - set(specs)):
+    for name in sorted(set(current) - set(specs),
+                       key=lambda n: ("adapter" not in current[n][0], n)):
         if prune:
             send(gateway, "DELETE", model_path(name), about=f"model {name}: ",
                  headers={"If-Match": current[name][1]})

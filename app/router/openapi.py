@@ -54,7 +54,9 @@ _MODEL: dict[str, Any] = {
     "type": "object", "required": ["id", "object", "created", "owned_by"],
     "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                    "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                   "root": {"type": "string", "description": "the catalog name"}},
+                   "root": {"type": "string", "description": "the catalog name"},
+                   "parent": {"type": "string",
+                              "description": "a LoRA adapter's base model (adapters only)"}},
 }
 _LIST: dict[str, Any] = {
     "type": "object", "required": ["object", "data"],

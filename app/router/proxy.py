@@ -315,6 +315,7 @@ class Proxy:
         return [
             {"id": ident, "object": "model", "created": entry.created,
              "owned_by": "llmgw", "root": entry.name}
+            | ({"parent": entry.parent} if entry.parent else {})
             for entry in self._table.catalog() if grant.allows(entry.name)
             for ident in (entry.name, *entry.aliases)
         ]

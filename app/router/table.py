@@ -47,6 +47,10 @@ class Endpoint:
     # provider): llama.cpp's streams carry no usage, so the router counts
     # them (app/router/counting.py).
     engine: str = ""
+    # A LoRA adapter's name, on an endpoint that serves it from its base's
+    # replica (upstream_model is that name too): its requests in flight are
+    # counted apart, what sizes its set of replicas.
+    adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ class CatalogEntry:
     name: str
     aliases: tuple[str, ...] = ()
     created: int = 0
+    parent: str = ""  # a LoRA adapter's base model, as vLLM lists it
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,7 @@ class RouteTable:
         self.keys_loaded = False
         self._unavailable: dict[str, str] = {}
         self._inflight: dict[str, int] = {}
+        self._adapter_inflight: dict[str, int] = {}
         # Other gateways' requests in flight per replica, from their usage
         # snapshots (a few seconds old): a serial engine's queue is ours plus these.
         self._peer_inflight: dict[str, int] = {}
@@ -340,7 +346,13 @@ class RouteTable:
     def acquire(self, ep: Endpoint) -> Lease:
         """Counts one request in flight on `ep` until the lease is released."""
         self._inflight[ep.replica_id] = self._inflight.get(ep.replica_id, 0) + 1
+        if ep.adapter:
+            self._adapter_inflight[ep.adapter] = self._adapter_inflight.get(ep.adapter, 0) + 1
         return Lease(self, ep)
+
+    def adapter_inflight(self) -> dict[str, int]:
+        """Requests in flight here per LoRA adapter."""
+        return dict(self._adapter_inflight)
 
     def _release(self, ep: Endpoint) -> None:
         left = self._inflight.get(ep.replica_id, 0) - 1
@@ -348,6 +360,12 @@ class RouteTable:
             self._inflight[ep.replica_id] = left
         else:
             self._inflight.pop(ep.replica_id, None)
+        if ep.adapter:
+            n = self._adapter_inflight.get(ep.adapter, 0) - 1
+            if n > 0:
+                self._adapter_inflight[ep.adapter] = n
+            else:
+                self._adapter_inflight.pop(ep.adapter, None)
 
 
 def _candidate(e: Endpoint) -> choice.Candidate:

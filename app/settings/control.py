@@ -64,6 +64,12 @@ class ControlSettings(Group):
     # measured on a real engine; set `load_target` per model from its own
     # latency under load.
     default_load_target: int = Field(16, ge=1, le=10000)
+    # Seconds a LoRA adapter's requests must stay below what one replica
+    # fewer would serve before the leader takes it off one replica (and as
+    # long again before the next); it is unloaded drain_seconds after, once
+    # its streams there are over. Shorter frees adapter slots sooner and
+    # reloads adapters (seconds each) when load comes back.
+    adapter_shrink_after: float = Field(60.0, gt=0)
     # Seconds an engine's queue must stay non-empty (or its KV cache full)
     # before the leader adds replicas for it whatever the load target. The
     # second replica comes this much (plus a poll, a snapshot and a pass:

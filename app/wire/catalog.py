@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from app.wire.adapters import adapter_problem
 from app.wire.names import Engine, check_name
 from app.wire.spec import ModelSpec, Profile, engine_arg_name
 
@@ -178,6 +179,19 @@ def check_spec(spec: ModelSpec, model_roots: Sequence[str],
     checked where it is read); None: not checked (`llmgw ctl`, which does
     not know the gateways' setting)."""
     out: list[FieldError] = []
+    if spec.adapter is not None:
+        a = spec.adapter
+        if spec.external is not None:
+            out.append(FieldError(("external",), "an adapter is not external"))
+        for f in _NOT_EXTERNAL:
+            if getattr(spec, f) is not None:
+                out.append(FieldError((f,), "an adapter runs on its base model's replicas: "
+                                            f"it takes no {f} (weights go in adapter.weights)"))
+        if a.weights.startswith("/"):
+            if not under_roots(a.weights, model_roots):
+                out.append(FieldError(("adapter", "weights"), (
+                    f"{a.weights!r} is not under a model root ({', '.join(model_roots)})")))
+        return out
     if spec.external is not None:
         try:
             check_external_url(spec.external.url)
@@ -239,6 +253,10 @@ def check_catalog(models: Mapping[str, ModelSpec], model_roots: Sequence[str],
             out.append(FieldError(("models", name), str(exc)))
         out += [FieldError(("models", name, *e.loc), e.msg)
                 for e in check_spec(models[name], model_roots, key_dir)]
+    for name in sorted(models):
+        why = adapter_problem(models[name], models)
+        if why is not None:
+            out.append(FieldError(("models", name, "adapter", "base"), why))
     taken = {n: n for n in models}
     for name in sorted(models):
         for i, alias in enumerate(models[name].aliases):

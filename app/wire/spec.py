@@ -170,6 +170,38 @@ class External(BaseModel):
         return v
 
 
+class Adapter(BaseModel):
+    """A LoRA adapter of a vLLM model in the catalog, loaded at run time on
+    some of the base's replicas (docs/architecture.md, LoRA adapters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: str = Field(..., max_length=128,
+                      description="the catalog model (engine vllm) whose replicas load it")
+    weights: str = Field(
+        ..., min_length=1, max_length=512,
+        description="the adapter's weights: an absolute path under the model roots, on "
+                    "every node of its base, or a hub id (vLLM's lora_path; vLLM's load API "
+                    "takes no revision)")
+    max_replicas: int = Field(
+        default=2, ge=1, le=64,
+        description="most of the base's replicas it is loaded on at once; it starts on one "
+                    "and grows under load")
+    load_target: int = Field(
+        default=4, ge=1, le=10000,
+        description="its requests in flight per replica holding it to grow at")
+
+    @field_validator("base")
+    @classmethod
+    def _base(cls, v: str) -> str:
+        return check_name(v, "base")
+
+    @field_validator("weights")
+    @classmethod
+    def _adapter_weights(cls, v: str) -> str:
+        return check_weights(v)
+
+
 class ModelSpec(BaseModel):
     """What an operator PUTs at /admin/models/{name}.
 
@@ -211,6 +243,9 @@ class ModelSpec(BaseModel):
                     "required when replicas.min is 0 and max is not")
     quota: str | None = Field(default=None, max_length=128, description="capacity-quota scope")
     external: External | None = None
+    adapter: Adapter | None = Field(
+        default=None, description="a LoRA adapter of another catalog model, instead of "
+                                  "weights and profiles of its own")
 
     @field_validator("model")
     @classmethod
@@ -242,7 +277,7 @@ class ModelSpec(BaseModel):
     @property
     def profile_list(self) -> list[Profile]:
         """The profiles, the flat form's implicit one included; none if external."""
-        if self.external is not None:
+        if self.external is not None or self.adapter is not None:
             return []
         if self.profiles is not None:
             return self.profiles
@@ -250,7 +285,7 @@ class ModelSpec(BaseModel):
 
     @property
     def replica_range(self) -> ReplicaRange:
-        if self.external is not None:
+        if self.external is not None or self.adapter is not None:
             return ReplicaRange(min=0, max=0)
         return self.replicas if self.replicas is not None else ReplicaRange()
 

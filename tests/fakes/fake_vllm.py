@@ -425,6 +425,8 @@ class FakeVLLM:
         self.stats = Stats(self.names[0], args.max_num_seqs, args.max_model_len)
         self.slots = asyncio.Semaphore(args.max_num_seqs)
         self.created = int(time.time())
+        # LoRA adapters loaded at run time: lora_name -> lora_path.
+        self.loras: dict[str, str] = {}
 
     # -- app ---------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -454,7 +456,47 @@ class FakeVLLM:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         more_routes(self).add_routes(app)  # responses, rerank, score, audio
+        # vLLM registers these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set.
+        if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"):
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora)
         return app
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter {lora_name, lora_path}."""
+        body = await self._lora_body(request)
+        if body is None or not isinstance(body.get("lora_path"), str):
+            return _error(400, "lora_name and lora_path are required.", "BadRequestError")
+        if not self.args.enable_lora:
+            return _error(400, "LoRA is not enabled: start with --enable-lora.",
+                          "BadRequestError")
+        name = body["lora_name"]
+        if name in self.loras:
+            return _error(400, f"The lora adapter '{name}' has already been loaded.",
+                          "InvalidUserInput")
+        self.loras[name] = body["lora_path"]
+        _log(f"Loaded new LoRA adapter: name '{name}', path '{body['lora_path']}'")
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter {lora_name}."""
+        body = await self._lora_body(request)
+        if body is None:
+            return _error(400, "lora_name is required.", "BadRequestError")
+        name = body["lora_name"]
+        if self.loras.pop(name, None) is None:
+            return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        _log(f"Removed LoRA adapter: name '{name}'")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _lora_body(self, request: web.Request) -> dict[str, Any] | None:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            return None
+        return body
 
     async def auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.api_keys and request.method != "OPTIONS" and request.path.startswith("/v1"):
@@ -502,6 +544,13 @@ class FakeVLLM:
                 }],
             }
             for name in self.names
+        ] + [
+            # vLLM lists each loaded adapter with its path as root and the
+            # base's served name as parent.
+            {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
+             "root": path, "parent": self.names[0], "max_model_len": self.args.max_model_len,
+             "permission": []}
+            for name, path in self.loras.items()
         ]
         return web.json_response({"object": "list", "data": data})
 
@@ -516,7 +565,7 @@ class FakeVLLM:
         if not isinstance(body, dict):
             return None, _error(400, "Request body must be a JSON object.", "BadRequestError")
         model = body.get("model") or self.names[0]
-        if model not in self.names:
+        if model not in self.names and model not in self.loras:
             return None, _error(404, f"The model `{model}` does not exist.", "NotFoundError",
                                 "model")
         body["model"] = model

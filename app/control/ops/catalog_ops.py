@@ -21,8 +21,9 @@ from app.control import catalog
 from app.control import state as s
 from app.control.ops.base import SETTLE, State
 from app.control.ops.conditions import Deadline, Precondition, etag
-from app.control.ops.refusals import Busy, NotFound, Taken
+from app.control.ops.refusals import Busy, InUse, Invalid, NotFound, Taken
 from app.store.base import Compare, Delete, Op, Put
+from app.wire.adapters import adapter_problem, base_problem
 
 _TRIES = 5
 
@@ -55,6 +56,12 @@ class CatalogOps:
                 owner = taken.get(ident)
                 if owner is not None and owner != name:
                     raise Taken(f"{ident!r} already names model {owner!r}")
+            why = adapter_problem(spec, models)
+            if why is not None:
+                raise Invalid(("adapter", "base"), why)
+            why = base_problem(name, spec, models)
+            if why is not None:
+                raise InUse(why)
             existed = name in models
             created = models[name].created if existed else time.time()
             value = catalog.stored_value(name, created, spec)
@@ -72,6 +79,9 @@ class CatalogOps:
             cond.check(self._state.mirror.get(s.MODELS + name), f"model {name!r}")
             if name not in self._state.mirror.models():
                 raise NotFound("model", f"model {name!r} is not in the catalog")
+            why = base_problem(name, None, self._state.mirror.models())
+            if why is not None:
+                raise InUse(why)
             return [Delete(s.MODELS + name)]
 
         await self._write(decide, deadline, cond.given)

@@ -29,6 +29,20 @@ class Taken(Refusal):
     """A name the write would claim is held by another record."""
 
 
+class Invalid(Refusal):
+    """The write breaks a rule only the whole catalog can check (an
+    adapter's base); `loc` names the field in the request body."""
+
+    def __init__(self, loc: tuple[str, ...], detail: str) -> None:
+        super().__init__(detail)
+        self.loc = loc
+
+
+class InUse(Refusal):
+    """Other records depend on the one the write would remove or change
+    (adapters on their base model)."""
+
+
 class Busy(Refusal):
     """The record kept changing under the operation (races lost, each
     decided again on the winner's write); sending it again may succeed."""
