@@ -262,6 +262,11 @@ class Settings(BaseSettings):
     # Requests one gateway holds per starting model; more answer 503 with
     # Retry-After at once. Each held request is one open connection.
     cold_start_max_held: int = Field(64, ge=0)
+    # Spill-over: a request for a model with an overflow (docs/architecture.md,
+    # Catalog) waits this long for a replica on its way, then goes to the
+    # overflow instead. Longer spends less of the keys' external budgets on
+    # cold starts, at that much more latency for the requests that spill.
+    spill_hold: float = Field(10.0, gt=0)
 
     # --- before a client is authenticated (docs/architecture.md, Security) -------
     # The largest body /admin (and any other non-/v1 route) and /agent/v1

@@ -205,6 +205,17 @@ def routes(gw: Gateway) -> APIRouter:
                 if owner is not None and owner != name:
                     raise Problem(409, "Name already in use",
                                   f"{ident!r} already names model {owner!r}")
+            # Spill-over (docs/architecture.md, Catalog): an overflow names an
+            # external model, which stays external while one names it.
+            problem = rules.overflow_problem(name, spec, models)
+            if problem is not None:
+                raise Problem(422, "Invalid request body", f"overflow: {problem}",
+                              errors=[rules.FieldError(("overflow",), problem)
+                                      .as_dict(("body",))])
+            users = rules.overflowing_to(name, models)
+            if spec.external is None and users:
+                raise Problem(409, "Model in use", f"model {name!r} is the overflow of "
+                              f"{', '.join(users)}: it must stay external")
             existed = name in models
             created = models[name].created if existed else time.time()
             value = catalog.stored_value(name, created, spec)
@@ -226,6 +237,10 @@ def routes(gw: Gateway) -> APIRouter:
             cond.check(gw.mirror.get(s.MODELS + name), f"model {name!r}")
             if name not in gw.mirror.models():
                 raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
+            users = rules.overflowing_to(name, gw.mirror.models())
+            if users:
+                raise Problem(409, "Model in use", f"model {name!r} is the overflow of "
+                              f"{', '.join(users)}: change their overflow first")
             return [Delete(s.MODELS + name)]
 
         await write_catalog(decide, request, cond.given)

@@ -38,6 +38,7 @@ from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
+from app.router.spill import Spill
 from app.router.table import KeyGrant, RouteTable
 from app.router.timeouts import Timeouts, Watch
 from app.router.upstream import UpstreamClient
@@ -221,9 +222,12 @@ class Proxy:
                 affinity = affinity_key(
                     body, session or (cache_key if isinstance(cache_key, str) else None),
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
+                spill = (Spill(self._table, self.limits, self._timeouts, grant, ex)
+                         if self._table.overflow(model) is not None else None)
                 ex.status = await self._upstreams.forward(
                     watch, model, url_tail, body,
-                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex)
+                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex,
+                    spill=spill)
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -233,7 +237,7 @@ class Proxy:
         except OverLimit as over:
             ex.status = 429
             await send_whole(send, 429, openai_error_body(
-                over.message, over.kind, "rate_limit_exceeded"),
+                over.message, over.kind, over.code),
                 [(b"retry-after", str(over.retry_after).encode()), ex.header])
         except Reply as r:
             ex.status = r.status
