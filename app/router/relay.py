@@ -31,7 +31,7 @@ from app.router.access import Exchange, Tracer
 from app.router.engine_errors import client_fault, read_capped
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
-from app.router.spill import SERVED_BY, Spill
+from app.router.spill import Spill, served_by
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
 from app.router.upstream import Response, UpstreamClient, UpstreamError
@@ -76,21 +76,29 @@ class Upstreams:
         model's endpoint names the provider's model instead (encoded for
         that attempt only). `meter` notes the usage the answer reports;
         `ex` is told the replica and a stream's first byte, and gives the
-        request id and trace context sent to the engine. `spill`: the model
-        has an overflow, which may take the request instead (spill.py).
+        request id and trace context sent to the engine. `spill`: the model's
+        overflow may take the request instead (spill.py).
         """
         started = [False]  # set by _hold once a held stream's response began
         try:
-            if spill is not None:
+            if spill is not None or (not self._table.endpoints(model)
+                                     and self._table.holdable(model)):
                 try:
-                    model = await spill.route(model)
+                    if spill is not None:
+                        model = await spill.route(model)  # or its overflow's name
+                    if not self._table.endpoints(model) and self._table.holdable(model):
+                        await self._hold(model, stream, send, started, ex)
                 except asyncio.CancelledError:
-                    return self._hold_cancelled(watch, model)
-            if not self._table.endpoints(model) and self._table.holdable(model):
-                try:
-                    await self._hold(model, stream, send, started, ex)
-                except asyncio.CancelledError:
-                    return self._hold_cancelled(watch, model)
+                    why = watch.caught()
+                    if why is None:
+                        raise  # not ours: the server is stopping
+                    if why is Why.CLIENT_GONE:
+                        return CLIENT_GONE
+                    if why is Why.SHUTDOWN:
+                        raise _stopping() from None
+                    self._table.hold_timed_out(model)
+                    raise error(504, self._past_deadline(), "server_error",
+                                "upstream_timeout") from None
             return await self._attempts(watch, model, url_tail, body, stream,
                                         send, affinity, meter, started[0], ex)
         except Reply as r:
@@ -102,19 +110,6 @@ class Upstreams:
             await send({"type": "http.response.body", "more_body": False,
                         "body": error_event(err["message"], err.get("code") or "upstream_error")})
             return int(r.status)
-
-    def _hold_cancelled(self, watch: Watch, model: str) -> int:
-        """The watch ended a held request: the status for metrics when the
-        client left, else the error it gets."""
-        why = watch.caught()
-        if why is None:
-            raise asyncio.CancelledError  # not ours: the server is stopping
-        if why is Why.CLIENT_GONE:
-            return CLIENT_GONE
-        if why is Why.SHUTDOWN:
-            raise _stopping()
-        self._table.hold_timed_out(model)
-        raise error(504, self._past_deadline(), "server_error", "upstream_timeout")
 
     async def _hold(self, model: str, stream: bool, send: Send, started: list[bool],
                     ex: Exchange) -> None:
@@ -357,9 +352,7 @@ class Upstreams:
 
 def _passed_on(upstream: Response, ep: Endpoint, ex: Exchange,
                decoded: bool = False) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-llmgw-replica", ep.replica_id.encode()), ex.header]
-    if ex.ticket is not None and ex.ticket.external:  # spilled: where it went (spill.py)
-        headers.append((SERVED_BY, b"overflow:" + ex.ticket.model.encode()))
+    headers = [(b"x-llmgw-replica", ep.replica_id.encode()), ex.header, *served_by(ex)]
     encoding = upstream.headers.get("content-encoding")
     if encoding is not None and not decoded:  # bytes pass as the engine encoded them
         headers.append((b"content-encoding", encoding.encode()))

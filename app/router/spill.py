@@ -28,8 +28,13 @@ from app.router.table import KeyGrant, RouteTable
 from app.router.timeouts import Timeouts
 
 REASONS = ("saturated", "hold_timeout", "hold_full", "no_replica")
-# The answer's header naming where a spilled request was served.
-SERVED_BY = b"x-llmgw-served-by"
+
+
+def served_by(ex: Exchange) -> list[tuple[bytes, bytes]]:
+    """The answer's header naming where a spilled request was served: none
+    for one served by the fleet (it has `x-llmgw-replica`)."""
+    t = ex.ticket
+    return [(b"x-llmgw-served-by", b"overflow:" + t.model.encode())] if t and t.external else []
 
 
 class Spill:
