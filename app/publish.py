@@ -258,6 +258,10 @@ class LastUse:
         if self._then is not None:
             self._then.prompt_counted(model, tokens)
 
+    def continued(self, model: str, outcome: str) -> None:
+        if self._then is not None:
+            self._then.continued(model, outcome)
+
 
 class RouterUsage:
     """The router as the usage publisher reads it (app/control/usage.py's

@@ -83,6 +83,7 @@ class RequestMetrics(Collector):
     def __init__(self) -> None:
         self._requests: dict[tuple[str, int], int] = {}
         self._models: dict[str, _Model] = {}
+        self._continued: dict[tuple[str, str], int] = {}
 
     def observe(self, model: str, status: int, seconds: float,
                 first_byte: float | None = None, prompt: int = 0,
@@ -109,6 +110,12 @@ class RequestMetrics(Collector):
         if per is None:
             per = self._models[model] = _Model()
         per.prompt += tokens
+
+    def continued(self, model: str, outcome: str) -> None:
+        """A stream continued on another replica (app/router/continuation.py);
+        `outcome` is one of four words."""
+        key = (model, outcome)
+        self._continued[key] = self._continued.get(key, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -141,4 +148,9 @@ class RequestMetrics(Collector):
                 family.add_metric([model], hist.cumulative(), hist.sum)
             prompt.add_metric([model], per.prompt)
             completion.add_metric([model], per.completion)
-        yield from (requests, seconds, ttft, tpot, prompt, completion)
+        continued = CounterMetricFamily(
+            "llmgw_stream_continuations", "Streams whose engine died mid-way, continued on "
+            "another replica, by outcome", labels=["model", "outcome"])
+        for labels, n in sorted(self._continued.items()):
+            continued.add_metric(list(labels), n)
+        yield from (requests, seconds, ttft, tpot, prompt, completion, continued)

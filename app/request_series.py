@@ -101,6 +101,11 @@ class RequestSeries:
         if self._then is not None:
             self._then.prompt_counted(model, tokens)
 
+    def continued(self, model: str, outcome: str) -> None:
+        # Not charted: passed on to the metrics (app/router/continuation.py).
+        if self._then is not None:
+            self._then.continued(model, outcome)
+
     def snapshot(self) -> Series:
         """The window ending with the current interval, oldest sample first."""
         now = int(self._clock() // self.interval)

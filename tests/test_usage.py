@@ -152,6 +152,9 @@ def test_last_use_notes_each_request_and_passes_it_on() -> None:
         def prompt_counted(self, model: str, tokens: int) -> None:
             seen.append((model, tokens))
 
+        def continued(self, model: str, outcome: str) -> None:
+            seen.append((model, outcome))
+
     wall = Clock(5.0)
     lu = LastUse(then=Then(), wall=wall)
     lu.observe("m", 200, 0.5, 0.2, 7, 3)

@@ -90,6 +90,9 @@ class RequestObserver(Protocol):
     def prompt_counted(self, model: str, tokens: int) -> None:
         """A stream's prompt tokens, counted by its engine after it ended."""
 
+    def continued(self, model: str, outcome: str) -> None:
+        """A stream was continued on another replica: how that ended (relay.py)."""
+
 
 # The model label of a request whose model is unknown: client-chosen strings
 # must not become label values (one time series per typo).
@@ -132,8 +135,8 @@ class Proxy:
         self._hash_key = hash_key
         self._observer = observer
         self._timeouts = timeouts
-        self._upstreams = Upstreams(table, timeouts,
-                                    client or UpstreamClient(timeouts.connect), tracer)
+        self._upstreams = Upstreams(table, timeouts, client or UpstreamClient(timeouts.connect),
+                                    tracer, observer.continued if observer else None)
         # The prompts of streams whose engine reports no usage (llama.cpp).
         self._counts = PromptCounter(self._upstreams.client, self.limits,
                                      count_concurrency, count_timeout,
@@ -222,12 +225,10 @@ class Proxy:
                 affinity = affinity_key(
                     body, session or (cache_key if isinstance(cache_key, str) else None),
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
-                spill = (Spill(self._table, self.limits, self._timeouts, grant, ex)
-                         if self._table.overflow(model) is not None else None)
                 ex.status = await self._upstreams.forward(
-                    watch, model, url_tail, body,
-                    body.get("stream") is True, send, affinity, meter=ticket, ex=ex,
-                    spill=spill)
+                    watch, model, url_tail, body, body.get("stream") is True, send, affinity,
+                    meter=ticket, ex=ex, spill=Spill.of(self._table, self.limits,
+                                                        self._timeouts, grant, ex, model))
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -325,8 +326,7 @@ class Proxy:
         if name is None or not grant.allows(name):
             raise error(
                 404, f"The model '{requested}' does not exist or you do not have access to it.",
-                "invalid_request_error", "model_not_found", "model",
-            )
+                "invalid_request_error", "model_not_found", "model")
         body["model"] = name  # engines serve the catalog name, not the alias
         return body, name
 

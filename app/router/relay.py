@@ -11,8 +11,10 @@ on each failure. In short:
   generating, and a second replica would do the work twice.
 * A client that leaves stops everything at once (`Watch`): the engine's
   connection is closed, which makes vLLM abort the request; no retry.
-* After the first byte of a stream, a failure ends the stream with an error
-  event in OpenAI's shape and no `[DONE]`, so clients tell it from an end.
+* After the first byte of a stream, an engine that dies is replaced once by
+  another replica continuing its answer in the same stream, where the
+  request allows (continuation.py); else the failure ends the stream with an
+  error event in OpenAI's shape and no `[DONE]`, so clients tell it from an end.
 
 A stream's response starts only with the engine's first body byte (vLLM
 sends its headers before the prefill): until then nothing has reached the
@@ -25,9 +27,12 @@ import asyncio
 import json
 import logging
 import zlib
+from collections.abc import Callable
 from typing import Any
 
+from app.router import replies
 from app.router.access import Exchange, Tracer
+from app.router.continuation import Resumed, Splice, resumable, resume
 from app.router.engine_errors import client_fault, read_capped
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
@@ -41,9 +46,6 @@ logger = logging.getLogger(__name__)
 # Upstream statuses that mean "this replica cannot take it now, try another".
 _RETRY_STATUSES = {502, 503}
 _MAX_ATTEMPTS = 3
-# How an SSE event ends (the spec allows all three line endings; vLLM writes
-# "\n\n", sse-starlette, which llama-cpp-python uses, "\r\n\r\n").
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 # Most bytes one chunk of a compressed stream may inflate to: a chunk read is
 # at most a few hundred KiB (upstream.py), SSE compresses some tenfold.
 _MAX_INFLATED = 16 * 1024 * 1024
@@ -59,7 +61,10 @@ class Upstreams:
     """Sends requests to replicas with one shared client (app/router/upstream.py)."""
 
     def __init__(self, table: RouteTable, timeouts: Timeouts, client: UpstreamClient,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None,
+                 continued: Callable[[str, str], None] | None = None) -> None:
+        """`continued(model, outcome)`: told of each stream continuation."""
+        self._continued = continued
         self._table = table
         self._timeouts = timeouts
         self.client = client
@@ -129,7 +134,7 @@ class Upstreams:
                     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                     (b"x-llmgw-held", b"cold-start"), ex.header]})
                 started[0] = True
-                keepalive = asyncio.create_task(_keep_alive(send, model))
+                keepalive = asyncio.create_task(replies.keep_alive(send, model))
             if not await self._table.wait_routable(model, t.cold_start):
                 self._table.hold_timed_out(model)
                 why = self._table.unavailable(model)
@@ -204,7 +209,8 @@ class Upstreams:
                         _passed_on(upstream, ep, ex))
                     return 500
                 if stream:
-                    return await self._relay(upstream, ep, watch, send, meter, started, ex)
+                    return await self._relay(upstream, ep, watch, send, meter, started, ex,
+                                             resumable(body, url_tail, model, ep))
                 # Read whole: nothing has reached the client yet, so a failure
                 # here is still retried, and the answer keeps its length.
                 answer = await upstream.read()
@@ -262,10 +268,12 @@ class Upstreams:
         return f"The request did not finish within {self._timeouts.request:g} s."
 
     async def _relay(self, upstream: Response, ep: Endpoint, watch: Watch, send: Send,
-                     meter: Ticket | None, started: bool, ex: Exchange) -> int:
+                     meter: Ticket | None, started: bool, ex: Exchange,
+                     splice: Splice | None = None) -> int:
         """Streams the engine's bytes as they come; returns the status for metrics.
         `started`: the response began while the request was held (its
-        headers are out): only the body follows."""
+        headers are out): only the body follows. `splice`: the stream may be
+        resumed on another replica if its engine dies (continuation.py)."""
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
         chunk = await upstream.readany()
@@ -290,39 +298,56 @@ class Upstreams:
         framed = (content_type.startswith("text/event-stream")
                   and (encoding is None or decoder is not None))
         tail = b""  # the start of an event not yet whole (framed only)
+        if not framed or decoder is not None:
+            splice = None
+        resumed: Resumed | None = None
         try:
             if not started:
                 await send({"type": "http.response.start", "status": upstream.status,
                             "headers": headers})
-            while chunk:
-                if decoder is not None:
-                    chunk = decoder.decompress(chunk, _MAX_INFLATED)
-                    if decoder.unconsumed_tail:
-                        raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} "
-                                            "bytes")
-                if framed and (tail or not chunk.endswith(_EVENT_ENDS)):
-                    chunk, tail = _whole_events(tail + chunk)
-                if framed and meter is not None:
-                    chunk = meter.read_events(chunk)  # usage noted, maybe cut
-                if chunk:
-                    watch.send_since = loop.time()
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-                    watch.send_since = 0.0
-                watch.read_since = loop.time()
-                chunk = await upstream.readany()
-                watch.read_since = 0.0
-        except (UpstreamError, zlib.error) as exc:
-            logger.warning("replica %s broke off mid-stream: %s", ep.replica_id,
-                           exc or type(exc).__name__)
-            self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
-            await _end_badly(send, framed, f"Replica {ep.replica_id} broke off the stream.",
-                             "upstream_error")
-            return 502
+            while True:
+                try:
+                    while chunk:
+                        if decoder is not None:
+                            chunk = decoder.decompress(chunk, _MAX_INFLATED)
+                            if decoder.unconsumed_tail:
+                                raise UpstreamError("a compressed chunk inflates past "
+                                                    f"{_MAX_INFLATED} bytes")
+                        if framed and (tail or not chunk.endswith(replies.EVENT_ENDS)):
+                            chunk, tail = replies.whole_events(tail + chunk)
+                        if splice is not None and chunk:
+                            chunk = splice.pass_on(chunk)  # kept, or rewritten once resumed
+                        if framed and meter is not None:
+                            chunk = meter.read_events(chunk)  # usage noted, maybe cut
+                        if chunk:
+                            watch.send_since = loop.time()
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+                            watch.send_since = 0.0
+                        watch.read_since = loop.time()
+                        chunk = await upstream.readany()
+                        watch.read_since = 0.0
+                    if splice is not None and splice.cut_short():
+                        raise UpstreamError("the stream ended without [DONE]")
+                    break
+                except (UpstreamError, zlib.error) as exc:
+                    logger.warning("replica %s broke off mid-stream: %s", ep.replica_id,
+                                   exc or type(exc).__name__)
+                    self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
+                    again = None if splice is None else await resume(
+                        splice, self._table, self.client, watch, ex, ep)
+                    if again is None:
+                        await replies.end_badly(send, framed, f"Replica {ep.replica_id} "
+                                                "broke off the stream.", "upstream_error")
+                        return 502
+                    resumed = again  # closed below; one a request (continuation.py)
+                    upstream, ep, chunk, tail = again.upstream, again.ep, again.first, b""
+                    watch.streaming()
         except asyncio.CancelledError:
             why = watch.caught()
             if why is None:
                 raise
+            ep = splice.on if splice is not None and splice.on is not None else ep
             if why is Why.CLIENT_GONE:
                 return CLIENT_GONE
             if why is Why.CLIENT_STALLED:
@@ -334,17 +359,23 @@ class Upstreams:
             if why is Why.SHUTDOWN:
                 logger.warning("stream from replica %s cut: the gateway's stop ran out of "
                                "grace", ep.replica_id)
-                await _end_badly(send, framed, _STOPPING, "gateway_stopping")
+                await replies.end_badly(send, framed, _STOPPING, "gateway_stopping")
                 return 503
-            if why is Why.IDLE:
+            if why in (Why.IDLE, Why.FIRST_BYTE):  # first byte: of a continuation
                 self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
-                message = (f"Replica {ep.replica_id} sent nothing for "
-                           f"{self._timeouts.idle:g} s.")
+                limit = self._timeouts.idle if why is Why.IDLE else self._timeouts.first_byte
+                message = f"Replica {ep.replica_id} sent nothing for {limit:g} s."
             else:
                 message = self._past_deadline()
             logger.warning("stream from replica %s ended: %s", ep.replica_id, message)
-            await _end_badly(send, framed, message, "upstream_timeout")
+            await replies.end_badly(send, framed, message, "upstream_timeout")
             return 504
+        finally:
+            if resumed is not None:
+                resumed.upstream.close()
+                resumed.lease.release()
+            if splice is not None and splice.resumed and self._continued is not None:
+                self._continued(splice.model, splice.outcome(watch.why))
         watch.close()
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return upstream.status
@@ -359,12 +390,6 @@ def _passed_on(upstream: Response, ep: Endpoint, ex: Exchange,
     return headers
 
 
-def _whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """`data` cut after its last complete SSE event: (whole events, the rest)."""
-    cut = max(data.rfind(end) + len(end) if end in data else 0 for end in _EVENT_ENDS)
-    return data[:cut], data[cut:]
-
-
 # What a request still open at the end of the gateway's grace period is told
 # (docs/architecture.md, "Stopping"): another gateway can take it again.
 _STOPPING = "The gateway stopped before the answer was complete; retry."
@@ -372,20 +397,3 @@ _STOPPING = "The gateway stopped before the answer was complete; retry."
 
 def _stopping() -> Reply:
     return error(503, _STOPPING, "service_unavailable", "gateway_stopping", retry_after=1)
-
-
-async def _end_badly(send: Send, framed: bool, message: str, code: str) -> None:
-    if framed:
-        await send({"type": "http.response.body", "body": error_event(message, code),
-                    "more_body": False})
-    # Else (a compressed or non-SSE body) the response is left incomplete:
-    # the server closes the connection without the final chunk, which every
-    # HTTP client reports as an error rather than a short answer.
-
-
-async def _keep_alive(send: Send, model: str, every: float = 5.0) -> None:
-    """SSE comments (ignored by every SSE client) while a stream is held."""
-    while True:
-        await send({"type": "http.response.body", "more_body": True,
-                    "body": f": waiting for a replica of {model} to start\n\n".encode()})
-        await asyncio.sleep(every)

@@ -1,14 +1,20 @@
 """Answers the router writes itself: errors in OpenAI's shape, whole bodies,
-and the error event that ends a broken stream."""
+the error event that ends a broken stream, the cutting of a stream into
+whole events."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
+
+# How an SSE event ends (the spec allows all three line endings; vLLM writes
+# "\n\n", sse-starlette, which llama-cpp-python uses, "\r\n\r\n").
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
 
 class Reply(Exception):
@@ -55,3 +61,26 @@ def error_event(message: str, code: str) -> bytes:
     would read as a short but complete answer.
     """
     return b"data: " + openai_error_body(message, "server_error", code) + b"\n\n"
+
+
+def whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` cut after its last complete SSE event: (whole events, the rest)."""
+    cut = max(data.rfind(end) + len(end) if end in data else 0 for end in EVENT_ENDS)
+    return data[:cut], data[cut:]
+
+
+async def end_badly(send: Send, framed: bool, message: str, code: str) -> None:
+    if framed:
+        await send({"type": "http.response.body", "body": error_event(message, code),
+                    "more_body": False})
+    # Else (a compressed or non-SSE body) the response is left incomplete:
+    # the server closes the connection without the final chunk, which every
+    # HTTP client reports as an error rather than a short answer.
+
+
+async def keep_alive(send: Send, model: str, every: float = 5.0) -> None:
+    """SSE comments (ignored by every SSE client) while a stream is held."""
+    while True:
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": f": waiting for a replica of {model} to start\n\n".encode()})
+        await asyncio.sleep(every)

@@ -50,6 +50,14 @@ class Spill:
         self._grant = grant
         self._ex = ex
 
+    @staticmethod
+    def of(table: RouteTable, limiter: Limiter, timeouts: Timeouts, grant: KeyGrant,
+           ex: Exchange, model: str) -> Spill | None:
+        """The request's way to `model`'s overflow; None: it has none."""
+        if table.overflow(model) is None:
+            return None
+        return Spill(table, limiter, timeouts, grant, ex)
+
     async def route(self, model: str) -> str:
         """The model to send the request to: `model`, or its overflow (OverLimit
         when the key's external budget is spent). May hold the request up to

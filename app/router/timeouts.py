@@ -112,6 +112,10 @@ class Watch:
         self.read_since = 0.0
         self._schedule(self._loop.time() + self._limit)
 
+    def left(self) -> float:
+        """Seconds until the request's deadline."""
+        return self._deadline - self._loop.time()
+
     def caught(self) -> Why | None:
         """After a CancelledError: why the watch cancelled, or None if it did not."""
         if self.why is None:

@@ -46,6 +46,9 @@ Environment:
 * ``FAKE_VLLM_BASE_LOAD``     ``RUNNING,WAITING``: added to the live
   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, a steady load
   a test can look for (default none).
+* ``FAKE_VLLM_DIE_AFTER``     N: a streamed chat or completion breaks off after N words
+  (its connection dropped, as by an engine dying mid-stream), except one that
+  continues a message it was given (fake_vllm_continue.py says how it does).
 * ``FAKE_VLLM_DIE_ON_CHAT``   a signal name (``SIGILL``): the engine kills itself with
   it on each chat completion, like a build for another CPU that passes the
   health check and dies on its first real request.
@@ -110,6 +113,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+if __package__:
+    from tests.fakes import fake_vllm_continue as resume
+else:  # run as a script: its folder is on sys.path
+    import fake_vllm_continue as resume  # type: ignore[no-redef]
 
 FAKE_VERSION = "0.11.0+fake"
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -411,6 +419,7 @@ class FakeVLLM:
         self.api_keys: list[str] = [k for k in keys if k]
         self.token_delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0") or 0)
         self.prefill_delay = float(os.environ.get("FAKE_VLLM_PREFILL_DELAY", "0") or 0)
+        self.die_after = int(os.environ.get("FAKE_VLLM_DIE_AFTER", "0") or 0)
         # Message-prefix hash -> its token count; oldest dropped past the cap.
         self.prefix_cache: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.stats = Stats(self.names[0], args.max_num_seqs, args.max_model_len)
@@ -517,15 +526,19 @@ class FakeVLLM:
                                 "BadRequestError", "max_tokens")
         return body, None
 
-    def _reply_words(self, model: str, asked: str, limit: int | None) -> tuple[list[str], str]:
-        words = f"fake-vllm {model} echo: {asked}".split()
+    def _reply_words(self, model: str, asked: str, limit: int | None,
+                     given: str = "") -> tuple[list[str], str]:
+        """The answer's words (after `given`, the start of it to continue)."""
+        words = resume.words_after(f"fake-vllm {model} echo: {asked}".split(), given)
         if limit is not None and limit < len(words):
             return words[:limit], "length"
         return words, "stop"
 
     # -- generation ---------------------------------------------------------
-    async def _generate(self, words: list[str], prompt_tokens: int) -> AsyncIterator[str]:
-        """Yield deltas (words with their leading space), keeping the metrics live."""
+    async def _generate(self, words: list[str], prompt_tokens: int,
+                        lead: bool = False) -> AsyncIterator[str]:
+        """Yield deltas (words with their leading space, the first one too
+        if `lead`: it continues given text), keeping the metrics live."""
         st = self.stats
         st.waiting += 1
         waiting = True
@@ -545,7 +558,7 @@ class FakeVLLM:
                             st.ttft.observe(time.monotonic() - start)
                         st.generation_tokens += 1
                         st.kv_tokens += 1
-                        yield word if i == 0 else " " + word
+                        yield word if i == 0 and not lead else " " + word
                 except (asyncio.CancelledError, GeneratorExit):  # the client left: vLLM aborts
                     st.success["abort"] += 1
                     raise
@@ -560,6 +573,15 @@ class FakeVLLM:
     def _finished(self, reason: str, start: float) -> None:
         self.stats.success[reason] += 1
         self.stats.e2e.observe(time.monotonic() - start)
+
+    @staticmethod
+    def _drop(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        """Drops the connection mid-stream, as an engine dying does
+        (FAKE_VLLM_DIE_AFTER)."""
+        _log("FAKE_VLLM_DIE_AFTER: dropping a stream mid-way", "ERROR")
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
 
     @staticmethod
     def _usage(prompt: int, completion: int) -> dict[str, Any]:
@@ -592,6 +614,9 @@ class FakeVLLM:
         if not isinstance(messages, list) or not messages:
             return _error(400, "messages must be a non-empty list.", "BadRequestError",
                           "messages")
+        given, bad = resume.continued(body, messages)
+        if bad is not None:
+            return _error(400, bad, "BadRequestError")
         model = body["model"]
         asked = ""
         for m in reversed(messages):
@@ -601,15 +626,16 @@ class FakeVLLM:
         prompt_tokens = sum(
             _count_tokens(_content_text(m.get("content"))) + 1
             for m in messages if isinstance(m, dict)
-        )
+        ) - (given is not None)  # an open assistant message: no framing token
         await self._prefill(messages)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        words, reason = self._reply_words(model, asked, limit)
+        words, reason = self._reply_words(model, asked, limit, given or "")
+        lead = bool(given and given.split())
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
         if not body.get("stream"):
-            async with aclosing(self._generate(words, prompt_tokens)) as gen:
+            async with aclosing(self._generate(words, prompt_tokens, lead)) as gen:
                 text = "".join([d async for d in gen])
             self._finished(reason, start)
             return web.json_response({
@@ -636,11 +662,13 @@ class FakeVLLM:
         resp = await self._sse_start(request)
         await self._sse(resp, chunk({"role": "assistant", "content": ""}, None))
         n = 0
-        async with aclosing(self._generate(words, prompt_tokens)) as gen:
+        async with aclosing(self._generate(words, prompt_tokens, lead)) as gen:
             async for delta in gen:
                 n += 1
                 last = n == len(words)
                 await self._sse(resp, chunk({"content": delta}, reason if last else None))
+                if n == self.die_after and given is None and not last:
+                    return self._drop(request, resp)
         self._finished(reason, start)
         if include_usage:
             await self._sse(resp, {"id": req_id, "object": "chat.completion.chunk",
@@ -694,14 +722,17 @@ class FakeVLLM:
             limit = 16  # OpenAI's and vLLM's default for /v1/completions
         req_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        plans = [(p, *self._reply_words(model, p, limit)) for p in prompts]
+        splits = [resume.completion_split(p, model) for p in prompts]
+        plans = [(p, *self._reply_words(model, asked, limit, given))
+                 for p, (asked, given) in zip(prompts, splits, strict=True)]
         prompt_total = sum(_count_tokens(p) for p in prompts)
 
         if not body.get("stream"):
             choices = []
             completion_total = 0
             for i, (p, words, reason) in enumerate(plans):
-                async with aclosing(self._generate(words, _count_tokens(p))) as gen:
+                lead = bool(splits[i][1])
+                async with aclosing(self._generate(words, _count_tokens(p), lead)) as gen:
                     text = "".join([d async for d in gen])
                 self._finished(reason, start)
                 completion_total += len(words)
@@ -720,7 +751,8 @@ class FakeVLLM:
         completion_total = 0
         for i, (p, words, reason) in enumerate(plans):
             n = 0
-            async with aclosing(self._generate(words, _count_tokens(p))) as gen:
+            given = splits[i][1]
+            async with aclosing(self._generate(words, _count_tokens(p), bool(given))) as gen:
                 async for delta in gen:
                     n += 1
                     last = n == len(words)
@@ -731,6 +763,8 @@ class FakeVLLM:
                                      "finish_reason": reason if last else None,
                                      "stop_reason": None}],
                     })
+                    if n == self.die_after and not given and not last:
+                        return self._drop(request, resp)
             completion_total += n
             self._finished(reason, start)
         if include_usage:

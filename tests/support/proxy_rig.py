@@ -157,6 +157,7 @@ class Observed:
         # (seconds, first_byte, prompt, completion) of each, as `seen`.
         self.details: list[tuple[float, float | None, int, int]] = []
         self.prompts: list[tuple[str, int]] = []  # counted after their stream
+        self.continuations: list[tuple[str, str]] = []  # (model, outcome) of each
         self.any = asyncio.Event()
 
     def observe(self, model: str, status: int, seconds: float,
@@ -168,6 +169,9 @@ class Observed:
 
     def prompt_counted(self, model: str, tokens: int) -> None:
         self.prompts.append((model, tokens))
+
+    def continued(self, model: str, outcome: str) -> None:
+        self.continuations.append((model, outcome))
 
 
 class FakeClock:
