@@ -106,6 +106,7 @@ async def test_a_saturated_model_spills_to_its_overflow(
     assert r.headers["x-llmgw-replica"] == "external:remote"
     assert r.json()["choices"][0]["message"]["content"] == "remote"
     assert provider.seen[-1]["model"] == "gpt-x"  # the provider's name of the model
+    assert r.json()["model"] == "small"  # answered as our engines answer, catalog name
     assert rig.table.spills == {("small", "saturated"): 1}
     # Its usage is the overflow's, its tokens the key's external budget.
     assert rig.proxy.limits.external.used("k1") == 12
@@ -130,6 +131,7 @@ async def test_a_spilled_stream_goes_to_the_overflow_whole(
     assert r.status_code == 200 and r.headers["x-llmgw-served-by"] == "overflow:remote"
     assert '"remote"' in body and body.rstrip().endswith("data: [DONE]")
     assert '"usage"' not in body  # asked for on the client's behalf, cut from its stream
+    assert '"model": "small"' in body and "gpt-x" not in body
     assert provider.seen[-1]["stream_options"] == {"include_usage": True}
     assert rig.proxy.limits.external.used("k1") == 12
 

@@ -64,14 +64,16 @@ def test_a_saturated_fleet_spills_to_the_provider(
     assert raw.headers["x-llmgw-served-by"] == "overflow:remote"
     answer = raw.parse()
     assert answer.choices[0].message.content == "fake-vllm other-model echo: hello"
+    assert answer.model == "m"  # the provider's "other-model", renamed as ours answer
     assert answer.usage is not None
     spent = answer.usage.total_tokens
 
     with client.chat.completions.with_streaming_response.create(
             model="m", messages=messages, stream=True) as stream:
         assert stream.headers["x-llmgw-served-by"] == "overflow:remote"
-        text = "".join(c.choices[0].delta.content or "" for c in stream.parse()
-                       if c.choices)
+        chunks = list(stream.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert {c.model for c in chunks} == {"m"}
     assert text == "fake-vllm other-model echo: hello"
 
     # A model without overflow is served by its saturated replica, as before.

@@ -47,6 +47,7 @@ from app.router.estimates import ask_for_usage as ask_for_usage
 from app.router.estimates import estimate_usage as estimate_usage
 from app.router.overlimit import OverLimit as OverLimit
 from app.router.overlimit import share as share
+from app.router.renamed import renamed_answer, renamed_events
 from app.router.shares import DEMAND_WINDOW, KINDS, KeyLoad, share_of
 
 WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
@@ -288,7 +289,7 @@ class Ticket:
 
     __slots__ = ("_done", "_limiter", "body", "charge_tokens", "chat", "completion_tokens",
                  "count_at", "ended", "events", "external", "key_id", "model", "noted",
-                 "prompt_later", "prompt_tokens", "state", "strip_usage")
+                 "prompt_later", "prompt_tokens", "rename", "state", "strip_usage")
 
     def __init__(self, limiter: Limiter, key_id: str, model: str, state: _KeyState,
                  charge_tokens: bool) -> None:
@@ -318,6 +319,7 @@ class Ticket:
         # Served by an overflow provider: its tokens go to the key's external
         # budget too (`Limiter.external`).
         self.external = False
+        self.rename: str | None = None  # spilled: the answer's model, ours (renamed.py)
         self._done = False
 
     def release(self) -> None:
@@ -337,25 +339,33 @@ class Ticket:
         if isinstance(completion, int) and completion >= 0:
             self.completion_tokens = completion
 
-    def read_answer(self, body: bytes, encoding: str | None) -> None:
-        """The usage of a whole JSON answer (gzip or deflate undone for the read)."""
+    def read_answer(self, body: bytes, encoding: str | None) -> bytes:
+        """Notes the usage of a whole JSON answer (gzip or deflate undone for
+        the read); returns what the client gets: `body`, renamed if `rename`."""
+        raw = body
         if encoding is not None:
             if encoding.lower() not in ("gzip", "deflate"):
-                return
+                return raw
             try:
                 body = zlib.decompress(body, wbits=47)  # gzip or zlib, by its header
             except zlib.error:
-                return
+                return raw
         try:
             answer = json.loads(body)
         except (ValueError, UnicodeDecodeError):
-            return
+            return raw
         if isinstance(answer, dict):
             self.note(answer.get("usage"))
+        if self.rename is not None and encoding is None:
+            return renamed_answer(answer, raw, self.rename)
+        return raw
 
     def read_events(self, chunk: bytes) -> bytes:
         """Notes the usage in `chunk` (whole SSE events) and returns what the
-        client gets: `chunk`, less the usage-only event if `strip_usage`."""
+        client gets: `chunk`, less the usage-only event if `strip_usage`,
+        renamed if `rename`."""
+        if self.rename is not None:
+            chunk = renamed_events(chunk, self.rename)
         done = chunk.count(b"data: [DONE]")
         if done:
             self.ended = True

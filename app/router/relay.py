@@ -216,7 +216,7 @@ class Upstreams:
                 answer = await upstream.read()
                 watch.close()  # the answer is whole: a client leaving now changes nothing
                 if meter is not None and upstream.status == 200:
-                    meter.read_answer(answer, upstream.headers.get("content-encoding"))
+                    answer = meter.read_answer(answer, upstream.headers.get("content-encoding"))
                 await send_whole(send, upstream.status, answer, _passed_on(upstream, ep, ex),
                                  upstream.headers.get("content-type",
                                                       "application/json").encode())

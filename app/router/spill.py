@@ -88,5 +88,6 @@ class Spill:
                                      grant.gateways, model, target)
         ticket.external = True
         ticket.model = target  # its usage is the overflow's (GET /admin/keys/{id}/usage)
+        ticket.rename = model  # the answer names the model as our engines do
         self._table.spilled(model, reason)
         return target
