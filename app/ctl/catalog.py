@@ -208,7 +208,9 @@ def apply(
         sys.stdout.write(f"{where}: {len(specs)} models, valid (dry run: nothing changed)\n")
         return
     current = current_catalog(gateway)
-    for name, spec in specs.items():
+    # External models first, pruned last: another's overflow must exist
+    # before it and outlive it (docs/architecture.md, Catalog, Spill-over).
+    for name, spec in sorted(specs.items(), key=lambda kv: kv[1].external is None):
         body = spec.spec_dump()
         seen = current.get(name)
         if seen is not None and seen[0] == body:
@@ -224,7 +226,7 @@ def apply(
                                  else {"If-None-Match": "*"}))
             result = "created" if status == 201 else "updated"
         sys.stdout.write(f"model {name} {result}\n")
-    for name in sorted(set(current) - set(specs)):
+    for name in sorted(set(current) - set(specs), key=lambda n: ("external" in current[n][0], n)):
         if prune:
             send(gateway, "DELETE", model_path(name), about=f"model {name}: ",
                  headers={"If-Match": current[name][1]})
