@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.procs import Cluster, put_model, replicas, wait_for
 from tests.support.scrape import samples, scrape_text
+from tests.test_ctl import ok_json, ok_on
 from tests.test_key_files import provider as provider  # the stand-in as a provider
 
 
@@ -41,11 +42,11 @@ def test_a_saturated_fleet_spills_to_the_provider(
         # The overflow stays while a model names it.
         r = admin.delete("/admin/models/remote")
         assert r.status_code == 409 and "overflow of m" in r.text, r.text
-        r = admin.post("/admin/keys", json={"name": "spill", "limits": {
-            "external_tokens_per_day": 40}})
-        assert r.status_code == 201, r.text
-        key = r.json()["key"]
-        assert r.json()["limits"]["external_tokens_per_day"] == 40
+    created = ok_json("keys", "create", "spill", "--external-tokens-per-day", "40",
+                      gateway=gw.url)
+    key = created["key"]
+    assert created["limits"]["external_tokens_per_day"] == 40
+    assert "40 external tokens/day" in ok_on(gw, "keys", "show", created["id"])
 
     wait_for(lambda: len([x for x in replicas(gw) if x["phase"] == "ready"]) == 2, 30,
              "both replicas ready")
