@@ -195,6 +195,23 @@ async def test_no_ready_replica_within_the_hold_spills(
     assert len(provider.seen) == 2
 
 
+async def test_a_gateway_holding_its_most_spills_at_once() -> None:
+    rig = Rig(Timeouts(connect=2, first_byte=10, idle=10, request=10, cold_start_held=0))
+    provider = Provider()
+    await provider.server.start_server()
+    async with started(rig):
+        rig.table.set_endpoints({"remote": [Endpoint("external:remote", provider.url, "k",
+                                                     upstream_model="gpt-x")]})
+        rig.table.set_holdable({"small"})
+        rig.table.set_overflow({"small": "remote"})
+        t0 = asyncio.get_running_loop().time()
+        r = await rig.chat("small")
+        assert r.status_code == 200 and r.headers["x-llmgw-served-by"] == "overflow:remote"
+        assert asyncio.get_running_loop().time() - t0 < 1  # not held for spill_hold (10 s)
+        assert rig.table.spills == {("small", "hold_full"): 1}
+    await provider.server.close()
+
+
 async def test_a_model_without_overflow_behaves_as_before(
     spill_rig: tuple[Rig, Provider],
 ) -> None:
@@ -216,6 +233,15 @@ async def test_an_overflow_withheld_takes_nothing(spill_rig: tuple[Rig, Provider
     r = await rig.chat("small")
     assert r.status_code == 200 and r.json()["served_by"] == "local"
     assert not provider.seen and not rig.table.spills
+    # Nor is a request held for the spill: the cold start's hold, as without one.
+    rig.table.set_endpoints({})
+    rig.table.set_holdable({"small"})
+    call = asyncio.create_task(rig.chat("small"))
+    await asyncio.sleep(0.3)  # past the spill hold (0.1 s): still held for a replica
+    assert not call.done() and rig.table.held() == {"small": 1}
+    rig.table.set_endpoints({"small": [Endpoint("r1", rig.upstreams[0].url, "k")]})
+    r = await call
+    assert r.status_code == 200 and r.json()["served_by"] == "local"
 
 
 def test_the_budget_is_a_day_window_split_by_claims() -> None:

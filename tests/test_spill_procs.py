@@ -57,6 +57,8 @@ def test_a_saturated_fleet_spills_to_the_provider(
         return bool(eps) and all(e["why"] == "candidate (every tier saturated)" for e in eps)
 
     wait_for(lambda: saturated("m") and saturated("plain"), 15, "the replicas seen saturated")
+    with gw.admin() as admin:
+        assert admin.get("/admin/routes", params={"model": "m"}).json()["overflow"] == "remote"
 
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=20)
     messages: list[openai.types.chat.ChatCompletionMessageParam] = [

@@ -64,6 +64,9 @@ class Spill:
         `spill_hold` for a replica on its way; a cancellation (the watch's)
         propagates."""
         table = self._table
+        target = table.overflow(model)
+        if target is None or not table.endpoints(target):
+            return model  # an overflow withheld (its key file unreadable) takes nothing
         if table.endpoints(model):
             return self._to_overflow(model, "saturated") if table.saturated(model) else model
         if not table.holdable(model):
@@ -79,8 +82,7 @@ class Spill:
 
     def _to_overflow(self, model: str, reason: str) -> str:
         target = self._table.overflow(model)
-        if target is None or not self._table.endpoints(target):
-            return model
+        assert target is not None
         ticket = self._ex.ticket
         assert ticket is not None
         grant = self._grant
