@@ -42,6 +42,8 @@ def test_a_saturated_fleet_spills_to_the_provider(
         # The overflow stays while a model names it.
         r = admin.delete("/admin/models/remote")
         assert r.status_code == 409 and "overflow of m" in r.text, r.text
+        r = admin.put("/admin/models/remote", json={"model": "acme/r", "gpus": 1})
+        assert r.status_code == 409 and "must stay external" in r.text, r.text
     created = ok_json("keys", "create", "spill", "--external-tokens-per-day", "40",
                       gateway=gw.url)
     key = created["key"]
