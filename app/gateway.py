@@ -115,7 +115,8 @@ class Gateway:
             connect=settings.connect_timeout, first_byte=settings.first_byte_timeout,
             idle=settings.stream_idle_timeout, request=settings.request_timeout,
             cooldown=settings.replica_cooldown, cold_start=settings.cold_start_timeout,
-            cold_start_held=settings.cold_start_max_held), observer=self.last_use,
+            cold_start_held=settings.cold_start_max_held, spill_hold=settings.spill_hold),
+            observer=self.last_use,
             affinity=settings.router_affinity,
             count_concurrency=settings.prompt_count_concurrency,
             count_timeout=settings.prompt_count_timeout, tracer=self.tracer)

@@ -193,7 +193,13 @@ def _held(gw: Observed) -> Iterator[Metric]:
                                    labels=["model"])
     for model, n in sorted(gw.table.hold_timeouts.items()):
         timeouts.add_metric([model], n)
-    yield from (held, timeouts)
+    # Spill-over (app/router/spill.py): model is a catalog name, reason one of four.
+    spills = CounterMetricFamily("llmgw_spills", "Requests sent to their model's overflow "
+                                 "(an external model), by model and reason",
+                                 labels=["model", "reason"])
+    for (model, reason), n in sorted(gw.table.spills.items()):
+        spills.add_metric([model, reason], n)
+    yield from (held, timeouts, spills)
 
 
 def _engine_loads(gw: Observed, replicas: Mapping[str, Replica]) -> Iterator[Metric]:

@@ -197,12 +197,19 @@ class Publisher:
         grants = {
             digest: KeyGrant(rec.id, rec.name, frozenset(rec.models), Limits(
                 rec.limits.requests_per_minute, rec.limits.tokens_per_minute,
-                rec.limits.concurrent_requests), gateways, rec.expires)
+                rec.limits.concurrent_requests, rec.limits.external_tokens_per_day),
+                gateways, rec.expires)
             for digest, rec in m.client_keys().items()
         }
+        # Spill-over: each model's overflow, while it names an external model.
+        overflow = tuple(sorted(
+            (name, spec.overflow) for name, spec in models.items()
+            if spec.overflow is not None and spec.external is None
+            and (target := models.get(spec.overflow)) is not None
+            and target.external is not None))
         ep_view = tuple((k, tuple(v)) for k, v in sorted(endpoints.items()))
         fingerprint = (catalog, ep_view, tuple(sorted(grants.items())),
-                       tuple(sorted(unavailable.items())), holdable)
+                       tuple(sorted(unavailable.items())), holdable, overflow)
         if fingerprint == self._last:
             self.published_revision = revision
             return False
@@ -212,6 +219,7 @@ class Publisher:
         self._table.set_client_keys(grants)
         self._table.set_unavailable(unavailable)
         self._table.set_holdable(holdable)
+        self._table.set_overflow(dict(overflow))
         self.published_revision = revision
         logger.debug("published %d models, %d endpoints",
                      len(catalog), sum(len(v) for v in endpoints.values()))

@@ -310,3 +310,22 @@ def test_apply_puts_adapters_after_their_base_and_prunes_them_first(
     out = ok(gw, "catalog", "apply", str(file), "--prune")
     assert out[-2:] == ["model a-sql deleted", "model zz-base deleted"], out
     assert get(gw, "/admin/catalog") == start
+def test_apply_puts_overflows_first_and_prunes_them_last(gw: GatewayProc,
+                                                          tmp_path: Path) -> None:
+    """A model's overflow must exist before it and outlive it (Catalog,
+    *Spill-over*): apply orders its writes so a file's order never matters."""
+    before = get(gw, "/admin/catalog")
+    idle = {"gpus": 1, "replicas": {"min": 0, "max": 0}, "overflow": "b-remote"}
+    with_spill: dict[str, Any] = {"models": {
+        **before["models"], "a": {"model": "acme/a", **idle},
+        "b-remote": {"external": {"url": "https://llm.example.com", "model": "gpt-x"}},
+        "c": {"model": "acme/c", **idle}}}
+    path = tmp_path / "spill.yaml"
+    path.write_text(yaml.safe_dump(with_spill))
+    out = ok(gw, "catalog", "apply", str(path))
+    assert out.index("model b-remote created") < out.index("model a created"), out
+    assert get(gw, "/admin/catalog") == with_spill
+    path.write_text(yaml.safe_dump(before))
+    out = ok(gw, "catalog", "apply", str(path), "--prune")
+    assert out[-3:] == ["model a deleted", "model c deleted", "model b-remote deleted"], out
+    assert get(gw, "/admin/catalog") == before

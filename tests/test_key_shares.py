@@ -254,3 +254,29 @@ def _try(limiter: Limiter, limits: Limits, gateways: int) -> Ticket | None:
         return limiter.admit("k1", "m", limits, gateways)
     except OverLimit:
         return None
+
+
+async def test_the_external_budget_is_claimed_as_the_other_limits_are(fleet: Fleet) -> None:
+    """Spill-over's `external_tokens_per_day` (app/router/budget.py) moves
+    between gateways through the same claims."""
+    rev = await fleet.store.put(s.KEYS + "h", s.ClientKey(
+        id="k1", name="t", created=0, limits=s.KeyLimits(
+            external_tokens_per_day=100)).model_dump_json().encode())
+    for m in fleet.mirrors:
+        assert await m.wait_for(rev, 2)
+    budget = fleet.limiters[0].external
+    budget.check("k1", 100, 3, "m", "x")  # no claim yet: the floor, nothing charged
+    ticket = fleet.ask(0, Limits(external_tokens_per_day=100))
+    assert ticket is not None
+    ticket.external = True
+    ticket.note({"prompt_tokens": 5, "completion_tokens": 1})
+    ticket.release()
+    with pytest.raises(OverLimit) as over:
+        budget.check("k1", 100, 3, "m", "x")
+    assert over.value.short and over.value.code == "external_budget_exceeded"
+    await fleet.steps(1)
+    budget.check("k1", 100, 3, "m", "x")  # raised on that refusal: admitted
+    claims = fleet.claims("external_tokens_per_day")
+    assert claims[0] == 100 and sum(claims) <= 100, claims
+    assert fleet.loops[0].written is not None
+    assert fleet.loops[0].written.keys["k1"].used["external_tokens_per_day"] == 6

@@ -292,7 +292,7 @@ async def test_a_key_stored_before_limits_existed_still_works(
         (listed,) = (await a.admin.get("/admin/keys")).json()
         assert listed["prefix"] == "" and listed["expires"] is None
         assert listed["limits"] == {"requests_per_minute": None, "tokens_per_minute": None,
-                                    "concurrent_requests": None}
+                                    "concurrent_requests": None, "external_tokens_per_day": None}
 
 
 class Counted:

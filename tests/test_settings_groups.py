@@ -96,6 +96,7 @@ def environment(tmp: Path) -> dict[str, tuple[str, Any]]:
         "router_affinity": ("false", False),
         "cold_start_timeout": ("100", 100.0),
         "cold_start_max_held": ("3", 3),
+        "spill_hold": ("4", 4.0),
         "key_usage_interval": ("9", 9.0),
         "key_share_interval": ("0.75", 0.75),
         "prompt_count_concurrency": ("4", 4),

@@ -223,7 +223,8 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
         if name is None:
             raise Problem(404, "No such model", f"no model or alias {model!r} is routed here")
         return {"gateway": gw.settings.gateway_id, "model": name,
-                "endpoints": gw.table.explain(name), "unavailable": gw.table.unavailable(name)}
+                "endpoints": gw.table.explain(name), "unavailable": gw.table.unavailable(name),
+                "overflow": gw.table.overflow(name)}  # spill-over's external model, if any
 
     @r.get("/replicas")
     async def replicas() -> list[dict[str, Any]]:

@@ -251,6 +251,9 @@ class KeyLimits(BaseModel):
     tokens_per_minute: int | None = Field(
         default=None, ge=1, description="prompt + completion tokens, charged when an answer ends")
     concurrent_requests: int | None = Field(default=None, ge=1)
+    external_tokens_per_day: int | None = Field(
+        default=None, ge=1, description="tokens a day served by models' overflow providers "
+                                        "(spill-over); left out: no such limit")
 
 
 class ClientKey(_Stored):

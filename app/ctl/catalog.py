@@ -208,10 +208,14 @@ def apply(
         sys.stdout.write(f"{where}: {len(specs)} models, valid (dry run: nothing changed)\n")
         return
     current = current_catalog(gateway)
-    # An adapter's base must be in the catalog before it, and may leave it
-    # only after it (docs/architecture.md, LoRA adapters): adapters go last,
-    # and are pruned first.
-    for name, spec in sorted(specs.items(), key=lambda item: item[1].adapter is not None):
+    # External models first, then the others, adapters last; pruned in the
+    # reverse order: another's overflow (docs/architecture.md, Catalog,
+    # Spill-over) and an adapter's base (LoRA adapters) must exist before it
+    # and outlive it.
+    def order(spec: ModelSpec) -> int:
+        return 0 if spec.external is not None else 2 if spec.adapter is not None else 1
+
+    for name, spec in sorted(specs.items(), key=lambda item: order(item[1])):
         body = spec.spec_dump()
         seen = current.get(name)
         if seen is not None and seen[0] == body:
@@ -227,8 +231,8 @@ def apply(
                                  else {"If-None-Match": "*"}))
             result = "created" if status == 201 else "updated"
         sys.stdout.write(f"model {name} {result}\n")
-    for name in sorted(set(current) - set(specs),
-                       key=lambda n: ("adapter" not in current[n][0], n)):
+    for name in sorted(set(current) - set(specs), key=lambda n: (
+            0 if "adapter" in current[n][0] else 2 if "external" in current[n][0] else 1, n)):
         if prune:
             send(gateway, "DELETE", model_path(name), about=f"model {name}: ",
                  headers={"If-Match": current[name][1]})

@@ -50,7 +50,8 @@ def _limits(rec: dict[str, Any]) -> str:
     lim = rec.get("limits") or {}
     said = [f"{lim[name]} {unit}" for name, unit in (
         ("requests_per_minute", "rpm"), ("tokens_per_minute", "tpm"),
-        ("concurrent_requests", "concurrent")) if lim.get(name) is not None]
+        ("concurrent_requests", "concurrent"),
+        ("external_tokens_per_day", "external tokens/day")) if lim.get(name) is not None]
     return ", ".join(said) or "none"
 
 
@@ -72,6 +73,9 @@ def create(
         "--tpm", min=1, help="prompt + completion tokens per minute")] = None,
     concurrency: Annotated[int | None, typer.Option(
         "--concurrency", min=1, help="requests in flight at once")] = None,
+    external_tpd: Annotated[int | None, typer.Option(
+        "--external-tokens-per-day", min=1,
+        help="tokens a day served by models' overflow providers (spill-over)")] = None,
     expires_in: Annotated[str | None, typer.Option(
         "--expires-in", help="stops working after: 30d, 12h, 90m or seconds")] = None,
     expires: Annotated[float | None, typer.Option(
@@ -80,7 +84,8 @@ def create(
 ) -> None:
     """Create a client key; it is printed once, never again."""
     body: dict[str, Any] = {"name": name, "models": model or [], "limits": {
-        "requests_per_minute": rpm, "tokens_per_minute": tpm, "concurrent_requests": concurrency}}
+        "requests_per_minute": rpm, "tokens_per_minute": tpm, "concurrent_requests": concurrency,
+        "external_tokens_per_day": external_tpd}}
     if expires_in is not None and expires is not None:
         raise typer.BadParameter("give --expires-in or --expires, not both",
                                  param_hint="--expires-in")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from app.router.access import Exchange
+from app.router.spill import served_by
 from app.router.table import Endpoint
 from app.router.upstream import Response, header_block
 
@@ -27,7 +28,7 @@ def route_headers(key: str, json_body: bool = True) -> bytes:
 
 def passed_on(upstream: Response, ep: Endpoint, ex: Exchange,
                decoded: bool = False) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-llmgw-replica", ep.replica_id.encode()), ex.header]
+    headers = [(b"x-llmgw-replica", ep.replica_id.encode()), ex.header, *served_by(ex)]
     encoding = upstream.headers.get("content-encoding")
     if encoding is not None and not decoded:  # bytes pass as the engine encoded them
         headers.append((b"content-encoding", encoding.encode()))

@@ -34,7 +34,6 @@ app/router/counting.py, which then adds them (`add_prompt`).
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 import zlib
@@ -43,8 +42,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.router.budget import ExternalBudget
 from app.router.estimates import ask_for_usage as ask_for_usage
 from app.router.estimates import estimate_usage as estimate_usage
+from app.router.overlimit import OverLimit as OverLimit
+from app.router.overlimit import share as share
+from app.router.renamed import renamed_answer, renamed_events
 from app.router.shares import DEMAND_WINDOW, KINDS, KeyLoad, share_of
 
 WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
@@ -61,32 +64,11 @@ class Limits:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     concurrent_requests: int | None = None
+    # Tokens a day served by models' overflows (spill-over, app/router/spill.py).
+    external_tokens_per_day: int | None = None
 
 
 NO_LIMITS = Limits()
-
-
-def share(limit: int | None, gateways: int) -> int | None:
-    """One gateway's share of `limit` among `gateways`: rounded up, so that a
-    key stays usable on every gateway (a share of 0 would refuse it for
-    ever), at the cost of at most `gateways - 1` over the limit in all."""
-    if limit is None:
-        return None
-    return -(-limit // max(gateways, 1))
-
-
-class OverLimit(Exception):
-    """The key is over one of its limits: a 429 with Retry-After."""
-
-    def __init__(self, kind: str, message: str, retry_after: float, limit: str = "",
-                 short: bool = False) -> None:
-        super().__init__(message)
-        self.short = short  # refused on a part below the key's limit
-        self.kind = kind  # "requests" or "tokens", OpenAI's error type
-        self.limit = limit  # the limit's name: requests_per_minute, ...
-        self.message = message
-        # Whole seconds, at least 1: what HTTP's Retry-After can say.
-        self.retry_after = max(1, math.ceil(retry_after))
 
 
 class _KeyState:
@@ -133,6 +115,12 @@ class Limiter:
         # Key id -> limit name -> this gateway's claim; None: equal shares.
         self._claims: dict[str, dict[str, int]] | None = None
         self.on_short: Callable[[], None] | None = None
+        # Tokens served by overflow providers, per key over a day (budget.py).
+        self.external = ExternalBudget(clock, self.claims_of, lambda: self.on_short)
+
+    def claims_of(self, key_id: str) -> Mapping[str, int] | None:
+        """This gateway's claims on `key_id`'s limits; None: no claims loop."""
+        return None if self._claims is None else self._claims.get(key_id, {})
 
     def expired(self, expires: float | None) -> bool:
         return expires is not None and self._wall() >= expires
@@ -212,16 +200,18 @@ class Limiter:
     def key_loads(self) -> dict[str, KeyLoad]:
         """What this gateway holds of each key with limits, and was asked lately."""
         now = self._clock()
-        out: dict[str, KeyLoad] = {}
+        out = self.external.loads()
         for key_id, st in list(self._keys.items()):
             st.prune(now, self._window)
             if st.idle():
                 del self._keys[key_id]
             elif st.limited:
                 used = (len(st.requests), st.token_sum, st.inflight)
-                out[key_id] = KeyLoad(dict(zip(KINDS, used, strict=True)), len(st.asked),
-                                      frozenset(k for k, at in st.refused.items()
-                                                if at > now - DEMAND_WINDOW))
+                ext = out.get(key_id) or KeyLoad({})
+                out[key_id] = KeyLoad({**ext.used, **dict(zip(KINDS[:3], used, strict=True))},
+                                      len(st.asked), ext.refused | frozenset(
+                                          k for k, at in st.refused.items()
+                                          if at > now - DEMAND_WINDOW))
         return out
 
     def _tokens_free_at(self, st: _KeyState, tpm: int) -> float:
@@ -255,6 +245,8 @@ class Limiter:
         if ticket.charge_tokens and tokens:
             st.tokens.append((self._clock(), tokens))
             st.token_sum += tokens
+        if ticket.external and tokens:
+            self.external.charge(ticket.key_id, tokens)
         if st.idle() and self._keys.get(ticket.key_id) is st:
             del self._keys[ticket.key_id]
         counts = self._usage.setdefault((ticket.key_id, ticket.model), [0, 0, 0, 0])
@@ -296,8 +288,8 @@ class Ticket:
     usage its answer reports. `release()` is idempotent."""
 
     __slots__ = ("_done", "_limiter", "body", "charge_tokens", "chat", "completion_tokens",
-                 "count_at", "ended", "events", "key_id", "model", "noted", "prompt_later",
-                 "prompt_tokens", "state", "strip_usage")
+                 "count_at", "ended", "events", "external", "key_id", "model", "noted",
+                 "prompt_later", "prompt_tokens", "rename", "state", "strip_usage")
 
     def __init__(self, limiter: Limiter, key_id: str, model: str, state: _KeyState,
                  charge_tokens: bool) -> None:
@@ -324,6 +316,10 @@ class Ticket:
         # Set on release: the prompt is to be counted by the engine, then
         # added (`Limiter.add_prompt`); prompt_tokens stays 0 until then.
         self.prompt_later = False
+        # Served by an overflow provider: its tokens go to the key's external
+        # budget too (`Limiter.external`).
+        self.external = False
+        self.rename: str | None = None  # spilled: the answer's model, ours (renamed.py)
         self._done = False
 
     def release(self) -> None:
@@ -344,25 +340,33 @@ class Ticket:
         if isinstance(completion, int) and completion >= 0:
             self.completion_tokens = completion
 
-    def read_answer(self, body: bytes, encoding: str | None) -> None:
-        """The usage of a whole JSON answer (gzip or deflate undone for the read)."""
+    def read_answer(self, body: bytes, encoding: str | None) -> bytes:
+        """Notes the usage of a whole JSON answer (gzip or deflate undone for
+        the read); returns what the client gets: `body`, renamed if `rename`."""
+        raw = body
         if encoding is not None:
             if encoding.lower() not in ("gzip", "deflate"):
-                return
+                return raw
             try:
                 body = zlib.decompress(body, wbits=47)  # gzip or zlib, by its header
             except zlib.error:
-                return
+                return raw
         try:
             answer = json.loads(body)
         except (ValueError, UnicodeDecodeError):
-            return
+            return raw
         if isinstance(answer, dict):
             self.note(answer.get("usage"))
+        if self.rename is not None and encoding is None:
+            return renamed_answer(answer, raw, self.rename)
+        return raw
 
     def read_events(self, chunk: bytes) -> bytes:
         """Notes the usage in `chunk` (whole SSE events) and returns what the
-        client gets: `chunk`, less the usage-only event if `strip_usage`."""
+        client gets: `chunk`, less the usage-only event if `strip_usage`,
+        renamed if `rename`."""
+        if self.rename is not None:
+            chunk = renamed_events(chunk, self.rename)
         done = chunk.count(b"data: [DONE]")
         if done:
             self.ended = True

@@ -41,6 +41,7 @@ from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
+from app.router.spill import Spill
 from app.router.table import KeyGrant, RouteTable
 from app.router.timeouts import Timeouts, Watch
 from app.router.upstream import UpstreamClient
@@ -239,7 +240,10 @@ class Proxy:
                     watch, model, url_tail, body,
                     plan.stream if plan else body.get("stream") is True, send, affinity,
                     meter=ticket, ex=ex, pin=plan.pin if plan else None,
-                    encode=plan.encode if plan else None, raw=untouched)
+                    encode=plan.encode if plan else None, raw=untouched,
+                    # A pinned or non-chat route never spills (spill.py).
+                    spill=None if plan else Spill.of(self._table, self.limits,
+                                                     self._timeouts, grant, ex, model))
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -249,7 +253,7 @@ class Proxy:
         except OverLimit as over:
             ex.status = 429
             await send_whole(send, 429, openai_error_body(
-                over.message, over.kind, "rate_limit_exceeded"),
+                over.message, over.kind, over.code),
                 [(b"retry-after", str(over.retry_after).encode()), ex.header])
         except Reply as r:
             ex.status = r.status
@@ -340,8 +344,7 @@ class Proxy:
         if name is None or not grant.allows(name):
             raise error(
                 404, f"The model '{requested}' does not exist or you do not have access to it.",
-                "invalid_request_error", "model_not_found", "model",
-            )
+                "invalid_request_error", "model_not_found", "model")
         body["model"] = name  # engines serve the catalog name, not the alias
         return body, name, name != requested or raw.count(b'"model"') != 1
 

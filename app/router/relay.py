@@ -37,6 +37,7 @@ from app.router.engine_errors import client_fault, read_capped
 from app.router.engine_headers import passed_on, route_headers
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
+from app.router.spill import Spill
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
 from app.router.upstream import Response, UpstreamClient, UpstreamError
@@ -78,7 +79,8 @@ class Upstreams:
                       stream: bool, send: Send,
                       affinity: str | None = None, meter: Ticket | None = None, *,
                       ex: Exchange, pin: str | None = None,
-                      encode: Encoder | None = None, raw: bytes | None = None) -> int:
+                      encode: Encoder | None = None, raw: bytes | None = None,
+                      spill: Spill | None = None) -> int:
         """Forwards to a replica, sends the answer; returns the status for metrics.
 
         `url_tail`: the path and query string to ask the engine for. `body`'s
@@ -90,12 +92,17 @@ class Upstreams:
         replica may take it; `encode`: the request each attempt sends.
         `raw`: the client's bytes, when `body` is exactly what they say (sent
         as they are).
+        `spill`: the model's overflow may take the request instead (spill.py).
         """
         started = [False]  # set by _hold once a held stream's response began
         try:
-            if not self._table.endpoints(model) and self._table.holdable(model):
+            if spill is not None or (not self._table.endpoints(model)
+                                     and self._table.holdable(model)):
                 try:
-                    await self._hold(model, stream, send, started, ex)
+                    if spill is not None:
+                        model = await spill.route(model)  # or its overflow's name
+                    if not self._table.endpoints(model) and self._table.holdable(model):
+                        await self._hold(model, stream, send, started, ex)
                 except asyncio.CancelledError:
                     why = watch.caught()
                     if why is None:
@@ -221,7 +228,7 @@ class Upstreams:
                 answer = await upstream.read()
                 watch.close()  # the answer is whole: a client leaving now changes nothing
                 if meter is not None and upstream.status == 200:
-                    meter.read_answer(answer, upstream.headers.get("content-encoding"))
+                    answer = meter.read_answer(answer, upstream.headers.get("content-encoding"))
                 await send_whole(send, upstream.status, answer, passed_on(upstream, ep, ex),
                                  upstream.headers.get("content-type",
                                                       "application/json").encode())

@@ -39,7 +39,8 @@ FLOOR = 1
 # Shorter: claims follow a moving client sooner, but a client pausing for
 # that long loses its weight in the split.
 DEMAND_WINDOW = 5.0
-KINDS = ("requests_per_minute", "tokens_per_minute", "concurrent_requests")
+KINDS = ("requests_per_minute", "tokens_per_minute", "concurrent_requests",
+         "external_tokens_per_day")
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,10 @@ class RouteTable:
         # counter for the metrics).
         self.hold_timeouts: dict[str, int] = {}
         self._routable: dict[str, asyncio.Event] = {}
+        # Spill-over (spill.py): model -> its overflow, an external model;
+        # requests spilled per (model, reason), ever (a counter for the metrics).
+        self._overflow: dict[str, str] = {}
+        self.spills: dict[tuple[str, str], int] = {}
         # Engine counts older than this are unknown (a poll every second).
         self.stale_after = 3.0
         self.rand: Callable[[], float] = random.random
@@ -135,6 +139,26 @@ class RouteTable:
         self._holdable = frozenset(models)
         for model in [m for m in self._routable if m not in self._holdable]:
             self._routable.pop(model).set()  # no longer coming: answer them now
+
+    def set_overflow(self, overflow: Mapping[str, str]) -> None:
+        self._overflow = dict(overflow)  # model -> the external model it spills to
+
+    def overflow(self, model: str) -> str | None:
+        return self._overflow.get(model)
+
+    def spilled(self, model: str, reason: str) -> None:
+        self.spills[model, reason] = self.spills.get((model, reason), 0) + 1
+
+    def saturated(self, model: str) -> bool:
+        """Whether `model` has endpoints, every warm one saturated (choice.tier)."""
+        eps = list(self._endpoints.get(model, ()))
+        if self._cooling and eps:
+            eps = self._warm(eps) or eps
+        if not eps:
+            return False
+        _, full = choice.tier([_candidate(e) for e in eps], self._fresh_loads(eps),
+                              self.queued())
+        return full
 
     def holdable(self, model: str) -> bool:
         return model in self._holdable

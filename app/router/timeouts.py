@@ -50,6 +50,9 @@ class Timeouts:
     # held, and how many such requests a model may have waiting here.
     cold_start: float = 300.0
     cold_start_held: int = 64
+    # Spill-over: how long a request for a model with an overflow waits for
+    # a replica on its way before it spills (app/router/spill.py).
+    spill_hold: float = 10.0
 
 
 class Why(enum.Enum):

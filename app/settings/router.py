@@ -55,6 +55,11 @@ class RouterSettings(Group):
     # Requests one gateway holds per starting model; more answer 503 with
     # Retry-After at once. Each held request is one open connection.
     cold_start_max_held: int = Field(64, ge=0)
+    # Spill-over: a request for a model with an overflow (docs/architecture.md,
+    # Catalog) waits this long for a replica on its way, then goes to the
+    # overflow instead. Longer spends less of the keys' external budgets on
+    # cold starts, at that much more latency for the requests that spill.
+    spill_hold: float = Field(10.0, gt=0)
 
     # --- client keys (docs/architecture.md, "Client keys") -------------------------
     # Seconds between this gateway's writes of client key usage (one

@@ -167,7 +167,7 @@ def _check_profile(p: Profile, at: Loc) -> list[FieldError]:
 
 
 _NOT_EXTERNAL = ("model", "revision", "engine", "gpus", "profiles", "replicas", "load_target",
-                 "idle_timeout", "quota")
+                 "idle_timeout", "quota", "overflow")
 
 
 def check_spec(spec: ModelSpec, model_roots: Sequence[str],
@@ -257,6 +257,9 @@ def check_catalog(models: Mapping[str, ModelSpec], model_roots: Sequence[str],
         why = adapter_problem(models[name], models)
         if why is not None:
             out.append(FieldError(("models", name, "adapter", "base"), why))
+        problem = overflow_problem(name, models[name], models)
+        if problem is not None:
+            out.append(FieldError(("models", name, "overflow"), problem))
     taken = {n: n for n in models}
     for name in sorted(models):
         for i, alias in enumerate(models[name].aliases):
@@ -265,6 +268,29 @@ def check_catalog(models: Mapping[str, ModelSpec], model_roots: Sequence[str],
                 out.append(FieldError(("models", name, "aliases", i),
                                       f"{alias!r} already names model {owner!r}"))
     return out
+
+
+def overflow_problem(name: str, spec: ModelSpec,
+                     models: Mapping[str, ModelSpec]) -> str | None:
+    """Why `spec`'s overflow (docs/architecture.md, Catalog, *Spill-over*)
+    cannot be, given the rest of the catalog: it must name an external model."""
+    target = spec.overflow
+    if target is None or spec.external is not None:
+        return None  # an external model's overflow is refused by check_spec
+    if target == name:
+        return "a model cannot overflow to itself"
+    other = models.get(target)
+    if other is None:
+        return f"{target!r} is not in the catalog: add the external model first"
+    if other.external is None:
+        return f"{target!r} is not an external model: an overflow goes to a provider"
+    return None
+
+
+def overflowing_to(target: str, models: Mapping[str, ModelSpec]) -> list[str]:
+    """The models whose overflow is `target`: while any is, `target` stays
+    external (deleting it, or making it local, is refused)."""
+    return sorted(n for n, m in models.items() if m.overflow == target and n != target)
 
 
 def parse_catalog(data: object, model_roots: Sequence[str],

@@ -246,6 +246,11 @@ class ModelSpec(BaseModel):
     adapter: Adapter | None = Field(
         default=None, description="a LoRA adapter of another catalog model, instead of "
                                   "weights and profiles of its own")
+    overflow: str | None = Field(
+        default=None, max_length=128,
+        description="an external model of the catalog that takes this model's requests when "
+                    "every replica is saturated or none is ready within the hold "
+                    "(LLMGW_SPILL_HOLD), charged to the key's external_tokens_per_day")
 
     @field_validator("model")
     @classmethod
@@ -273,6 +278,11 @@ class ModelSpec(BaseModel):
     @classmethod
     def _quota(cls, v: str | None) -> str | None:
         return check_name(v, "quota scope") if v is not None else v
+
+    @field_validator("overflow")
+    @classmethod
+    def _overflow(cls, v: str | None) -> str | None:
+        return check_name(v, "overflow model") if v is not None else v
 
     @property
     def profile_list(self) -> list[Profile]:

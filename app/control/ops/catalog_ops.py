@@ -23,6 +23,7 @@ from app.control.ops.base import SETTLE, State
 from app.control.ops.conditions import Deadline, Precondition, etag
 from app.control.ops.refusals import Busy, InUse, Invalid, NotFound, Taken
 from app.store.base import Compare, Delete, Op, Put
+from app.wire import catalog as rules
 from app.wire.adapters import adapter_problem, base_problem
 
 _TRIES = 5
@@ -62,6 +63,15 @@ class CatalogOps:
             why = base_problem(name, spec, models)
             if why is not None:
                 raise InUse(why)
+            # Spill-over (docs/architecture.md, Catalog): an overflow names an
+            # external model, which stays external while one names it.
+            why = rules.overflow_problem(name, spec, models)
+            if why is not None:
+                raise Invalid(("overflow",), why)
+            users = rules.overflowing_to(name, models)
+            if spec.external is None and users:
+                raise InUse(f"model {name!r} is the overflow of {', '.join(users)}: "
+                            "it must stay external")
             existed = name in models
             created = models[name].created if existed else time.time()
             value = catalog.stored_value(name, created, spec)
@@ -82,6 +92,10 @@ class CatalogOps:
             why = base_problem(name, None, self._state.mirror.models())
             if why is not None:
                 raise InUse(why)
+            users = rules.overflowing_to(name, self._state.mirror.models())
+            if users:
+                raise InUse(f"model {name!r} is the overflow of {', '.join(users)}: "
+                            "change their overflow first")
             return [Delete(s.MODELS + name)]
 
         await self._write(decide, deadline, cond.given)

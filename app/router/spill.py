@@ -1,0 +1,95 @@
+"""Spill-over: a request the fleet cannot take goes to its model's overflow,
+an external model of the catalog (docs/architecture.md, Catalog, *Spill-over*).
+
+Decided once per request, before the first attempt, with no I/O but the
+short hold for a replica on its way:
+
+* `saturated`: every routable replica is saturated (the router's own
+  notion, `choice.tier`: the engine's queue or KV cache full, a serial
+  engine's queue over every gateway), where without an overflow the
+  request would queue on one of them;
+* `hold_timeout`: no replica routable, one on its way, and none became
+  ready within `Timeouts.spill_hold` (shorter than a cold start's hold);
+* `hold_full`: as that, but this gateway already holds its most requests;
+* `no_replica`: no replica routable and none on its way (where without an
+  overflow the client gets the 503).
+
+A spill is charged to the key's external budget (`external_tokens_per_day`,
+budget.py): refused with a 429 `external_budget_exceeded` when spent. An
+overflow that is itself withheld (its key file unreadable) takes nothing:
+the request goes on as if the model had none.
+"""
+
+from __future__ import annotations
+
+from app.router.access import Exchange
+from app.router.limits import Limiter
+from app.router.table import KeyGrant, RouteTable
+from app.router.timeouts import Timeouts
+
+REASONS = ("saturated", "hold_timeout", "hold_full", "no_replica")
+
+
+def served_by(ex: Exchange) -> list[tuple[bytes, bytes]]:
+    """The answer's header naming where a spilled request was served: none
+    for one served by the fleet (it has `x-llmgw-replica`)."""
+    t = ex.ticket
+    return [(b"x-llmgw-served-by", b"overflow:" + t.model.encode())] if t and t.external else []
+
+
+class Spill:
+    """One request's way to its model's overflow, for `relay.forward`."""
+
+    __slots__ = ("_ex", "_grant", "_limiter", "_table", "_timeouts")
+
+    def __init__(self, table: RouteTable, limiter: Limiter, timeouts: Timeouts,
+                 grant: KeyGrant, ex: Exchange) -> None:
+        self._table = table
+        self._limiter = limiter
+        self._timeouts = timeouts
+        self._grant = grant
+        self._ex = ex
+
+    @staticmethod
+    def of(table: RouteTable, limiter: Limiter, timeouts: Timeouts, grant: KeyGrant,
+           ex: Exchange, model: str) -> Spill | None:
+        """The request's way to `model`'s overflow; None: it has none."""
+        if table.overflow(model) is None:
+            return None
+        return Spill(table, limiter, timeouts, grant, ex)
+
+    async def route(self, model: str) -> str:
+        """The model to send the request to: `model`, or its overflow (OverLimit
+        when the key's external budget is spent). May hold the request up to
+        `spill_hold` for a replica on its way; a cancellation (the watch's)
+        propagates."""
+        table = self._table
+        target = table.overflow(model)
+        if target is None or not table.endpoints(target):
+            return model  # an overflow withheld (its key file unreadable) takes nothing
+        if table.endpoints(model):
+            return self._to_overflow(model, "saturated") if table.saturated(model) else model
+        if not table.holdable(model):
+            return self._to_overflow(model, "no_replica")
+        if not table.hold(model, self._timeouts.cold_start_held):
+            return self._to_overflow(model, "hold_full")
+        try:
+            if await table.wait_routable(model, self._timeouts.spill_hold):
+                return model
+        finally:
+            table.unhold(model)
+        return self._to_overflow(model, "hold_timeout")
+
+    def _to_overflow(self, model: str, reason: str) -> str:
+        target = self._table.overflow(model)
+        assert target is not None
+        ticket = self._ex.ticket
+        assert ticket is not None
+        grant = self._grant
+        self._limiter.external.check(grant.id, grant.limits.external_tokens_per_day,
+                                     grant.gateways, model, target)
+        ticket.external = True
+        ticket.model = target  # its usage is the overflow's (GET /admin/keys/{id}/usage)
+        ticket.rename = model  # the answer names the model as our engines do
+        self._table.spilled(model, reason)
+        return target

@@ -1,0 +1,102 @@
+"""Spill-over on real processes: a gateway whose one replica (the vLLM
+stand-in) is saturated sends a model's requests to its overflow, a second
+stand-in acting as the outside provider, through the `openai` client; the
+key's external budget spent is a 429; a model without overflow queues on its
+replica as before (docs/architecture.md, Catalog, *Spill-over*)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.procs import Cluster, put_model, replicas, wait_for
+from tests.support.scrape import samples, scrape_text
+from tests.test_ctl import ok_json, ok_on
+from tests.test_key_files import provider as provider  # the stand-in as a provider
+
+
+def test_a_saturated_fleet_spills_to_the_provider(
+    solo: Cluster, tmp_path: Path, provider: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "provider.key").write_text("sk-good\n")
+    # Every engine this gateway's agent starts reports 8 requests waiting:
+    # saturated (app/router/choice.py) from its first scrape on.
+    monkeypatch.setenv("FAKE_VLLM_BASE_LOAD", "1,8")
+    gw = solo.gateway("gw", local_node="gpu-1", local_gpus="2",
+                      provider_key_dir=str(keys), publish_interval="0.3")
+    put_model(gw, "remote", {"external": {"url": provider, "model": "other-model",
+                                          "api_key_file": str(keys / "provider.key")}})
+    with gw.admin() as admin:
+        # An overflow must be an external model of the catalog.
+        r = admin.put("/admin/models/m", json={"model": "acme/m", "gpus": 1,
+                                               "overflow": "nowhere"})
+        assert r.status_code == 422 and "'nowhere' is not in the catalog" in r.text, r.text
+        assert r.json()["errors"][0]["loc"] == ["body", "overflow"]
+        put_model(gw, "m", {"model": "acme/m", "gpus": 1, "overflow": "remote"})
+        put_model(gw, "plain", {"model": "acme/p", "gpus": 1})
+        # The overflow stays while a model names it.
+        r = admin.delete("/admin/models/remote")
+        assert r.status_code == 409 and "overflow of m" in r.text, r.text
+        r = admin.put("/admin/models/remote", json={"model": "acme/r", "gpus": 1})
+        assert r.status_code == 409 and "must stay external" in r.text, r.text
+    created = ok_json("keys", "create", "spill", "--external-tokens-per-day", "40",
+                      gateway=gw.url)
+    key = created["key"]
+    assert created["limits"]["external_tokens_per_day"] == 40
+    assert "40 external tokens/day" in ok_on(gw, "keys", "show", created["id"])
+
+    wait_for(lambda: len([x for x in replicas(gw) if x["phase"] == "ready"]) == 2, 30,
+             "both replicas ready")
+
+    def saturated(model: str) -> bool:
+        with gw.admin() as admin:
+            eps = admin.get("/admin/routes", params={"model": model}).json()["endpoints"]
+        return bool(eps) and all(e["why"] == "candidate (every tier saturated)" for e in eps)
+
+    wait_for(lambda: saturated("m") and saturated("plain"), 15, "the replicas seen saturated")
+    with gw.admin() as admin:
+        assert admin.get("/admin/routes", params={"model": "m"}).json()["overflow"] == "remote"
+
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=20)
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": "hello"}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=messages)
+    assert raw.headers["x-llmgw-served-by"] == "overflow:remote"
+    answer = raw.parse()
+    assert answer.choices[0].message.content == "fake-vllm other-model echo: hello"
+    assert answer.model == "m"  # the provider's "other-model", renamed as ours answer
+    assert answer.usage is not None
+    spent = answer.usage.total_tokens
+
+    with client.chat.completions.with_streaming_response.create(
+            model="m", messages=messages, stream=True) as stream:
+        assert stream.headers["x-llmgw-served-by"] == "overflow:remote"
+        chunks = list(stream.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert {c.model for c in chunks} == {"m"}
+    assert text == "fake-vllm other-model echo: hello"
+
+    # A model without overflow is served by its saturated replica, as before.
+    raw = client.chat.completions.with_raw_response.create(model="plain", messages=messages)
+    assert "x-llmgw-served-by" not in raw.headers
+    assert raw.parse().choices[0].message.content == "fake-vllm plain echo: hello"
+
+    # The key's external budget (40 tokens a day) runs out: a 429 of its own.
+    served = 2
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(10):
+            client.chat.completions.create(model="m", messages=messages)
+            served += 1
+    assert served * spent >= 40 > (served - 1) * spent
+    body = refused.value.body
+    assert isinstance(body, dict) and body["code"] == "external_budget_exceeded", body
+    assert "external_tokens_per_day 40" in body["message"]
+
+    metrics = samples(scrape_text(gw.url))
+    assert metrics[("llmgw_spills_total", (("model", "m"), ("reason", "saturated")))] == served
+    assert httpx.get(gw.url + "/healthz").status_code == 200
