@@ -70,7 +70,8 @@ def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Pa
     assert ok(gw, "model", "put", "a", str(spec))[0] == "model a updated"
     assert get(gw, "/admin/models/a")["aliases"] == ["a-big"]
     answer = json.loads("\n".join(ok(gw, "model", "put", "a", str(spec), "--json")))
-    assert answer["result"] == "updated" and answer["model"]["status"]["wanted"] == 0
+    # The same spec again: nothing written.
+    assert answer["result"] == "unchanged" and answer["model"]["status"]["wanted"] == 0
 
     # show prints what put takes back: the round trip changes nothing.
     shown = ok(gw, "model", "show", "a")
@@ -78,9 +79,9 @@ def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Pa
     assert yaml.safe_load("\n".join(shown)) == {
         "model": "acme/a", "aliases": ["a-big"], "gpus": 1, "replicas": {"min": 0, "max": 0}}
     before = get(gw, "/admin/models/a")
-    assert ok(gw, "model", "put", "a", "-", stdin="\n".join(shown))[0] == "model a updated"
+    assert ok(gw, "model", "put", "a", "-", stdin="\n".join(shown))[0] == "model a unchanged"
     after = get(gw, "/admin/models/a")
-    assert after["etag"] != before["etag"]  # written again, so a new revision
+    assert after["etag"] == before["etag"]  # not written again
     assert {k: v for k, v in after.items() if k not in ("status", "etag")} == {
         k: v for k, v in before.items() if k not in ("status", "etag")}
 
@@ -291,3 +292,21 @@ def test_every_write_carries_a_deadline_and_apply_conditions_each_on_what_it_rea
     for headers in writes.values():
         deadline = float(headers["x-request-deadline"])
         assert before + TIMEOUT - 1 < deadline < time.time() + TIMEOUT, headers
+
+
+def test_putting_back_what_show_printed_changes_nothing(gw: GatewayProc, tmp_path: Path) -> None:
+    """`model show NAME > f; model put NAME f`: the spec round-trips, so no
+    write (the ETag and the catalog serial stay), no rollout, the replica
+    stays (docs/architecture.md, Catalog writes)."""
+    before = get(gw, "/admin/models/m")
+    replica = [r["id"] for r in get(gw, "/admin/replicas") if r["model"] == "m"]
+    shown = tmp_path / "m.yaml"
+    shown.write_text("\n".join(ok(gw, "model", "show", "m")) + "\n")
+    said = ok(gw, "model", "put", "m", str(shown))
+    assert said[0] == "model m unchanged", said
+    after = get(gw, "/admin/models/m")
+    assert after["etag"] == before["etag"]
+    assert after["created"] == before["created"]
+    time.sleep(1.5)  # a few leader ticks: nothing rolls
+    assert [r["id"] for r in get(gw, "/admin/replicas") if r["model"] == "m"] == replica
+    assert "rolling m" not in gw.output()

@@ -4,7 +4,8 @@ catalog written over PUT and DELETE /admin/models/{name} and read from GET
 app/ctl/__init__.py.
 
 `model put` sends a spec as written and the gateway checks it (its 422
-names the field); with `--if-match` (the ETag `model show` prints) only if
+names the field; the spec it already has is written nothing, "unchanged");
+with `--if-match` (the ETag `model show` prints) only if
 the model is still as read (412 otherwise). `catalog apply` checks the
 whole file here first, with the gateway's own rules
 (app/wire/catalog.py), so that a bad file changes nothing; only the
@@ -108,10 +109,13 @@ def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
     conditions = {"If-None-Match": "*"} if create else {}
     if if_match is not None:
         conditions["If-Match"] = quoted(if_match)
+    before = current_catalog(gateway).get(name)
     status, _ = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ",
                      headers=conditions)
-    result = "created" if status == 201 else "updated"
     data = request(gateway, "GET", model_path(name))
+    # The gateway writes nothing for the spec it has (its ETag stays).
+    result = "created" if status == 201 else "unchanged" if (
+        before is not None and data.get("etag") == before[1]) else "updated"
     if as_json:
         out({"result": result, "model": data}, True)
         return
