@@ -124,6 +124,7 @@ def test_export_apply_and_prune(gw: GatewayProc, tmp_path: Path) -> None:
     before = get(gw, "/admin/catalog")
     assert sorted(before["models"]) == ["m", "x", "y"]
     created = {m["name"]: m["created"] for m in get(gw, "/admin/models")}
+    etags = {m["name"]: m["etag"] for m in get(gw, "/admin/models")}
 
     exported = "\n".join(ok(gw, "catalog", "export"))
     assert json.loads(exported) == before
@@ -145,11 +146,16 @@ def test_export_apply_and_prune(gw: GatewayProc, tmp_path: Path) -> None:
     del edited["models"]["y"]
     edited["models"]["z"] = {"model": "acme/z", "gpus": 1, "replicas": {"min": 0, "max": 0}}
     as_yaml.write_text(yaml.safe_dump(edited))
+    # The dry run reads the catalog and says what apply would do, model by model.
     dry = ok(gw, "catalog", "apply", str(as_yaml), "--dry-run", "--prune")
-    assert dry == ["model m: would be put", "model x: would be put", "model z: would be put",
-                   "model y: would be deleted",
+    assert dry == ["model m: unchanged", "model x: would be updated",
+                   "model z: would be created", "model y: would be deleted",
                    f"{as_yaml}: 3 models, valid (dry run: nothing changed)"], dry
+    dry = ok(gw, "catalog", "apply", str(as_yaml), "--dry-run")
+    assert dry[-2:] == [f"model y: would be kept: not in {as_yaml} (--prune deletes it)",
+                        f"{as_yaml}: 3 models, valid (dry run: nothing changed)"], dry
     assert get(gw, "/admin/catalog") == before
+    assert {m["name"]: m["etag"] for m in get(gw, "/admin/models")} == etags
 
     assert ok(gw, "catalog", "apply", str(as_yaml)) == [
         "model m unchanged", "model x updated", "model z created",
