@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -37,12 +38,13 @@ def _node_name(value: str) -> str:
 
 
 def _positive(value: str) -> float:
-    """Seconds, > 0 (argparse applies it to an environment default too)."""
+    """Seconds, finite and > 0 (argparse applies it to an environment
+    default too): nan and inf are refused."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = 0.0
-    if not seconds > 0:
+    if not (math.isfinite(seconds) and seconds > 0):
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
     return seconds
 
@@ -372,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="where self-upgrades come from: a package index URL (credentials "
                     "in it or in ~/.netrc; never shown) or an absolute path to a folder of "
                     "wheels; empty (the default): upgrades are refused")
-    ap.add_argument("--upgrade-timeout", type=float,
-                    default=float(os.environ.get("LLMGW_AGENT_UPGRADE_TIMEOUT", "300")),
+    ap.add_argument("--upgrade-timeout", type=_positive,
+                    default=os.environ.get("LLMGW_AGENT_UPGRADE_TIMEOUT", "300"),
                     help="seconds each pip run of an upgrade may take (default: %(default)s)")
     ap.add_argument("--start-timeout", type=_positive,
                     default=os.environ.get("LLMGW_ENGINE_START_TIMEOUT", "1800"),

@@ -116,3 +116,32 @@ async def test_a_catalog_that_never_settles_is_busy(
     assert busy.value.what == "catalog" and changed == 5
     store.txn = real_txn  # type: ignore[method-assign]
     assert await store.get(s.MODELS + "m") is None
+
+
+async def test_a_put_of_the_spec_as_stored_writes_nothing(
+        parts: tuple[EmbeddedStore, Mirror]) -> None:
+    """`model show` then `model put` of what it printed: no write, so the
+    ETag and the catalog serial stay and no mirror wakes for it; the
+    record's preconditions are still checked (docs/architecture.md,
+    Catalog writes)."""
+    store, mirror = parts
+    ops = CatalogOps(Parts(store, mirror), "gw-a")
+    made = await ops.put_model("m", spec("a1"), NO_PRECONDITION, no_deadline())
+    serial = await store.get(s.CATALOG_SERIAL)
+    assert serial is not None
+    shown = s.ModelSpec.model_validate(mirror.models()["m"].spec_dump())  # as show prints it
+    again = await ops.put_model("m", shown, NO_PRECONDITION, no_deadline())
+    assert again.existed and not again.changed and again.etag == made.etag
+    assert again.stored == made.stored
+    after = await store.get(s.CATALOG_SERIAL)
+    assert after is not None and after.mod_revision == serial.mod_revision
+    with pytest.raises(PreconditionFailed):
+        await ops.put_model("m", shown, Precondition(if_match=('"1"',)), no_deadline())
+    with pytest.raises(PreconditionFailed):
+        await ops.put_model("m", shown, Precondition(if_none_match=("*",)), no_deadline())
+    # A spec that differs only in a field written out at its default is a change:
+    # the stored spec is the spec as given.
+    changed = await ops.put_model("m", s.ModelSpec.model_validate(
+        {"model": "org/m", "gpus": 1, "aliases": ["a1"], "revision": "main"}),
+        NO_PRECONDITION, no_deadline())
+    assert changed.changed and changed.etag != made.etag

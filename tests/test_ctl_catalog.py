@@ -70,7 +70,8 @@ def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Pa
     assert ok(gw, "model", "put", "a", str(spec))[0] == "model a updated"
     assert get(gw, "/admin/models/a")["aliases"] == ["a-big"]
     answer = json.loads("\n".join(ok(gw, "model", "put", "a", str(spec), "--json")))
-    assert answer["result"] == "updated" and answer["model"]["status"]["wanted"] == 0
+    # The same spec again: nothing written.
+    assert answer["result"] == "unchanged" and answer["model"]["status"]["wanted"] == 0
 
     # show prints what put takes back: the round trip changes nothing.
     shown = ok(gw, "model", "show", "a")
@@ -78,9 +79,9 @@ def test_put_from_a_file_and_from_stdin_then_again(gw: GatewayProc, tmp_path: Pa
     assert yaml.safe_load("\n".join(shown)) == {
         "model": "acme/a", "aliases": ["a-big"], "gpus": 1, "replicas": {"min": 0, "max": 0}}
     before = get(gw, "/admin/models/a")
-    assert ok(gw, "model", "put", "a", "-", stdin="\n".join(shown))[0] == "model a updated"
+    assert ok(gw, "model", "put", "a", "-", stdin="\n".join(shown))[0] == "model a unchanged"
     after = get(gw, "/admin/models/a")
-    assert after["etag"] != before["etag"]  # written again, so a new revision
+    assert after["etag"] == before["etag"]  # not written again
     assert {k: v for k, v in after.items() if k not in ("status", "etag")} == {
         k: v for k, v in before.items() if k not in ("status", "etag")}
 
@@ -123,6 +124,7 @@ def test_export_apply_and_prune(gw: GatewayProc, tmp_path: Path) -> None:
     before = get(gw, "/admin/catalog")
     assert sorted(before["models"]) == ["m", "x", "y"]
     created = {m["name"]: m["created"] for m in get(gw, "/admin/models")}
+    etags = {m["name"]: m["etag"] for m in get(gw, "/admin/models")}
 
     exported = "\n".join(ok(gw, "catalog", "export"))
     assert json.loads(exported) == before
@@ -144,11 +146,16 @@ def test_export_apply_and_prune(gw: GatewayProc, tmp_path: Path) -> None:
     del edited["models"]["y"]
     edited["models"]["z"] = {"model": "acme/z", "gpus": 1, "replicas": {"min": 0, "max": 0}}
     as_yaml.write_text(yaml.safe_dump(edited))
+    # The dry run reads the catalog and says what apply would do, model by model.
     dry = ok(gw, "catalog", "apply", str(as_yaml), "--dry-run", "--prune")
-    assert dry == ["model m: would be put", "model x: would be put", "model z: would be put",
-                   "model y: would be deleted",
+    assert dry == ["model m: unchanged", "model x: would be updated",
+                   "model z: would be created", "model y: would be deleted",
                    f"{as_yaml}: 3 models, valid (dry run: nothing changed)"], dry
+    dry = ok(gw, "catalog", "apply", str(as_yaml), "--dry-run")
+    assert dry[-2:] == [f"model y: would be kept: not in {as_yaml} (--prune deletes it)",
+                        f"{as_yaml}: 3 models, valid (dry run: nothing changed)"], dry
     assert get(gw, "/admin/catalog") == before
+    assert {m["name"]: m["etag"] for m in get(gw, "/admin/models")} == etags
 
     assert ok(gw, "catalog", "apply", str(as_yaml)) == [
         "model m unchanged", "model x updated", "model z created",
@@ -310,6 +317,8 @@ def test_apply_puts_adapters_after_their_base_and_prunes_them_first(
     out = ok(gw, "catalog", "apply", str(file), "--prune")
     assert out[-2:] == ["model a-sql deleted", "model zz-base deleted"], out
     assert get(gw, "/admin/catalog") == start
+
+
 def test_apply_puts_overflows_first_and_prunes_them_last(gw: GatewayProc,
                                                           tmp_path: Path) -> None:
     """A model's overflow must exist before it and outlive it (Catalog,
@@ -329,3 +338,19 @@ def test_apply_puts_overflows_first_and_prunes_them_last(gw: GatewayProc,
     out = ok(gw, "catalog", "apply", str(path), "--prune")
     assert out[-3:] == ["model a deleted", "model c deleted", "model b-remote deleted"], out
     assert get(gw, "/admin/catalog") == before
+def test_putting_back_what_show_printed_changes_nothing(gw: GatewayProc, tmp_path: Path) -> None:
+    """`model show NAME > f; model put NAME f`: the spec round-trips, so no
+    write (the ETag and the catalog serial stay), no rollout, the replica
+    stays (docs/architecture.md, Catalog writes)."""
+    before = get(gw, "/admin/models/m")
+    replica = [r["id"] for r in get(gw, "/admin/replicas") if r["model"] == "m"]
+    shown = tmp_path / "m.yaml"
+    shown.write_text("\n".join(ok(gw, "model", "show", "m")) + "\n")
+    said = ok(gw, "model", "put", "m", str(shown))
+    assert said[0] == "model m unchanged", said
+    after = get(gw, "/admin/models/m")
+    assert after["etag"] == before["etag"]
+    assert after["created"] == before["created"]
+    time.sleep(1.5)  # a few leader ticks: nothing rolls
+    assert [r["id"] for r in get(gw, "/admin/replicas") if r["model"] == "m"] == replica
+    assert "rolling m" not in gw.output()

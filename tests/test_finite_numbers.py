@@ -62,3 +62,35 @@ async def test_a_key_s_expiry_must_be_a_finite_number(tmp_path: Path) -> None:
         assert (await c.get("/admin/keys")).json() == []
         r = await c.post("/admin/keys", json={"name": "d", "expires_in": 60})
         assert r.status_code == 201 and r.json()["expires"] > time.time()
+
+
+async def test_a_node_s_report_with_a_number_that_is_not_finite_is_a_422(
+        tmp_path: Path) -> None:
+    """A heartbeat's or a status report's NaN or infinity (memory, utilization,
+    a status's time) is refused whole, as a problem naming the field; the
+    node as stored keeps its last good report."""
+    async with gateway(tmp_path, node_token(SECRET, "n1")) as (app, c):
+        url = "/agent/v1/nodes/n1"
+        good = {"name": "n1", "cpus": 4, "memory_mib": 1024, "gpus": [
+            {"index": 0, "memory_mib": 81920, "memory_free_mib": 1000, "utilization": 5}]}
+        r = await c.put(url, json=good)
+        assert r.status_code == 200, r.text
+        for bad in ("NaN", "Infinity", "-Infinity"):
+            for where in ('"memory_mib": X', '"cpus": X',
+                          '"gpus": [{"index": 0, "memory_mib": X}]',
+                          '"gpus": [{"index": 0, "utilization": X}]',
+                          '"gpus": [{"index": 0, "memory_free_mib": X}]'):
+                body = '{"name": "n1", ' + where.replace("X", bad) + "}"
+                r = await c.put(url, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 422, (body, r.text)
+                assert r.headers["content-type"].startswith("application/problem+json")
+            body = ('{"replicas": [{"id": "r1", "node": "n1", "phase": "ready", '
+                    f'"updated": {bad}}}]}}')
+            r = await c.put(url + "/status", content=body,
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["errors"][0]["loc"][-1] == "updated", r.text
+        mirror = app.state.gateway.mirror
+        await until(lambda: "n1" in mirror.nodes(), "the node mirrored")
+        node = mirror.nodes()["n1"]
+        assert node.memory_mib == 1024 and node.gpus[0].utilization == 5

@@ -131,3 +131,30 @@ def test_place_missing_places_away_from_failed_nodes_and_counts_each_placed_repl
     assert set(f.live) == {"r1", "m-a", "m-b"}
     assert out.unplaced == {
         "m": "n1: needs 1 free GPUs, has 0 of 2; n2: needs 1 free GPUs, has 0 of 1"}
+
+
+def test_a_spec_put_back_as_show_printed_it_keeps_its_replicas_current() -> None:
+    """`model show` then `model put` (the all-in-one's llama.cpp model, a
+    profile with vLLM's own fields): the spec read back from show's YAML
+    holds each replica placed from it current (no rollout)."""
+    import yaml
+
+    from app.control import catalog
+    for given in ({"model": "/w/SmolLM2.gguf", "aliases": ["small"], "engine": "llamacpp"},
+                  {"model": "org/m", "revision": "0123", "profiles": [
+                      {"name": "a", "gpu_memory_utilization": 0.9, "max_model_len": 4096,
+                       "engine_args": ["--max_num_seqs=8"]}]}):
+        stored = s.StoredModel.model_validate_json(catalog.stored_value(
+            "m", 1.0, s.ModelSpec.model_validate(given)))
+        prof = stored.profile_list[0]
+        assert stored.model is not None
+        rep = s.Replica(id="m-1", model="m", node="n", gpus=[0] * prof.gpu_count,
+                        engine=prof.engine, weights=stored.model,
+                        weights_revision=stored.revision, profile=prof.name,
+                        engine_args=prof.engine_flags, secret="k")
+        shown = yaml.safe_dump(stored.spec_dump(), sort_keys=False, allow_unicode=True)
+        back = s.StoredModel.model_validate_json(catalog.stored_value(
+            "m", 1.0, s.ModelSpec.model_validate(yaml.safe_load(shown))))
+        mine = sort_out(back, ["m-1"], {"m-1": rep}, ready={"m-1"}, loads={}, nodeconfs={},
+                        failed=set(), secret_id="k", unrecorded_secret_id="k")
+        assert (mine.current, mine.stale) == (["m-1"], []), given

@@ -196,3 +196,36 @@ def test_checks_across_groups_still_refuse_with_their_messages(
     monkeypatch.setenv("LLMGW_PROVIDER_KEY_DIR", str(tmp_path))
     with pytest.raises(ValidationError, match="must not be, hold or lie in LLMGW_DATA_DIR"):
         Settings()
+
+
+def _float_fields(group: type[BaseModel]) -> list[str]:
+    return [name for name, f in group.model_fields.items()
+            if f.annotation is float or f.annotation == (float | None)]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "NaN", "Infinity"])
+def test_no_float_setting_takes_a_number_that_is_not_finite(
+        monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    floats = [(g, n) for g in GROUPS for n in _float_fields(g)]
+    assert len(floats) >= 30, floats  # every one, bounded or not
+    for group, name in floats:
+        var = f"LLMGW_{name.upper()}"
+        monkeypatch.setenv(var, raw)
+        with pytest.raises(ValidationError) as refused:
+            group()
+        errors = refused.value.errors()
+        assert len(errors) == 1 and errors[0]["loc"] == (name,), (name, errors)
+        assert f"{var} must be a finite number" in errors[0]["msg"], (name, errors)
+        monkeypatch.delenv(var)
+
+
+def test_a_setting_that_is_not_finite_is_one_line_naming_its_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    from app.cli import _settings
+    monkeypatch.setenv("LLMGW_DATA_DIR", str(tmp_path / "d"))
+    monkeypatch.setenv("LLMGW_ETCD_TIMEOUT", "nan")
+    with pytest.raises(SystemExit):
+        _settings()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "LLMGW_ETCD_TIMEOUT must be a finite number" in err[0], err

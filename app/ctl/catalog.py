@@ -4,7 +4,8 @@ catalog written over PUT and DELETE /admin/models/{name} and read from GET
 app/ctl/__init__.py.
 
 `model put` sends a spec as written and the gateway checks it (its 422
-names the field); with `--if-match` (the ETag `model show` prints) only if
+names the field; the spec it already has is written nothing, "unchanged");
+with `--if-match` (the ETag `model show` prints) only if
 the model is still as read (412 otherwise). `catalog apply` checks the
 whole file here first, with the gateway's own rules
 (app/wire/catalog.py), so that a bad file changes nothing; only the
@@ -108,10 +109,13 @@ def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
     conditions = {"If-None-Match": "*"} if create else {}
     if if_match is not None:
         conditions["If-Match"] = quoted(if_match)
+    before = current_catalog(gateway).get(name)
     status, _ = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ",
                      headers=conditions)
-    result = "created" if status == 201 else "updated"
     data = request(gateway, "GET", model_path(name))
+    # The gateway writes nothing for the spec it has (its ETag stays).
+    result = "created" if status == 201 else "unchanged" if (
+        before is not None and data.get("etag") == before[1]) else "updated"
     if as_json:
         out({"result": result, "model": data}, True)
         return
@@ -184,7 +188,8 @@ def current_catalog(gateway: str) -> dict[str, tuple[dict[str, Any], str]]:
 def apply(
     file: DocFile,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="check FILE and say what would be put; change nothing")] = False,
+        "--dry-run", help="check FILE, read the catalog and say what apply would do to "
+        "each model; change nothing")] = False,
     prune: Annotated[bool, typer.Option(
         "--prune", help="also delete the models that FILE does not name")] = False,
     wait: Annotated[bool, typer.Option(
@@ -198,16 +203,7 @@ def apply(
     """Put each model of FILE (`catalog export`'s form: {models: {NAME: spec}})."""
     where = "stdin" if file == "-" else file
     specs = parse_catalog(read_document(file), where)
-    if dry_run:
-        # Checked here only; the gateway is asked only what --prune would delete.
-        for name in specs:
-            sys.stdout.write(f"model {name}: would be put\n")
-        if prune:
-            for name in sorted(set(current_catalog(gateway)) - set(specs)):
-                sys.stdout.write(f"model {name}: would be deleted\n")
-        sys.stdout.write(f"{where}: {len(specs)} models, valid (dry run: nothing changed)\n")
-        return
-    current = current_catalog(gateway)
+    current = current_catalog(gateway)  # read-only: a dry run reads it too
     # External models first, then the others, adapters last; pruned in the
     # reverse order: another's overflow (docs/architecture.md, Catalog,
     # Spill-over) and an adapter's base (LoRA adapters) must exist before it
@@ -222,6 +218,8 @@ def apply(
             # Not written again: a write would bump the catalog's serial and
             # wake every gateway's mirror for nothing.
             result = "unchanged"
+        elif dry_run:
+            result = "would be " + ("created" if seen is None else "updated")
         else:
             # Conditioned on what was compared: a model changed (or created)
             # meanwhile by someone else is a 412, not overwritten.
@@ -230,15 +228,21 @@ def apply(
                                  {"If-Match": seen[1]} if seen is not None
                                  else {"If-None-Match": "*"}))
             result = "created" if status == 201 else "updated"
-        sys.stdout.write(f"model {name} {result}\n")
+        sys.stdout.write(f"model {name}{':' if dry_run else ''} {result}\n")
     for name in sorted(set(current) - set(specs), key=lambda n: (
             0 if "adapter" in current[n][0] else 2 if "external" in current[n][0] else 1, n)):
-        if prune:
+        if dry_run:
+            sys.stdout.write(f"model {name}: would be " + (
+                "deleted\n" if prune else f"kept: not in {where} (--prune deletes it)\n"))
+        elif prune:
             send(gateway, "DELETE", model_path(name), about=f"model {name}: ",
                  headers={"If-Match": current[name][1]})
             sys.stdout.write(f"model {name} deleted\n")
         else:
             sys.stdout.write(f"model {name} kept: not in {where} (--prune deletes it)\n")
+    if dry_run:
+        sys.stdout.write(f"{where}: {len(specs)} models, valid (dry run: nothing changed)\n")
+        return
     if wait:
         sys.stdout.flush()
         wait_ready(gateway, {name: spec.spec_dump() for name, spec in specs.items()}, timeout)

@@ -44,7 +44,7 @@ from app.router.replies import openai_error_body as openai_error_body
 from app.router.spill import Spill
 from app.router.table import KeyGrant, RouteTable
 from app.router.timeouts import Timeouts, Watch
-from app.router.upstream import UpstreamClient
+from app.router.upstream import UpstreamClient, unsafe_target
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,12 @@ class Proxy:
             raw = await read_body(receive)
             ex.body_read = True
             query = scope.get("query_string", b"").decode("latin-1")
+            if unsafe_target(query):
+                # The engine client could not send it; refused here, before
+                # any attempt, so that no replica is blamed (relay.py).
+                raise error(400, "The query string holds a character that cannot be "
+                            "forwarded (a space or a control character): percent-encode it.",
+                            "invalid_request_error", "invalid_query")
             plan = await self._extra.prepare(grant, path, query, raw, _content_type(
                 scope)) if other else None
             body, model, rewritten = (plan.body, plan.model, True) if plan else self._request(

@@ -40,7 +40,7 @@ from app.router.replies import Reply, Send, error, error_event, openai_error_bod
 from app.router.spill import Spill
 from app.router.table import Endpoint, RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
-from app.router.upstream import Response, UpstreamClient, UpstreamError
+from app.router.upstream import Response, Unsendable, UpstreamClient, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +233,15 @@ class Upstreams:
                                  upstream.headers.get("content-type",
                                                       "application/json").encode())
                 return upstream.status
+            except Unsendable as exc:
+                # Built from the client's input and refused before a byte was
+                # sent: its fault, never the replica's; no other replica
+                # would take it either (the query is refused before any
+                # attempt, proxy.py: this is the last line).
+                failed = str(exc)
+                logger.info("request not sent to replica %s: %s", ep.replica_id, exc)
+                raise error(400, f"The request cannot be forwarded: {exc}.",
+                            "invalid_request_error", "invalid_request") from None
             except (UpstreamError, _Retry) as exc:
                 # Connect timeouts are the client's (UpstreamError): reads are
                 # timed by the watch, which cancels instead.

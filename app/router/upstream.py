@@ -60,6 +60,20 @@ class UpstreamError(Exception):
     """The connection failed, broke, or carried something that is not HTTP."""
 
 
+class Unsendable(UpstreamError):
+    """The request itself cannot be sent as asked (a control character in its
+    target or a header value): nothing was sent, and no server failed. Its
+    caller says whose input it was; the router's is the client's (relay.py)."""
+
+
+def unsafe_target(target: str) -> bool:
+    """Whether `target` (a path and query string) can go on no request line."""
+    try:
+        return _UNSAFE_TARGET.search(target.encode("latin-1")) is not None
+    except UnicodeEncodeError:
+        return True
+
+
 class Origin(NamedTuple):
     """Where a base URL points: what a connection is opened to, the Host
     header, and the path every request target starts with."""
@@ -298,14 +312,17 @@ class UpstreamClient:
         Content-Length and `preset` (from `header_block`); none may hold a
         control character."""
         o = origin(base_url)
-        path = o.prefix + target.encode("latin-1")
+        try:
+            path = o.prefix + target.encode("latin-1")
+        except UnicodeEncodeError:
+            raise Unsendable(f"unsafe request target {target!r}") from None
         if _UNSAFE_TARGET.search(path):
-            raise UpstreamError(f"unsafe request target {target!r}")
+            raise Unsendable(f"unsafe request target {target!r}")
         lines = [method, b" ", path, b" HTTP/1.1\r\nHost: ", o.host_header,
                  b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", preset]
         for name, value in headers:
             if _UNSAFE.search(value) or _UNSAFE.search(name):
-                raise UpstreamError(f"unsafe value in request header {name!r}")
+                raise Unsendable(f"unsafe value in request header {name!r}")
             lines += (name, b": ", value, b"\r\n")
         lines += (b"\r\n", body)
         data = b"".join(lines)

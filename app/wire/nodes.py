@@ -54,8 +54,10 @@ def fit(text: str, limit: int) -> str:
 
 
 class Body(BaseModel):
-    # Tolerate fields written by a newer gateway.
-    model_config = ConfigDict(extra="ignore")
+    # Tolerate fields written by a newer gateway. A float that is not finite
+    # (JSON's NaN, Infinity, which Python's parser takes) is refused: a
+    # status's `updated` of NaN compares false with every time.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 

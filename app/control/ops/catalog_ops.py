@@ -34,6 +34,7 @@ class ModelPut:
     stored: dict[str, Any]  # the record as written
     existed: bool  # False: created
     etag: str | None  # the record's ETag as this gateway's mirror has it after
+    changed: bool = True  # False: the spec was the one stored, nothing written
 
 
 class CatalogOps:
@@ -73,14 +74,20 @@ class CatalogOps:
                 raise InUse(f"model {name!r} is the overflow of {', '.join(users)}: "
                             "it must stay external")
             existed = name in models
+            if existed and models[name].spec_dump() == spec.spec_dump():
+                # The spec as stored (a `model show` put back): no write, so
+                # the ETag and the catalog serial stay and no mirror wakes.
+                result.update(stored=json.loads(catalog.stored_value(
+                    name, models[name].created, spec)), existed=True, changed=False)
+                return []
             created = models[name].created if existed else time.time()
             value = catalog.stored_value(name, created, spec)
-            result.update(stored=json.loads(value), existed=existed)
+            result.update(stored=json.loads(value), existed=existed, changed=True)
             return [Put(s.MODELS + name, value)]
 
         await self._write(decide, deadline, cond.given)
         return ModelPut(result["stored"], result["existed"],
-                        etag(self._state.mirror.get(s.MODELS + name)))
+                        etag(self._state.mirror.get(s.MODELS + name)), result["changed"])
 
     async def delete_model(self, name: str, cond: Precondition, deadline: Deadline) -> None:
         """Removes model `name`. Refuses: NotFound, PreconditionFailed, Busy, TooLate."""
@@ -105,7 +112,8 @@ class CatalogOps:
 
     async def _write(self, decide: Callable[[], list[Op]], deadline: Deadline,
                      conditioned: bool) -> int:
-        """Applies `decide()`'s ops with a bump of the catalog serial it read.
+        """Applies `decide()`'s ops with a bump of the catalog serial it read
+        (none, and nothing written, when it decides on no ops).
         A `conditioned` write first brings the mirror up to the store, so an
         ETag read on another gateway is compared with what is stored now."""
         if conditioned:
@@ -116,6 +124,8 @@ class CatalogOps:
             serial = self._state.mirror.get(s.CATALOG_SERIAL)
             seen = serial.mod_revision if serial is not None else 0
             ops = decide()
+            if not ops:  # nothing to change: no write, no serial bump
+                return seen
             bump = Put(s.CATALOG_SERIAL, json.dumps({"by": self._gateway_id}).encode())
             deadline.check()  # the client may have given up while this waited
             res = await self._state.store.txn([Compare.modified_at(s.CATALOG_SERIAL, seen)],
