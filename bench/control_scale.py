@@ -21,7 +21,7 @@
 Goal (docs/architecture.md, Scale): a pass <= 200 ms at 10,000 nodes, edit
 p99 <= 300 ms at 2,000 models, heartbeats within what etcd sustains.
 
-    python bench/control_scale.py                      # ~5 min on 2 cores
+    python bench/control_scale.py                      # ~9 min on 2 loaded cores
     python bench/control_scale.py --sizes 1000 --edits 20 --no-etcd
 
 Writes its section of bench/RESULTS.md (between its markers) with the
