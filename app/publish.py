@@ -59,6 +59,11 @@ class Publisher:
         self._secrets = secrets
         self._scheduled = False
         self._last: tuple[object, ...] = ()
+        # Each routable replica's endpoint and what it was made of, the
+        # mirror's parsed values (the same objects while their keys do not
+        # change): a publish after a catalog edit derives no engine key
+        # again for the replicas it did not touch (docs/architecture.md, Scale).
+        self._made: dict[str, tuple[s.Replica, s.ReplicaStatus, s.StoredModel, Endpoint]] = {}
         # The mirror revision of the last publish: the router's tables hold
         # every change up to it (a drain included), whatever the fingerprint.
         self.published_revision = 0
@@ -134,6 +139,7 @@ class Publisher:
         # client gets when none is (kept only for models without endpoints).
         why: dict[str, list[str]] = {}
         coming: set[str] = set()  # models with a replica loading on a live node
+        made: dict[str, tuple[s.Replica, s.ReplicaStatus, s.StoredModel, Endpoint]] = {}
         for rid, rep in sorted(m.replicas().items()):
             st = statuses.get(rid)
             if rep.model not in models or rep.draining_since is not None:
@@ -152,12 +158,18 @@ class Publisher:
                 why.setdefault(rep.model, []).append(
                     f"replica {rid} is {phase} on {rep.node}{detail}")
             else:
-                prof = next((p for p in models[rep.model].profile_list
-                             if p.name == rep.profile), None)
-                endpoints.setdefault(rep.model, []).append(Endpoint(
-                    rid, st.url, self._secrets.engine_key(rid, rep.secret),
-                    priority=prof.priority if prof else 0, weight=prof.weight if prof else 1.0,
-                    engine=rep.engine))
+                spec = models[rep.model]
+                was = self._made.get(rid)
+                if was is not None and was[0] is rep and was[1] is st and was[2] is spec:
+                    ep = was[3]  # nothing it is made of changed: no key derived again
+                else:
+                    prof = next((p for p in spec.profile_list if p.name == rep.profile), None)
+                    ep = Endpoint(
+                        rid, st.url, self._secrets.engine_key(rid, rep.secret),
+                        priority=prof.priority if prof else 0,
+                        weight=prof.weight if prof else 1.0, engine=rep.engine)
+                made[rid] = (rep, st, spec, ep)
+                endpoints.setdefault(rep.model, []).append(ep)
         key_files: set[str] = set()
         for name, spec in sorted(models.items()):
             ext = spec.external
@@ -178,6 +190,7 @@ class Publisher:
                                         upstream_model=ext.model)]
         self._keys.retain(key_files)
         _adapter_endpoints(models, m.parsed(s.ADAPTERS, s.AdapterSet), endpoints, why, coming)
+        self._made = made
         unavailable = {
             name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
             for name in models if name not in endpoints

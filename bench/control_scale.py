@@ -2,23 +2,32 @@
 
 1. One placement + reconcile pass (`plan()`, app/control/plan.py, with its
    inputs built as the reconciler builds them: models, nodes, replicas,
-   statuses, engine loads, scaling targets, floors) on synthetic fleets of
-   250, 1,000 and 4,000 nodes x 8 GPUs carrying 500 models x 4 replicas of
-   one GPU each: in steady state (every replica placed and ready) and with
-   10% of the replicas missing (the pass places them).
-2. A catalog edit on one of three in-process gateways, timed until the two
-   others resolve it in their route tables, `--edits` times, against a real
-   etcd of the benchmark's own that holds the 1,000-node fleet (so each
-   edit wakes the leader's pass and every gateway's router rebuild).
+   statuses, engine loads, scaling targets, floors) on a synthetic fleet of
+   10,000 nodes x 8 GPUs carrying 5,000 models x 4 replicas of one GPU
+   each: in steady state (every replica placed and ready) and with 10% of
+   the replicas missing (the pass places them). Wall and CPU time (the
+   thread's): on a shared machine the wall time measures the others too.
+2. A catalog edit on one of three `llmgw serve` processes on a real etcd
+   holding 2,000 models (one replica each, on 250 nodes), timed from the
+   PUT's answer until both others list the new alias on /v1/models
+   (bench/control_edits.py).
+3. etcd (bench/control_etcd.py): the writes, lease renewals and Txn
+   requests simulated agents (the real agent client, the agent's
+   intervals, through a real gateway) cost per agent, times 10,000; beside
+   what this etcd sustains (puts of an inventory's size on lease-bound
+   keys, lease renewals); and the Python heap a gateway's mirror takes
+   loaded with the 10,000-node fleet.
 
-Goal (docs/architecture.md, Scale): <= 50 ms per pass at 1,000 nodes,
-growth no worse than linear (4,000 / 1,000 <= 4), edit p99 <= 300 ms.
+Goal (docs/architecture.md, Scale): a pass <= 200 ms at 10,000 nodes, edit
+p99 <= 300 ms at 2,000 models, heartbeats within what etcd sustains.
 
-    python bench/control_scale.py               # ~1 min
-    python bench/control_scale.py --edits 20 --no-etcd-preload
+    python bench/control_scale.py                      # ~9 min on 2 loaded cores
+    python bench/control_scale.py --sizes 1000 --edits 20 --no-etcd
 
-The last line is for scripts:
-`control_scale: pass_ms_1000=<median> growth_4000_over_1000=<ratio> edit_p99_ms=<p99>`.
+Writes its section of bench/RESULTS.md (between its markers) with the
+load average before and after. The last line is for scripts:
+`control_scale: pass_ms_10000= pass_cpu_ms_10000= edit_p99_ms_2000=
+etcd_writes_per_s_10000= etcd_sustained_puts_per_s= mirror_mib_10000=`.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ import argparse
 import asyncio
 import gc
 import itertools
+import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -35,17 +46,19 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from control_etcd import inventory  # noqa: E402
 
 from app.control import state as s  # noqa: E402
 from app.control.plan import Plan, plan, wanted  # noqa: E402
 from app.control.scaling import Scaler  # noqa: E402
 
 GPUS_PER_NODE = 8
-MODELS = 500
+MODELS = 5000
 REPLICAS_PER_MODEL = 4
 NOW = 1_800_000_000.0
 
@@ -59,18 +72,18 @@ class Fleet:
     loads: dict[str, float]
 
 
-def fleet(node_count: int) -> Fleet:
+def fleet(node_count: int, model_count: int = MODELS,
+          per_model: int = REPLICAS_PER_MODEL) -> Fleet:
     """Every model's replicas spread round robin, one GPU each, all ready."""
     models = {
-        f"org/model-{m:03d}": s.StoredModel.model_validate({
-            "name": f"org/model-{m:03d}", "model": f"org/weights-{m:03d}", "gpus": 1,
-            "replicas": {"min": REPLICAS_PER_MODEL, "max": REPLICAS_PER_MODEL},
-            "aliases": [f"alias-{m:03d}"]})
-        for m in range(MODELS)}
+        f"org/model-{m:04d}": s.StoredModel.model_validate({
+            "name": f"org/model-{m:04d}", "model": f"org/weights-{m:04d}", "gpus": 1,
+            "replicas": {"min": per_model, "max": per_model},
+            "aliases": [f"alias-{m:04d}"]})
+        for m in range(model_count)}
     nodes = {
-        f"node-{n:04d}": s.NodeInfo(
-            name=f"node-{n:04d}", address=f"10.{n // 250}.{n % 250}.1", engines=["vllm"],
-            gpus=[s.GpuInfo(index=g, memory_mib=143_000) for g in range(GPUS_PER_NODE)])
+        f"node-{n:05d}": s.NodeInfo.model_validate(
+            inventory(f"node-{n:05d}") | {"address": f"10.{n // 250}.{n % 250}.1"})
         for n in range(node_count)}
     names = sorted(nodes)
     used: dict[str, int] = {}
@@ -79,11 +92,11 @@ def fleet(node_count: int) -> Fleet:
     loads: dict[str, float] = {}
     slot = itertools.count()
     for m, (name, spec) in enumerate(sorted(models.items())):
-        for i in range(REPLICAS_PER_MODEL):
+        for i in range(per_model):
             node = names[next(slot) % node_count]
             gpu = used.get(node, 0)
             used[node] = gpu + 1
-            rid = f"model-{m:03d}-{i:04x}"
+            rid = f"model-{m:04d}-{i:04x}"
             prof = spec.profile_list[0]
             replicas[rid] = s.Replica(
                 id=rid, model=name, node=node, gpus=[gpu], engine=prof.engine,
@@ -108,11 +121,13 @@ def one_pass(f: Fleet, replicas: Mapping[str, s.Replica], suffix: Callable[[], s
         targets=targets, loads=f.loads)
 
 
-def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, Plan]:
-    """Median ms of `repeat` passes; with `missing`, every 10th replica is gone."""
+def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, float, Plan]:
+    """Median wall and CPU ms of `repeat` passes; with `missing`, every 10th
+    replica is gone."""
     replicas = ({rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
                 if missing else f.replicas)
-    times: list[float] = []
+    walls: list[float] = []
+    cpus: list[float] = []
     result = Plan()
     for _ in range(repeat):
         counter = itertools.count()
@@ -121,34 +136,41 @@ def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, Plan]:
             return f"new{next(c):05d}"
 
         gc.collect()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         result = one_pass(f, replicas, suffix)
-        times.append((time.perf_counter() - start) * 1000)
+        walls.append((time.perf_counter() - start) * 1000)
+        cpus.append((time.thread_time() - cpu) * 1000)
     expected = len(f.replicas) - len(replicas)
     if (len(result.create), len(result.drain), len(result.delete)) != (expected, 0, 0):
         raise SystemExit(f"unexpected plan: {len(result.create)} creates (want {expected}), "
                          f"{len(result.drain)} drains, {len(result.delete)} deletes, "
                          f"unplaced {dict(list(result.unplaced.items())[:3])}")
-    return statistics.median(times), result
+    return statistics.median(walls), statistics.median(cpus), result
 
 
-def passes(sizes: list[int], repeat: int) -> dict[int, tuple[float, float]]:
-    out: dict[int, tuple[float, float]] = {}
+# Per size: (steady wall, steady CPU, 10% missing wall, 10% missing CPU), ms.
+PassFigures = tuple[float, float, float, float]
+
+
+def passes(sizes: list[int], models: int, repeat: int) -> dict[int, PassFigures]:
+    out: dict[int, PassFigures] = {}
     for n in sizes:
-        f = fleet(n)
-        steady, _ = time_passes(f, False, repeat)
-        short, made = time_passes(f, True, repeat)
-        out[n] = (steady, short)
-        print(f"pass  {n:5d} nodes x {GPUS_PER_NODE} GPUs, {len(f.replicas)} replicas: "
-              f"steady {steady:7.1f} ms   10% missing {short:7.1f} ms "
-              f"({len(made.create)} placed)", flush=True)
+        f = fleet(n, models)
+        steady, steady_cpu, _ = time_passes(f, False, repeat)
+        short, short_cpu, made = time_passes(f, True, repeat)
+        out[n] = (steady, steady_cpu, short, short_cpu)
+        print(f"pass  {n:5d} nodes x {GPUS_PER_NODE} GPUs, {len(f.models)} models, "
+              f"{len(f.replicas)} replicas: steady {steady:.0f} ms (CPU {steady_cpu:.0f}), "
+              f"10% missing {short:.0f} ms (CPU {short_cpu:.0f}; {len(made.create)} placed)"
+              f"  load {load()}", flush=True)
     return out
 
 
-# -- catalog edits across gateways ----------------------------------------------
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-async def _preload(endpoint: str, prefix: str, f: Fleet) -> None:
+async def preload(endpoint: str, prefix: str, f: Fleet) -> None:
     """The fleet's state in etcd, 100 keys per transaction."""
     from app.store.base import Put
     from app.store.etcd import EtcdStore
@@ -159,7 +181,9 @@ async def _preload(endpoint: str, prefix: str, f: Fleet) -> None:
         for name, spec in f.models.items():
             puts.append(Put(s.MODELS + name, spec.model_dump_json().encode()))
         for name, info in f.nodes.items():
-            puts.append(Put(s.NODES + name, info.model_dump_json().encode()))
+            # The nodes' own address: their statuses' URLs must be on it.
+            puts.append(Put(s.NODES + name, info.model_copy(
+                update={"address": "127.0.0.1"}).model_dump_json().encode()))
         for rid, r in f.replicas.items():
             puts.append(Put(s.REPLICAS + rid, r.model_dump_json().encode()))
             # A closed loopback port: an engine load poll is refused at once
@@ -174,126 +198,144 @@ async def _preload(endpoint: str, prefix: str, f: Fleet) -> None:
         await store.close()
 
 
-async def _no_poll() -> dict[str, Any]:
-    return {}
-
-
-async def edits(count: int, preload_nodes: int, engine_polls: bool = False) -> list[float]:
-    import httpx
-
-    from app.main import create_app
-    from app.settings import Settings
-    from tests.support.etcd_server import EtcdServer, find_etcd_binary
-
-    binary = find_etcd_binary()
-    if binary is None:
-        raise SystemExit("no etcd binary (apt-get install etcd-server)")
-    admin = "bench-admin-token-0123456789"
-    with tempfile.TemporaryDirectory(prefix="control-scale-") as tmp:
-        server = EtcdServer(binary, Path(tmp) / "etcd" / "data")
-        server.start()
-        prefix = "/bench/"
-        try:
-            if preload_nodes:
-                start = time.perf_counter()
-                await _preload(server.endpoint, prefix, fleet(preload_nodes))
-                print(f"edit  preloaded {preload_nodes} nodes' state in "
-                      f"{time.perf_counter() - start:.1f} s", flush=True)
-            apps = [create_app(Settings.model_validate({
-                "etcd_endpoints": server.endpoint, "etcd_prefix": prefix,
-                "secret": "bench-secret-0123456789abcdef", "admin_token": admin,
-                "gateway_id": f"gw{i}", "port": 19500 + i, "data_dir": Path(tmp) / f"gw{i}",
-                "local_agent": False})) for i in range(3)]
-            for app in apps:
-                if not engine_polls:
-                    # Three gateways share this process's one event loop,
-                    # where each would have its own: their engine load polls
-                    # (every ready replica's /metrics, each second) would
-                    # triple-count against the edit path. `--engine-polls`
-                    # keeps them.
-                    app.state.gateway.proxy.loads.poll = _no_poll
-                await app.state.gateway.start()
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=apps[0]),
-                                       base_url="http://gw",
-                                       headers={"Authorization": f"Bearer {admin}"})
-            try:
-                return await _time_edits(apps, client, count)
-            finally:
-                await client.aclose()
-                for app in apps:
-                    await app.state.gateway.stop()
-        finally:
-            server.stop()
-
-
-async def _until(pred: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.perf_counter() + timeout
-    while not pred():
-        if time.perf_counter() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
-
-
-async def _time_edits(apps: list[Any], client: Any, count: int) -> list[float]:
-    others = [app.state.gateway for app in apps[1:]]
-    await _until(lambda: all(app.state.gateway.ready for app in apps), "gateways ready")
-    name = "org/edited"
-    body: dict[str, Any] = {"model": "org/edited-weights", "gpus": 1,
-                            "replicas": {"min": 0, "max": 1}, "idle_timeout": 600}
-    resp = await client.put(f"/admin/models/{name}", json=body)
-    if resp.status_code >= 300:
-        raise SystemExit(f"PUT failed: {resp.status_code} {resp.text}")
-    await _until(lambda: all(gw.table.resolve(name) == name for gw in others), "the model")
-    times: list[float] = []
-    for i in range(count):
-        alias = f"edited-alias-{i}"
-        start = time.perf_counter()
-        resp = await client.put(f"/admin/models/{name}", json={**body, "aliases": [alias]})
-        if resp.status_code >= 300:
-            raise SystemExit(f"PUT failed: {resp.status_code} {resp.text}")
-        def seen(a: str = alias) -> bool:
-            return all(gw.table.resolve(a) == name for gw in others)
-
-        await _until(seen, f"alias {alias} on the other gateways")
-        times.append((time.perf_counter() - start) * 1000)
-    return times
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
+def edit_figures(count: int, models: int) -> list[float]:
+    from control_edits import edits
+
+    async def fill(endpoint: str, prefix: str) -> str:
+        await preload(endpoint, prefix, fleet(max(1, models // 8), models, 1))
+        return f"{models} models, one replica each, on {max(1, models // 8)} nodes"
+
+    return asyncio.run(edits(count, fill))
+
+
+async def etcd_figures(nodes: int, models: int, agents: int, seconds: float,
+                       speed: float) -> dict[str, float]:
+    """What agents write per agent, what etcd sustains, the mirror's heap."""
+    import control_etcd as ce
+    from control_edits import Gateways
+
+    from tests.support.etcd_server import EtcdServer, find_etcd_binary
+
+    binary = find_etcd_binary()
+    if binary is None:
+        raise SystemExit("no etcd binary (apt-get install etcd-server)")
+    out: dict[str, float] = {}
+    size = len(json.dumps(ce.inventory("node-00000")))
+    with tempfile.TemporaryDirectory(prefix="control-etcd-") as tmp_name:
+        tmp = Path(tmp_name)
+        server = EtcdServer(binary, tmp / "etcd" / "data")
+        server.start()
+        try:
+            out["puts"] = ce.sustained(server.endpoint, "put", size=size)
+            out["renewals"] = ce.sustained(server.endpoint, "keepalive")
+            print(f"etcd  sustained: {out['puts']:.0f} puts/s of {size} B on lease-bound "
+                  f"keys, {out['renewals']:.0f} lease renewals/s (2 processes x 32 "
+                  f"clients)  load {load()}", flush=True)
+            # The node TTL sped up as the agents are: renewals once per third.
+            ttl = {"LLMGW_NODE_TTL": str(max(3, round(ce.NODE_TTL_S / speed)))}
+            gws = Gateways(tmp, server.endpoint, "/agents/", count=1, env=ttl)
+            try:
+                gws.wait_ready()
+                r = await ce.agent_rates(server.endpoint, "/agents/", gws.urls[0], gws.secret,
+                                         agents, seconds, speed)
+            finally:
+                gws.stop()
+            out |= {"agent_writes": r.writes, "agent_renewals": r.renewals,
+                    "agent_txns": r.txns}
+            print(f"agent {r.agents} simulated agents, {r.seconds:.0f} agent-seconds at the "
+                  f"agent's intervals / {speed:g} ({r.beats} heartbeats, {r.reports} "
+                  f"reports): per agent per second {r.writes:.4f} writes, {r.renewals:.3f} "
+                  f"lease renewals, {r.txns:.3f} Txn requests; keys written per agent per "
+                  f"second: {r.by_key}  load {load()}", flush=True)
+            f = fleet(nodes, models)
+            await preload(server.endpoint, "/mirror/", f)
+            out["mirror_mib"], keys = await ce.mirror_mib(server.endpoint, "/mirror/")
+            print(f"mirror {nodes} nodes, {len(f.models)} models, {len(f.replicas)} replicas "
+                  f"and statuses ({keys} keys): {out['mirror_mib']:.0f} MiB of Python heap "
+                  f"with its views  load {load()}", flush=True)
+        finally:
+            server.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--sizes", default="250,1000,4000", help="fleet sizes, in nodes")
+    parser.add_argument("--sizes", default="10000", help="fleet sizes, in nodes")
+    parser.add_argument("--models", type=int, default=MODELS)
     parser.add_argument("--repeat", type=int, default=5, help="passes per figure (median)")
     parser.add_argument("--edits", type=int, default=100)
-    parser.add_argument("--engine-polls", action="store_true",
-                        help="keep the gateways' engine load polls during the edits")
-    parser.add_argument("--preload-nodes", type=int, default=1000,
-                        help="fleet held in etcd during the edits (0: an empty store)")
+    parser.add_argument("--edit-models", type=int, default=2000)
+    parser.add_argument("--no-etcd", action="store_true", help="skip part 3")
+    parser.add_argument("--agents", type=int, default=40, help="simulated agents")
+    parser.add_argument("--agent-seconds", type=float, default=25.0)
+    parser.add_argument("--speed", type=float, default=5.0,
+                        help="the agent's intervals divided by this")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    before, began = load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"load  before: {before} (nproc {os.cpu_count()})", flush=True)
     sizes = [int(n) for n in args.sizes.split(",")]
-    figures = passes(sizes, args.repeat)
-    base = figures.get(1000, figures[sizes[0]])
-    print(f"goal  steady pass at 1000 nodes / 50 ms: x{base[0] / 50:.2f}; "
-          f"10% missing / 50 ms: x{base[1] / 50:.2f}")
-    for n, (steady, short) in figures.items():
-        print(f"ratio {n:5d} / 1000 nodes: steady x{steady / base[0]:.2f}, "
-              f"10% missing x{short / base[1]:.2f} (nodes x{n / 1000:.2f})")
+    figures = passes(sizes, args.models, args.repeat)
+    top = max(sizes)
+    lines = [f"pass: {n:,} nodes x {GPUS_PER_NODE} GPUs, {args.models:,} models x "
+             f"{REPLICAS_PER_MODEL} replicas: steady {w:.0f} ms (CPU {c:.0f}), 10% missing "
+             f"{mw:.0f} ms (CPU {mc:.0f}); medians of {args.repeat}"
+             for n, (w, c, mw, mc) in figures.items()]
     p99 = float("nan")
     if args.edits:
-        times = asyncio.run(edits(args.edits, args.preload_nodes, args.engine_polls))
+        times = edit_figures(args.edits, args.edit_models)
         p50, p99 = percentile(times, 0.5), percentile(times, 0.99)
         print("edit  each (ms):", " ".join(f"{t:.0f}" for t in times))
-        print(f"edit  {len(times)} edits on gw0 until gw1 and gw2 resolve them: "
-              f"p50 {p50:.1f} ms  p99 {p99:.1f} ms  max {max(times):.1f} ms "
-              f"(p99 / goal 300 ms: x{p99 / 300:.2f})")
-    growth = figures[4000][0] / base[0] if 4000 in figures else float("nan")
-    print(f"control_scale: pass_ms_1000={base[0]:.1f} growth_4000_over_1000={growth:.2f} "
-          f"edit_p99_ms={p99:.1f}")
+        lines.append(f"edit: {len(times)} alias changes PUT on gw0 until gw1 and gw2 list "
+                     f"them, {args.edit_models:,} models: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+                     f"max {max(times):.1f} ms")
+        print(f"{lines[-1]}  load {load()}", flush=True)
+    e: dict[str, float] = {}
+    if not args.no_etcd:
+        e = asyncio.run(etcd_figures(top, args.models, args.agents, args.agent_seconds,
+                                     args.speed))
+        lines.append(
+            f"etcd: per agent {e['agent_writes']:.4f} writes/s, {e['agent_renewals']:.3f} "
+            f"renewals/s, {e['agent_txns']:.3f} Txn/s; at 10,000 agents "
+            f"{e['agent_writes'] * 10_000:.0f} writes/s, {e['agent_renewals'] * 10_000:.0f} "
+            f"renewals/s; etcd sustains {e['puts']:.0f} puts/s, {e['renewals']:.0f} "
+            f"renewals/s; mirror of {top:,} nodes {e['mirror_mib']:.0f} MiB")
+    nan = float("nan")
+    w, c, mw, mc = figures[top]
+    summary = (f"control_scale: pass_ms_{top}={max(w, mw):.1f} pass_cpu_ms_{top}="
+               f"{max(c, mc):.1f} edit_p99_ms_{args.edit_models}={p99:.1f} "
+               f"etcd_writes_per_s_10000={e.get('agent_writes', nan) * 10_000:.1f} "
+               f"etcd_sustained_puts_per_s={e.get('puts', nan):.0f} "
+               f"mirror_mib_{top}={e.get('mirror_mib', nan):.1f}")
+    write_results(args.results, began, before, load(), lines, summary)
+    print(summary)
+
+
+BEGIN, END = "<!-- control_scale: begin -->", "<!-- control_scale: end -->"
+
+
+def write_results(path: Path, began: str, before: str, after: str, lines: list[str],
+                  summary: str) -> None:
+    """Replaces this benchmark's section of `path` (between its markers),
+    leaving the rest (bench/router_overhead.py's) as it is."""
+    section = "\n".join([
+        BEGIN, "## Control plane at fleet scale (bench/control_scale.py)", "",
+        f"Written on {began}: nproc {os.cpu_count()}, load average {before} before, "
+        f"{after} after (1, 5, 15 min). Wall times on a shared machine count the "
+        "other sessions' work too; CPU times are the pass's own.", "",
+        *[f"- {line}" for line in lines], "", summary, END])
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = section + "\n\n" + text
+    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from app.control.adapters import AdapterLoop, BaseReplica, decide, size_for
 from app.control.keys import SecretRing
 from app.control.leader import Elector
 from app.control.mirror import Mirror
-from app.control.plan_phases import _matches
+from app.control.plan_phases import _matches, _spec_runs
 from app.control.usage import UsagePublisher
 from app.publish import Publisher
 from app.router.table import RouteTable
@@ -81,8 +81,8 @@ def test_the_base_starts_with_runtime_lora_loading_when_an_adapter_names_it() ->
     rep = s.Replica(id="base-1", model="base", node="n", gpus=[0], engine="vllm",
                     weights="org/base", engine_args=[], secret="x")
     stored = s.StoredModel(name="base", model="org/base")
-    assert _matches(stored, rep, "x", "x", lora=False)
-    assert not _matches(stored, rep, "x", "x", lora=True)
+    assert _matches(_spec_runs(stored, lora=False), rep, "x", "x")
+    assert not _matches(_spec_runs(stored, lora=True), rep, "x", "x")
 
 
 # --- the subset rule -----------------------------------------------------------

@@ -41,15 +41,47 @@ async def test_a_heartbeat_binds_the_node_to_a_lease_then_renews_it(
 async def test_a_heartbeat_after_its_lease_expired_takes_a_new_one(
         parts: tuple[EmbeddedStore, Mirror]) -> None:
     store, mirror = parts
-    ops = AgentOps(Parts(store, mirror), node_ttl=15)
+    now_s = [0.0]
+    ops = AgentOps(Parts(store, mirror), node_ttl=15, clock=lambda: now_s[0])
     await ops.heartbeat(s.NodeInfo(name="n1"))
     first = await store.get(s.NODES + "n1")
     assert first is not None
     await settle(mirror, first.mod_revision)
     await store.revoke(first.lease)  # the node key goes with it
+    now_s[0] += 15  # an expired lease outlived its TTL since this gateway renewed it
     await ops.heartbeat(s.NodeInfo(name="n1"))
     now = await store.get(s.NODES + "n1")
     assert now is not None and now.lease and now.lease != first.lease
+
+
+async def test_an_unchanged_heartbeat_within_a_third_of_the_ttl_asks_nothing(
+        parts: tuple[EmbeddedStore, Mirror]) -> None:
+    """The renewal a gateway made itself covers the agent's next beats for a
+    third of the TTL (docs/architecture.md, Scale): no keepalive, no read."""
+    store, mirror = parts
+    now_s = [0.0]
+    ops = AgentOps(Parts(store, mirror), node_ttl=15, clock=lambda: now_s[0])
+    await ops.heartbeat(s.NodeInfo(name="n1"))
+    first = await store.get(s.NODES + "n1")
+    assert first is not None
+    await settle(mirror, first.mod_revision)
+    kept: list[int] = []
+    real_keepalive = store.keepalive
+
+    async def keepalive(lease: int) -> None:
+        kept.append(lease)
+        await real_keepalive(lease)
+
+    store.keepalive = keepalive  # type: ignore[method-assign]
+    now_s[0] += 4.9
+    await ops.heartbeat(s.NodeInfo(name="n1"))
+    assert kept == []
+    now_s[0] += 0.2  # past a third of 15 s: renewed again
+    await ops.heartbeat(s.NodeInfo(name="n1"))
+    assert kept == [first.lease]
+    await ops.heartbeat(s.NodeInfo(name="n1", cpus=4))  # changed: written at once
+    now = await store.get(s.NODES + "n1")
+    assert now is not None and b'"cpus":4' in now.value
 
 
 async def test_a_node_key_that_keeps_changing_is_busy(

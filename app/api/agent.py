@@ -7,7 +7,9 @@ cannot report for, or fetch the engine keys of, another.
 Node liveness: `nodes/{node}` is bound to a lease that any gateway renews
 when the agent heartbeats (the lease id is read from the mirrored key), so
 heartbeats may land on any gateway. An agent silent for `node_ttl` seconds
-loses its node key, and the leader re-places its replicas.
+loses its node key, and the leader re-places its replicas. A gateway that
+renewed the lease itself within a third of the TTL answers an unchanged
+inventory without asking etcd (docs/architecture.md, Scale).
 """
 
 from __future__ import annotations

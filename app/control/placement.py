@@ -110,23 +110,36 @@ class Placer:
         self._confs = nodeconfs or {}
         self._quotas = quotas or {}
         self._models = models
-        self._used = used_gpus(replicas)
+        # GPUs held and replicas per node, per model and node: built on the
+        # first place(), so a pass that places nothing (a steady fleet)
+        # never walks every replica for them.
+        self._indexed = False
+        self._used: dict[str, set[int]] = {}
         self._total: dict[str, int] = {}
         self._per_model: dict[str, dict[str, int]] = {}
-        for r in replicas.values():
-            self._count(r)
         # Per shape, per node: (GPUs that fit, free GPUs) or why it cannot.
         self._fits: dict[_Shape, dict[str, tuple[list[int], int] | str]] = {}
         # Per shape: (replicas, -free GPUs, node, node version) of nodes that fit.
         self._heaps: dict[_Shape, list[tuple[int, int, str, int]]] = {}
         self._versions: dict[str, int] = {}
+        self._refusals: dict[str, str | None] = {}
 
     def _count(self, r: s.Replica) -> None:
         self._total[r.node] = self._total.get(r.node, 0) + 1
         on = self._per_model.setdefault(r.model, {})
         on[r.node] = on.get(r.node, 0) + 1
 
+    def _index(self) -> None:
+        if self._indexed:
+            return
+        self._indexed = True
+        self._used = used_gpus(self._replicas)
+        for r in self._replicas.values():
+            self._count(r)
+
     def add(self, r: s.Replica) -> None:
+        if not self._indexed:
+            return  # already in `replicas`, where _index() will count it
         self._count(r)
         self._used.setdefault(r.node, set()).update(r.gpus)
         self._versions[r.node] = self._versions.get(r.node, 0) + 1
@@ -199,6 +212,7 @@ class Placer:
         if not profiles:
             return NoFit({})
         prof = profile if profile is not None else profiles[0]
+        self._index()
         need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
         quota_refusal = _quota_refusal(name, spec, prof, self._replicas, self._quotas,
                                        self._models)
@@ -237,7 +251,11 @@ class Placer:
         """The GPUs a replica of `prof` would take on `node` and its free
         GPUs, or why it cannot go there (quota aside)."""
         conf = self._confs.get(node.name)
-        too_old_or_new = self._window.refusal(node.version)
+        # A fleet runs a few agent versions: each judged once per pass.
+        if node.version in self._refusals:
+            too_old_or_new = self._refusals[node.version]
+        else:
+            too_old_or_new = self._refusals[node.version] = self._window.refusal(node.version)
         if too_old_or_new is not None:
             return too_old_or_new
         if conf is not None and conf.draining:
@@ -262,23 +280,30 @@ class Placer:
             return [], 0
         # A sick GPU is out until an admin clears it (gpuhealth.py).
         sick = gpuhealth.sick_gpus(node, conf)
-        idle = fleet.free_gpus(node, self._used.get(node.name, set()) | sick.keys())
+        held = self._used.get(node.name, set()) | sick.keys()
+        if need_mib is None:
+            # No memory need: the lowest free ids, without reading memory.
+            ids = sorted(g.index for g in node.gpus if g.index not in held)
+            if len(ids) < prof.gpu_count:
+                out = "".join(f"; GPU {i} unhealthy" for i in sorted(sick))
+                return (f"needs {prof.gpu_count} free GPUs, has {len(ids)} of "
+                        f"{len(node.gpus)}{out}")
+            return ids[: prof.gpu_count], len(ids)
+        idle = fleet.free_gpus(node, held)
         if len(idle) < prof.gpu_count:
             out = "".join(f"; GPU {i} unhealthy" for i in sorted(sick))
             return (f"needs {prof.gpu_count} free GPUs, has {len(idle)} of "
                     f"{len(node.gpus)}{out}")
         # Memory as discovered, not only the count; unknown memory (None)
         # is not refused (fleet.gpu_free_mib).
-        roomy = {i: m for i, m in idle.items()
-                 if need_mib is None or m is None or m >= need_mib}
+        roomy = {i: m for i, m in idle.items() if m is None or m >= need_mib}
         if len(roomy) < prof.gpu_count:
-            assert need_mib is not None
             seen = ", ".join(f"GPU {i}: {_gib(m or 0)}" for i, m in sorted(idle.items()))
             return (f"needs {prof.gpu_count} GPUs with {_gib(need_mib)} free, has "
                     f"{len(roomy)} ({seen})")
         # With a memory need, the smallest GPUs that fit, keeping the
-        # large ones for the models that need them; else the lowest ids.
-        order = sorted(roomy, key=lambda i: ((roomy[i] or 0) if need_mib else 0, i))
+        # large ones for the models that need them; else (above) the lowest ids.
+        order = sorted(roomy, key=lambda i: (roomy[i] or 0, i))
         return sorted(order[: prof.gpu_count]), len(idle)
 
 

@@ -86,9 +86,18 @@ def _placed(spec: s.StoredModel) -> bool:
 def orphans(live: Mapping[str, s.Replica], models: Mapping[str, s.StoredModel]) -> list[str]:
     """The replicas not draining yet whose model was deleted or turned
     external, by id: each drains."""
-    return [rid for rid, r in sorted(live.items())
-            if r.draining_since is None and (r.model not in models
-                                             or not _placed(models[r.model]))]
+    gone: dict[str, bool] = {}  # per model, not per replica
+    out = []
+    for rid, r in live.items():
+        if r.draining_since is not None:
+            continue
+        orphaned = gone.get(r.model)
+        if orphaned is None:
+            spec = models.get(r.model)
+            orphaned = gone[r.model] = spec is None or not _placed(spec)
+        if orphaned:
+            out.append(rid)
+    return sorted(out)
 
 
 def replicas_by_model(live: Mapping[str, s.Replica]) -> dict[str, list[str]]:
@@ -106,27 +115,53 @@ def placing_order(models: Mapping[str, s.StoredModel]) -> list[tuple[str, s.Stor
     """The models with replicas to place, by priority (their first
     profile's), highest first, then by name: a higher one's minimum may
     displace a lower one's replicas, never the reverse."""
-    return sorted(((name, spec) for name, spec in models.items() if _placed(spec)),
-                  key=lambda item: (-item[1].profile_list[0].priority, item[0]))
+    order = []
+    for name, spec in models.items():
+        profiles = spec.profile_list
+        if spec.model is not None and profiles:  # _placed(), reading the profiles once
+            order.append((-profiles[0].priority, name, spec))
+    order.sort(key=lambda item: (item[0], item[1]))
+    return [(name, spec) for _, name, spec in order]
 
 
 # --- 4. a model's own replicas: which still run its spec ---------------------------
 
 
-def _matches(spec: s.StoredModel, r: s.Replica, secret_id: str, unrecorded: str,
-             lora: bool = False) -> bool:
-    """Whether replica `r` still runs what the spec asks for: the engine,
-    GPUs and flags of the profile it was placed with (by name; a replica of
-    an unnamed or renamed profile is held to the first, so renaming the only
-    profile restarts no engine), with a key of the fleet's secret
-    (`secret_id`; `unrecorded` is what a replica recording none is of, see
-    keys.replica_secret_id). A model turned external has no replicas."""
+# What a replica runs that its spec decides: weights, revision, engine,
+# GPU count, engine flags.
+_Runs = tuple[str | None, str | None, str, int, list[str]]
+
+
+def _spec_runs(spec: s.StoredModel, lora: bool = False
+               ) -> tuple[dict[str, _Runs], _Runs] | None:
+    """What a replica of each of the spec's profiles runs, by profile name,
+    and what one of an unnamed or renamed profile is held to: the first
+    profile's (so renaming the only profile restarts no engine). Worked out
+    once per model, not per replica. None: external, nothing runs it.
+    `lora`: adapters name the model (its vLLM flags gain LoRA's, see
+    docs/architecture.md, LoRA adapters)."""
     profiles = spec.profile_list
-    if not profiles or (r.secret or unrecorded) != secret_id:
+    if not profiles:
+        return None
+    runs: dict[str, _Runs] = {}
+    for p in profiles:
+        runs.setdefault(p.name, (spec.model, spec.revision, p.engine, p.gpu_count,
+                                 engine_flags(p, lora)))
+    return runs, runs[profiles[0].name]
+
+
+def _matches(runs: tuple[dict[str, _Runs], _Runs] | None, r: s.Replica, secret_id: str,
+             unrecorded: str) -> bool:
+    """Whether replica `r` still runs what the spec asks for (`runs`, from
+    `_spec_runs()`): the engine, GPUs and flags of the profile it was placed
+    with, with a key of the fleet's secret (`secret_id`; `unrecorded` is
+    what a replica recording none is of, see keys.replica_secret_id). A
+    model turned external has no replicas."""
+    if runs is None or (r.secret or unrecorded) != secret_id:
         return False
-    prof = next((p for p in profiles if p.name == r.profile), profiles[0])
+    by_name, first = runs
     return (r.weights, r.weights_revision, r.engine, len(r.gpus), r.engine_args) == (
-        spec.model, spec.revision, prof.engine, prof.gpu_count, engine_flags(prof, lora))
+        by_name.get(r.profile, first))
 
 
 @dataclass
@@ -164,11 +199,13 @@ def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Rep
         return (conf is not None and conf.draining) or bool(
             sick and on_sick_gpu(live[rid], sick))
 
+    runs = _spec_runs(spec, lora)
     current = [rid for rid in by_use
-               if _matches(spec, live[rid], secret_id, unrecorded_secret_id, lora)
+               if _matches(runs, live[rid], secret_id, unrecorded_secret_id)
                and not moving(rid)
                and rid not in failed]
-    return Mine(current=current, stale=[rid for rid in by_use if rid not in current],
+    kept = set(current)
+    return Mine(current=current, stale=[rid for rid in by_use if rid not in kept],
                 # Where this model kept dying: elsewhere first, if anywhere else fits.
                 avoid={live[rid].node for rid in mine if rid in failed})
 

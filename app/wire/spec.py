@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from functools import lru_cache
 from typing import Annotated, Any
 
 from pydantic import (
@@ -200,6 +201,19 @@ class Adapter(BaseModel):
     @classmethod
     def _adapter_weights(cls, v: str) -> str:
         return check_weights(v)
+@lru_cache(maxsize=2)
+def _default_range(n: int) -> ReplicaRange:
+    """{min: n, max: n}, shared like `_implicit_profile()`'s profile."""
+    return ReplicaRange(min=n, max=n)
+
+
+@lru_cache(maxsize=64)
+def _implicit_profile(engine: Engine, gpus: int | None) -> Profile:
+    """The flat form's one profile, built once per (engine, gpus) and shared,
+    as `profiles` are shared with their spec: a reconcile pass reads it for
+    every replica of every model, and validating a new one each time was
+    most of a steady pass at 10,000 nodes (docs/architecture.md, Scale)."""
+    return Profile(engine=engine, gpus=gpus)
 
 
 class ModelSpec(BaseModel):
@@ -291,13 +305,13 @@ class ModelSpec(BaseModel):
             return []
         if self.profiles is not None:
             return self.profiles
-        return [Profile(engine=self.engine or "vllm", gpus=self.gpus)]
+        return [_implicit_profile(self.engine or "vllm", self.gpus)]
 
     @property
     def replica_range(self) -> ReplicaRange:
         if self.external is not None or self.adapter is not None:
-            return ReplicaRange(min=0, max=0)
-        return self.replicas if self.replicas is not None else ReplicaRange()
+            return _default_range(0)
+        return self.replicas if self.replicas is not None else _default_range(1)
 
     def spec_dump(self) -> dict[str, Any]:
         """The spec as given: fields left out stay out (see the class doc)."""
