@@ -45,8 +45,9 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app.router.entries import CatalogEntry, Endpoint, KeyGrant  # noqa: E402
 from app.router.proxy import Proxy  # noqa: E402
-from app.router.table import CatalogEntry, Endpoint, KeyGrant, RouteTable  # noqa: E402
+from app.router.table import RouteTable  # noqa: E402
 from app.router.timeouts import Timeouts  # noqa: E402
 
 FAKE = ROOT / "tests" / "fakes" / "fake_vllm.py"

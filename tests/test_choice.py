@@ -22,7 +22,8 @@ from app.router.choice import (
     ring_shares,
 )
 from app.router.engine_load import EngineLoadPoller
-from app.router.table import Endpoint, RouteTable
+from app.router.entries import Endpoint
+from app.router.table import RouteTable
 from app.wire.loads import Counts, parse_vllm_metrics
 
 NOW = 100.0

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from app.router.table import Endpoint
+from app.router.entries import Endpoint
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig
 
 # What llama-cpp-python 0.3.36 answered (seen with SmolLM2) to OpenAI's

@@ -20,7 +20,8 @@ from app.control.mirror import Mirror
 from app.gateway import Gateway
 from app.main import create_app
 from app.publish import Publisher
-from app.router.table import Endpoint, RouteTable
+from app.router.entries import Endpoint
+from app.router.table import RouteTable
 from app.settings import Settings
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import free_port, until

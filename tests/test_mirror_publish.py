@@ -13,7 +13,8 @@ from app.control.keys import SecretRing, engine_key, hash_client_key
 from app.control.mirror import Mirror
 from app.publish import Publisher
 from app.router.choice import ring_order
-from app.router.table import Endpoint, RouteTable
+from app.router.entries import Endpoint
+from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import until
@@ -111,7 +112,7 @@ async def test_publisher_routes_only_ready_non_draining_replicas(store: Embedded
 
 
 def test_choose_prefers_the_least_busy_replica() -> None:
-    from app.router.table import Endpoint
+    from app.router.entries import Endpoint
 
     table = RouteTable()
     a, b = Endpoint("a", "http://a", "ka"), Endpoint("b", "http://b", "kb")

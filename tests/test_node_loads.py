@@ -24,7 +24,8 @@ from app.control.mirror import Mirror
 from app.publish import NodeAgents
 from app.router.choice import EngineLoad
 from app.router.engine_load import LEGACY_RECHECK, EngineLoadPoller, NodeAgent
-from app.router.table import Endpoint, RouteTable
+from app.router.entries import Endpoint
+from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from app.wire.loads import MAX_ANSWER, BadAnswer, Counts, read_loads_answer
 from tests.test_choice import METRICS  # vLLM's gauges: 5 running, 4 waiting, KV 0.5

@@ -27,7 +27,8 @@ import re
 from typing import Any, NamedTuple
 
 from app.router.access import Exchange
-from app.router.table import Endpoint, Lease, RouteTable
+from app.router.entries import Endpoint
+from app.router.table import Lease, RouteTable
 from app.router.timeouts import Watch, Why
 from app.router.upstream import Response, UpstreamClient, UpstreamError
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from app.router.access import Exchange
+from app.router.entries import Endpoint
 from app.router.spill import served_by
-from app.router.table import Endpoint
 from app.router.upstream import Response, header_block
 
 

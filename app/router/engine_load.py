@@ -34,7 +34,8 @@ from typing import Literal, Protocol
 import aiohttp
 
 from app.router.choice import EngineLoad
-from app.router.table import Endpoint, RouteTable
+from app.router.entries import Endpoint
+from app.router.table import RouteTable
 from app.wire.loads import (
     LOADS_PATH,
     MAX_ANSWER,

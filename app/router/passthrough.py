@@ -23,11 +23,12 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from app.router import responses
+from app.router.entries import Endpoint, KeyGrant
 from app.router.fields import checked_model
 from app.router.forms import form_fields
 from app.router.intake import parse_json
 from app.router.replies import error
-from app.router.table import Endpoint, KeyGrant, RouteTable
+from app.router.table import RouteTable
 
 # Client path -> engine path, for JSON bodies POSTed with a `model`.
 JSON_ROUTES = {p: p for p in ("/v1/responses", "/v1/rerank", "/rerank", "/v2/rerank",

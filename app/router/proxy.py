@@ -34,6 +34,7 @@ from app.router.access import Exchange, Tracer
 from app.router.choice import affinity_key
 from app.router.counting import PromptCounter
 from app.router.engine_load import EngineLoadPoller
+from app.router.entries import KeyGrant
 from app.router.fields import checked_model
 from app.router.intake import MAX_BODY as MAX_BODY
 from app.router.intake import ClientGone, has_body, headers_of, parse_json, read_body
@@ -42,7 +43,7 @@ from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
 from app.router.spill import Spill
-from app.router.table import KeyGrant, RouteTable
+from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch
 from app.router.upstream import UpstreamClient, unsafe_target
 

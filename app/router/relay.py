@@ -35,10 +35,11 @@ from app.router.access import Exchange, Tracer
 from app.router.continuation import Resumed, Splice, resumable, resume
 from app.router.engine_errors import client_fault, read_capped
 from app.router.engine_headers import passed_on, route_headers
+from app.router.entries import Endpoint
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
 from app.router.spill import Spill
-from app.router.table import Endpoint, RouteTable
+from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch, Why
 from app.router.upstream import Response, Unsendable, UpstreamClient, UpstreamError
 
@@ -110,7 +111,7 @@ class Upstreams:
                     if why is Why.CLIENT_GONE:
                         return CLIENT_GONE
                     if why is Why.SHUTDOWN:
-                        raise _stopping() from None
+                        raise replies.stopping() from None
                     self._table.hold_timed_out(model)
                     raise error(504, self._past_deadline(), "server_error",
                                 "upstream_timeout") from None
@@ -274,7 +275,7 @@ class Upstreams:
         if why is Why.CLIENT_GONE:
             return CLIENT_GONE
         if why is Why.SHUTDOWN:
-            raise _stopping()
+            raise replies.stopping()
         if why is Why.FIRST_BYTE:
             self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
             message = (f"Replica {ep.replica_id} sent no first token within "
@@ -380,7 +381,7 @@ class Upstreams:
             if why is Why.SHUTDOWN:
                 logger.warning("stream from replica %s cut: the gateway's stop ran out of "
                                "grace", ep.replica_id)
-                await replies.end_badly(send, framed, _STOPPING, "gateway_stopping")
+                await replies.end_badly(send, framed, replies.STOPPING, "gateway_stopping")
                 return 503
             if why in (Why.IDLE, Why.FIRST_BYTE):  # first byte: of a continuation
                 self._table.cool_down(ep.replica_id, self._timeouts.cooldown)
@@ -400,12 +401,3 @@ class Upstreams:
         watch.close()
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return upstream.status
-
-
-# What a request still open at the end of the gateway's grace period is told
-# (docs/architecture.md, "Stopping"): another gateway can take it again.
-_STOPPING = "The gateway stopped before the answer was complete; retry."
-
-
-def _stopping() -> Reply:
-    return error(503, _STOPPING, "service_unavailable", "gateway_stopping", retry_after=1)

@@ -84,3 +84,12 @@ async def keep_alive(send: Send, model: str, every: float = 5.0) -> None:
         await send({"type": "http.response.body", "more_body": True,
                     "body": f": waiting for a replica of {model} to start\n\n".encode()})
         await asyncio.sleep(every)
+
+
+# What a request still open at the end of the gateway's grace period is told
+# (docs/architecture.md, "Stopping"): another gateway can take it again.
+STOPPING = "The gateway stopped before the answer was complete; retry."
+
+
+def stopping() -> Reply:
+    return error(503, STOPPING, "service_unavailable", "gateway_stopping", retry_after=1)

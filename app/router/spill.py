@@ -23,8 +23,9 @@ the request goes on as if the model had none.
 from __future__ import annotations
 
 from app.router.access import Exchange
+from app.router.entries import KeyGrant
 from app.router.limits import Limiter
-from app.router.table import KeyGrant, RouteTable
+from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 
 REASONS = ("saturated", "hold_timeout", "hold_full", "no_replica")

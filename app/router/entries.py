@@ -1,0 +1,60 @@
+"""What the control side hands the router (app/publish.py), as plain
+values: a replica's endpoint, a catalog entry, a client key's grant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.router.limits import NO_LIMITS, Limits
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    replica_id: str
+    url: str
+    # The engine key this replica demands (an external model's: the
+    # provider's key); never logged.
+    key: str = field(repr=False)
+    # The model name to send upstream instead of the catalog name: an
+    # external model's name at its provider. Empty: the catalog name.
+    upstream_model: str = ""
+    # From the replica's profile: a higher priority is chosen first; weights
+    # share a priority's requests (see choice.py).
+    priority: int = 0
+    weight: float = 1.0
+    # The replica's engine ("vllm", "llamacpp"; empty for an external
+    # provider): llama.cpp's streams carry no usage, so the router counts
+    # them (app/router/counting.py).
+    engine: str = ""
+    # A LoRA adapter's name, on an endpoint that serves it from its base's
+    # replica (upstream_model is that name too): its requests in flight are
+    # counted apart, what sizes its set of replicas.
+    adapter: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    name: str
+    aliases: tuple[str, ...] = ()
+    created: int = 0
+    parent: str = ""  # a LoRA adapter's base model, as vLLM lists it
+
+
+@dataclass(frozen=True, slots=True)
+class KeyGrant:
+    """What a client key may do. `models` empty means every model.
+
+    `limits` are the key's, for all gateways together; each gateway admits
+    up to its claim on them (app/router/limits.py); `gateways`, the live
+    gateways, gives equal shares until the claims loop runs. `expires`: a
+    Unix time, None for never."""
+
+    id: str
+    name: str
+    models: frozenset[str] = frozenset()
+    limits: Limits = NO_LIMITS
+    gateways: int = 1
+    expires: float | None = None
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
