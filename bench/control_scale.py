@@ -39,6 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # its throwaway etcd (etcd_server.py)
 
 from app.control import state as s  # noqa: E402
 from app.control.plan import Plan, plan, wanted  # noqa: E402
@@ -180,10 +181,10 @@ async def _no_poll() -> dict[str, Any]:
 
 async def edits(count: int, preload_nodes: int, engine_polls: bool = False) -> list[float]:
     import httpx
+    from etcd_server import EtcdServer, find_etcd_binary
 
     from app.main import create_app
     from app.settings import Settings
-    from tests.support.etcd_server import EtcdServer, find_etcd_binary
 
     binary = find_etcd_binary()
     if binary is None:
