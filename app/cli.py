@@ -23,7 +23,7 @@ from app.wire.names import check_name
 if TYPE_CHECKING:
     # Imported by the gateway's commands only: the agent and ctl load none of
     # the control plane or the store (docs/architecture.md, "Processes").
-    from app.settings import Settings
+    from app.gateway.settings import Settings
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
 # cancelling what is still open: time for cut streams to send their error event.
@@ -59,7 +59,7 @@ def _stop_wait(notice: str, grace: str) -> float:
 
 
 def _default_data_dir() -> str:
-    """The gateway's LLMGW_DATA_DIR default (app/settings/store.py), named
+    """The gateway's LLMGW_DATA_DIR default (app/gateway/settings/store.py), named
     without loading the gateway's settings (tests/test_process_imports.py
     checks the two agree)."""
     return str(Path.home() / ".local/share/llmgw")
@@ -68,7 +68,7 @@ def _default_data_dir() -> str:
 def _settings(**overrides: object) -> Settings:
     from pydantic import ValidationError
 
-    from app.settings import Settings
+    from app.gateway.settings import Settings
 
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
@@ -80,7 +80,7 @@ def _settings(**overrides: object) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from app import pidfile, workers
+    from app.gateway import pidfile, workers
 
     if args.worker is not None:  # started by the supervisor below
         workers.die_with_parent(args.supervisor)
@@ -121,8 +121,8 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
            ready_first: float = 0.0) -> None:
     import uvicorn
 
-    from app.main import create_app
-    from app.slowclients import protocol
+    from app.gateway.main import create_app
+    from app.gateway.slowclients import protocol
 
     app = create_app(settings, campaign=campaign, ready_first=ready_first)
     gateway = app.state.gateway
@@ -191,7 +191,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # `grace`; whatever is still open after this is
                             # cancelled without a word.
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
-                            # httptools, cutting slow clients (app/slowclients.py).
+                            # httptools, cutting slow clients (app/gateway/slowclients.py).
                             http=protocol(settings.header_timeout, settings.body_timeout),
                             timeout_keep_alive=settings.keep_alive_timeout,
                             # Checked at start (Settings): both or neither.
@@ -201,7 +201,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
 
 
 def stop(args: argparse.Namespace) -> None:
-    from app import pidfile
+    from app.gateway import pidfile
 
     def say(line: str) -> None:
         print(line, file=sys.stderr)
@@ -334,7 +334,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=None,
                     help="processes serving the port (LLMGW_WORKERS; default: the cores "
                     "available with etcd, 1 on the embedded store)")
-    # A worker of a supervisor (app/workers.py): not for operators.
+    # A worker of a supervisor (app/gateway/workers.py): not for operators.
     sp.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--supervisor", type=int, default=None, help=argparse.SUPPRESS)

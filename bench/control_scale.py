@@ -183,8 +183,8 @@ async def edits(count: int, preload_nodes: int, engine_polls: bool = False) -> l
     import httpx
     from etcd_server import EtcdServer, find_etcd_binary
 
-    from app.main import create_app
-    from app.settings import Settings
+    from app.gateway.main import create_app
+    from app.gateway.settings import Settings
 
     binary = find_etcd_binary()
     if binary is None:

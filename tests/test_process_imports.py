@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.procs import ROOT
 
-GATEWAY_ONLY = ("app.control", "app.store", "app.router", "app.api", "app.settings")
+GATEWAY_ONLY = ("app.control", "app.store", "app.router", "app.api", "app.gateway")
 
 # Runs `llmgw ARGS...` in-process, then prints the gateway's modules it loaded.
 PROBE = """
@@ -63,7 +63,7 @@ def test_probe_sees_the_gateway_where_it_is_loaded() -> None:
 def test_stop_default_data_dir_is_the_gateways(monkeypatch: pytest.MonkeyPatch) -> None:
     # `llmgw stop` names the gateway's default data dir without loading it.
     from app.cli import parser
-    from app.settings import Settings
+    from app.gateway.settings import Settings
 
     monkeypatch.delenv("LLMGW_DATA_DIR", raising=False)
     args = parser().parse_args(["stop"])

@@ -1,5 +1,5 @@
 """What route modules are handed instead of the whole gateway: interfaces
-declared where they are used, wired in one place (app/main.py create_app).
+declared where they are used, wired in one place (app/gateway/main.py create_app).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class MirrorState(Protocol):
     """A reader of the store's mirror, which exists once the gateway has
     started and answers only once loaded (`ready`; DESIGN invariant 9).
-    The gateway (app/gateway.py) is one."""
+    The gateway (app/gateway/parts.py) is one."""
 
     @property
     def ready(self) -> bool: ...

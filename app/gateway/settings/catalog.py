@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator
 
 from app.control.catalog import load_file
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class CatalogSettings(Group):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class EdgeSettings(Group):

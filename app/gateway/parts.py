@@ -36,14 +36,14 @@ from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
 from app.control.usage import UsagePublisher
-from app.key_shares import KeyShares
-from app.metrics import GatewayMetrics
-from app.publish import LastUse, NodeAgents, Publisher, RouterUsage
-from app.request_series import RequestSeries
+from app.gateway.key_shares import KeyShares
+from app.gateway.metrics import GatewayMetrics
+from app.gateway.publish import LastUse, NodeAgents, Publisher, RouterUsage
+from app.gateway.request_series import RequestSeries
+from app.gateway.settings import Settings
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
-from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
 from app.tls import pinned_context
 from app.wire.tokens import node_token

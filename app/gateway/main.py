@@ -28,11 +28,11 @@ from app.control.ops.agent_ops import AgentOps
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
-from app.gateway import Gateway
+from app.gateway.parts import Gateway
+from app.gateway.settings import Settings
 from app.router import openapi as v1_openapi
 from app.router.passthrough import ROOT_PATHS
 from app.router.proxy import Proxy
-from app.settings import Settings
 from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)

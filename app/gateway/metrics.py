@@ -25,14 +25,14 @@ from app.control import fleet, gpuhealth
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import Replica, replica_phase
-from app.request_metrics import RequestMetrics
+from app.gateway.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from app.control.agentversion import Window
     from app.control.leader import Elector
     from app.control.mirror import Mirror
+    from app.gateway.settings import Settings
     from app.router.table import RouteTable
-    from app.settings import Settings
     from app.store.base import Store
 
 
