@@ -102,7 +102,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self)
         # Notes each model's last use for the usage snapshots, then counts
         # the request in the last minutes' series (the cluster page's
-        # charts, app/request_series.py), then in the metrics.
+        # charts, app/gateway/request_series.py), then in the metrics.
         self.series = RequestSeries(then=self.metrics.requests)
         self.last_use = LastUse(then=self.series)
         self.tracer: OtelTracer | None = None
