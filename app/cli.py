@@ -15,14 +15,16 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from app.logs import configure
 from app.logs import stop as stop_logging
-from app.settings import Settings
 from app.wire.names import check_name
+
+if TYPE_CHECKING:
+    # Imported by the gateway's commands only: the agent and ctl load none of
+    # the control plane or the store (docs/architecture.md, "Processes").
+    from app.gateway.settings import Settings
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
 # cancelling what is still open: time for cut streams to send their error event.
@@ -58,7 +60,18 @@ def _stop_wait(notice: str, grace: str) -> float:
         return 3 + 600 + _CUT_SLACK
 
 
+def _default_data_dir() -> str:
+    """The gateway's LLMGW_DATA_DIR default (app/gateway/settings/store.py), named
+    without loading the gateway's settings (tests/test_process_imports.py
+    checks the two agree)."""
+    return str(Path.home() / ".local/share/llmgw")
+
+
 def _settings(**overrides: object) -> Settings:
+    from pydantic import ValidationError
+
+    from app.gateway.settings import Settings
+
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
     except ValidationError as exc:
@@ -69,7 +82,7 @@ def _settings(**overrides: object) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from app import pidfile, workers
+    from app.gateway import pidfile, workers
 
     if args.worker is not None:  # started by the supervisor below
         workers.die_with_parent(args.supervisor)
@@ -110,8 +123,8 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
            ready_first: float = 0.0) -> None:
     import uvicorn
 
-    from app.main import create_app
-    from app.slowclients import protocol
+    from app.gateway.main import create_app
+    from app.gateway.slowclients import protocol
 
     app = create_app(settings, campaign=campaign, ready_first=ready_first)
     gateway = app.state.gateway
@@ -180,7 +193,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # `grace`; whatever is still open after this is
                             # cancelled without a word.
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
-                            # httptools, cutting slow clients (app/slowclients.py).
+                            # httptools, cutting slow clients (app/gateway/slowclients.py).
                             http=protocol(settings.header_timeout, settings.body_timeout),
                             timeout_keep_alive=settings.keep_alive_timeout,
                             # Checked at start (Settings): both or neither.
@@ -190,7 +203,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
 
 
 def stop(args: argparse.Namespace) -> None:
-    from app import pidfile
+    from app.gateway import pidfile
 
     def say(line: str) -> None:
         print(line, file=sys.stderr)
@@ -308,14 +321,8 @@ def ctl(args: argparse.Namespace) -> None:
     run(args.rest)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["ctl"]:
-        # typer parses ctl's own options (`--json`, `--gateway`) wherever they stand.
-        from app.ctl import run
-
-        run(argv[1:])
-        return
+def parser() -> argparse.ArgumentParser:
+    """`llmgw`'s commands and options (ctl's own are typer's)."""
     p = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"))
     p.add_argument("--log-format",
@@ -329,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--workers", type=int, default=None,
                     help="processes serving the port (LLMGW_WORKERS; default: the cores "
                     "available with etcd, 1 on the embedded store)")
-    # A worker of a supervisor (app/workers.py): not for operators.
+    # A worker of a supervisor (app/gateway/workers.py): not for operators.
     sp.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--supervisor", type=int, default=None, help=argparse.SUPPRESS)
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     stp = sub.add_parser("stop", help="stop the gateway running on a data dir (SIGTERM to "
                          "the pid in DATA_DIR/llmgw.pid), waiting for it to exit")
     stp.add_argument("--data-dir", default=os.environ.get("LLMGW_DATA_DIR")
-                     or Settings.model_fields["data_dir"].get_default(call_default_factory=True),
+                     or _default_data_dir(),
                      help="the gateway's LLMGW_DATA_DIR (default: %(default)s)")
     notice = os.environ.get("LLMGW_SHUTDOWN_NOTICE_SECONDS", "3")
     grace = os.environ.get("LLMGW_SHUTDOWN_GRACE_SECONDS", "600")
@@ -386,7 +393,18 @@ def main(argv: list[str] | None = None) -> None:
     cp = sub.add_parser("ctl", help="operator commands (`llmgw ctl --help`)", add_help=False)
     cp.add_argument("rest", nargs=argparse.REMAINDER)
     cp.set_defaults(func=ctl)
+    return p
 
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:
+        # typer parses ctl's own options (`--json`, `--gateway`) wherever they stand.
+        from app.ctl import run
+
+        run(argv[1:])
+        return
+    p = parser()
     args = p.parse_args(argv)
     try:
         configure(args.log_level, args.log_format)

@@ -124,7 +124,7 @@ async def time_edits(gws: Gateways, count: int) -> list[float]:
 
 async def edits(count: int, preload: Callable[[str, str], Awaitable[str]]) -> list[float]:
     """`preload(endpoint, prefix)` fills etcd first and says what it put."""
-    from tests.support.etcd_server import EtcdServer, find_etcd_binary
+    from etcd_server import EtcdServer, find_etcd_binary
 
     binary = find_etcd_binary()
     if binary is None:

@@ -218,8 +218,7 @@ async def etcd_figures(nodes: int, models: int, agents: int, seconds: float,
     """What agents write per agent, what etcd sustains, the mirror's heap."""
     import control_etcd as ce
     from control_edits import Gateways
-
-    from tests.support.etcd_server import EtcdServer, find_etcd_binary
+    from etcd_server import EtcdServer, find_etcd_binary
 
     binary = find_etcd_binary()
     if binary is None:

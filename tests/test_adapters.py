@@ -18,7 +18,7 @@ from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.plan_phases import _matches, _spec_runs
 from app.control.usage import UsagePublisher
-from app.publish import Publisher
+from app.gateway.publish import Publisher
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from app.wire.adapters import engine_flags, max_loras

@@ -15,8 +15,8 @@ import httpx
 
 from app.control import state as s
 from app.control import storeid
-from app.main import GatewayApp, create_app
-from app.settings import Settings
+from app.gateway.main import GatewayApp, create_app
+from app.gateway.settings import Settings
 from app.store.base import Put
 from app.wire.tokens import node_token
 from tests.support.etcd import EtcdServer, ExternalEtcd
@@ -120,7 +120,7 @@ async def test_assignments_carry_the_revision_they_were_read_at(
         bodies = []
         for app in (a, b):
             await app.state.gateway.mirror.wait_for(rev, 5)
-            # Made at start, in the background (app/gateway.py).
+            # Made at start, in the background (app/gateway/parts.py).
             await until(app.state.gateway.mirror.store_id, "the store id mirrored")
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as c:

@@ -1,6 +1,6 @@
 """The agent's timings given on its command line (or their environment
 variables) are finite, positive seconds: nan and inf are refused in one
-line, as the gateway's float settings are (app/cli.py, app/settings/_group.py)."""
+line, as the gateway's float settings are (app/cli.py, app/gateway/settings/_group.py)."""
 
 from __future__ import annotations
 

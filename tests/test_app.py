@@ -9,8 +9,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from app.main import create_app
-from app.settings import Settings
+from app.gateway.main import create_app
+from app.gateway.settings import Settings
 
 ADMIN = "in-process-admin-token-0123"
 

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 from app.control import catalog
 from app.control import state as s
 from app.control.plan import plan
-from app.gateway import Gateway
-from app.main import GatewayApp, create_app
-from app.settings import Settings
+from app.gateway.main import GatewayApp, create_app
+from app.gateway.parts import Gateway
+from app.gateway.settings import Settings
 from app.wire import catalog as rules
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import ROOT
@@ -283,7 +283,7 @@ async def test_two_gateways_starting_together_seed_once(
     apps = [create_app(settings(tmp_path, name, port=port, **shared))
             for name, port in (("g1", 18101), ("g2", 18102))]
     gateways: list[Gateway] = [a.state.gateway for a in apps]
-    caplog.set_level(logging.INFO, logger="app.gateway")
+    caplog.set_level(logging.INFO, logger="app.gateway.parts")
     await asyncio.gather(*(g.start() for g in gateways))
     try:
         for g in gateways:

@@ -26,7 +26,7 @@ def agreed_leader(gws: list[GatewayProc]) -> str | None:
 @pytest.fixture
 def three(cluster: Cluster) -> list[GatewayProc]:
     cluster.ttl = TTL
-    # A lease of 4 s needs etcd calls that give up within 2 s (app/settings/__init__.py).
+    # A lease of 4 s needs etcd calls that give up within 2 s (app/gateway/settings/__init__.py).
     return [cluster.gateway(n, etcd_timeout="2") for n in ("gw-a", "gw-b", "gw-c")]
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from app.cli import _CUT_SLACK
-from app.settings import Settings
+from app.gateway.settings import Settings
 from app.store.etcd_endpoints import parse_endpoints
 from tests.support.procs import ROOT
 from tests.test_haproxy import SHIPPED_CONFIG

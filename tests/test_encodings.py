@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from app.control.keys import hash_client_key
-from app.gateway import Gateway
-from app.main import create_app
-from app.settings import Settings
+from app.gateway.main import create_app
+from app.gateway.parts import Gateway
+from app.gateway.settings import Settings
 from tests.support.procs import free_port, until
 
 ADMIN = "encodings-test-admin-token-0123"

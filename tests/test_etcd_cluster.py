@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.etcd_server import EtcdCluster
 from tests.support.etcd import etcd_binary
-from tests.support.etcd_server import EtcdCluster
 from tests.support.procs import Cluster, make_key, put_model, replicas, routes, wait_for
 
 

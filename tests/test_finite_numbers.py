@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from app.main import GatewayApp, create_app
-from app.settings import Settings
+from app.gateway.main import GatewayApp, create_app
+from app.gateway.settings import Settings
 from app.wire.tokens import node_token
 from tests.support.procs import until
 

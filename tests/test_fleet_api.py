@@ -13,8 +13,8 @@ import httpx
 
 from app.control import state as s
 from app.control.placement import NoFit, place
-from app.main import create_app
-from app.settings import Settings
+from app.gateway.main import create_app
+from app.gateway.settings import Settings
 from app.store.base import TxnResult
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import until

@@ -128,7 +128,7 @@ def test_token_metrics_per_model_through_the_openai_client(cluster: Cluster,
 
 
 def test_status_labels_are_a_fixed_set() -> None:
-    from app.request_metrics import code_label
+    from app.gateway.request_metrics import code_label
 
     assert [code_label(c) for c in (200, 404, 429, 499, 503)] == [
         "200", "404", "429", "499", "503"]
@@ -176,7 +176,7 @@ async def test_the_observer_gets_a_streams_first_byte_only(rig: Rig) -> None:
 def test_request_histograms_render_as_prometheus_buckets() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from app.request_metrics import RequestMetrics
+    from app.gateway.request_metrics import RequestMetrics
 
     rm = RequestMetrics()
     registry = CollectorRegistry(auto_describe=False)

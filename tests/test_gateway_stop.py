@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from app.settings import Settings
+from app.gateway.settings import Settings
 from tests.support.procs import Cluster, GatewayProc, make_key, put_model, routes, wait_for
 
 # Seconds the stand-in engine takes per word: a reply of n words takes n x this.

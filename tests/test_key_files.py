@@ -27,11 +27,11 @@ from app.control.keyfiles import (
 )
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.gateway import Gateway
-from app.main import create_app
-from app.publish import Publisher
+from app.gateway.main import create_app
+from app.gateway.parts import Gateway
+from app.gateway.publish import Publisher
+from app.gateway.settings import Settings
 from app.router.table import RouteTable
-from app.settings import Settings
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import (
     ADMIN,

@@ -1,5 +1,5 @@
 """Each gateway's claims on a client key's limits (app/router/shares.py, the
-pure decisions; app/key_shares.py, the loop), in-process: three limiters,
+pure decisions; app/gateway/key_shares.py, the loop), in-process: three limiters,
 three mirrors of one embedded store, one injected clock, the loop's steps
 driven by hand. The cross-process checks are in tests/test_key_shares_procs.py."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from app.control import state as s
 from app.control.mirror import Mirror
-from app.key_shares import SERIAL, KeyShares
+from app.gateway.key_shares import SERIAL, KeyShares
 from app.router.limits import Limiter, Limits, OverLimit, Ticket
 from app.router.shares import next_claim, split, targets
 from app.store.embedded import EmbeddedStore

@@ -22,9 +22,9 @@ from app.control import state as s
 from app.control.key_usage import KeyUsageWriter, usage_key
 from app.control.keys import hash_client_key
 from app.control.mirror import Mirror
-from app.main import GatewayApp, create_app
+from app.gateway.main import GatewayApp, create_app
+from app.gateway.settings import Settings
 from app.router.limits import Limiter, Limits
-from app.settings import Settings
 from app.store.embedded import EmbeddedStore
 from app.store.etcd import EtcdStore
 from tests.fakes import fake_vllm

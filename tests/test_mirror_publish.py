@@ -11,7 +11,7 @@ import pytest
 from app.control import state as s
 from app.control.keys import SecretRing, engine_key, hash_client_key
 from app.control.mirror import Mirror
-from app.publish import Publisher
+from app.gateway.publish import Publisher
 from app.router.choice import ring_order
 from app.router.entries import Endpoint
 from app.router.table import RouteTable

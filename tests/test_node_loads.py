@@ -21,7 +21,7 @@ from app.agent.nodeapi import NodeApi, NodeApiConfig
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.publish import NodeAgents
+from app.gateway.publish import NodeAgents
 from app.router.choice import EngineLoad
 from app.router.engine_load import LEGACY_RECHECK, EngineLoadPoller, NodeAgent
 from app.router.entries import Endpoint

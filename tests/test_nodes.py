@@ -11,7 +11,7 @@ from pathlib import Path
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.publish import Publisher
+from app.gateway.publish import Publisher
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import Cluster, make_key, put_model, replicas, routes, wait_for

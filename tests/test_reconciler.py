@@ -14,7 +14,7 @@ from app.control import state as s
 from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler, TickResult
-from app.settings import Settings
+from app.gateway.settings import Settings
 from app.store.embedded import EmbeddedStore
 
 

@@ -15,7 +15,7 @@ from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.scaling import Scaler, desired
 from app.control.usage import UsagePublisher, replica_loads
-from app.publish import LastUse, Publisher, RouterUsage
+from app.gateway.publish import LastUse, Publisher, RouterUsage
 from app.router.choice import EngineLoad
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore

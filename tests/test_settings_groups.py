@@ -1,4 +1,4 @@
-"""The settings, grouped by what reads them (app/settings/): each read from
+"""The settings, grouped by what reads them (app/gateway/settings/): each read from
 its environment variable, each in one group, and the checks that span
 groups still made on `Settings` as a whole."""
 
@@ -11,16 +11,16 @@ import pytest
 import trustme
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from app.settings import Settings
-from app.settings.catalog import CatalogSettings
-from app.settings.control import ControlSettings
-from app.settings.edge import EdgeSettings
-from app.settings.local_agent import LocalAgentSettings
-from app.settings.nodes import NodeSettings
-from app.settings.router import RouterSettings
-from app.settings.store import StoreSettings
-from app.settings.tracing import TracingSettings
-from app.settings.trust import TrustSettings
+from app.gateway.settings import Settings
+from app.gateway.settings.catalog import CatalogSettings
+from app.gateway.settings.control import ControlSettings
+from app.gateway.settings.edge import EdgeSettings
+from app.gateway.settings.local_agent import LocalAgentSettings
+from app.gateway.settings.nodes import NodeSettings
+from app.gateway.settings.router import RouterSettings
+from app.gateway.settings.store import StoreSettings
+from app.gateway.settings.tracing import TracingSettings
+from app.gateway.settings.trust import TrustSettings
 
 GROUPS: list[type[BaseModel]] = [
     StoreSettings, TrustSettings, ControlSettings, EdgeSettings, RouterSettings,

@@ -1,4 +1,4 @@
-"""Each model's last minutes (app/request_series.py) in-process with an
+"""Each model's last minutes (app/gateway/request_series.py) in-process with an
 injected clock, and `GET /admin/stats` adding up a fleet of three real
 gateway processes (docs/architecture.md, "The cluster page", "Charts")."""
 
@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from app.api.stats import MAX_BYTES, _ask
-from app.request_series import FIELDS, RequestSeries, Series, merge
+from app.gateway.request_series import FIELDS, RequestSeries, Series, merge
 from tests.support.procs import ADMIN, Cluster, make_key, put_model, routes, wait_for, wait_ready
 
 

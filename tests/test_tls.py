@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from app.agent.agent import Agent
 from app.agent.gateway_client import GatewayClient, GatewayUnreachable
-from app.settings import Settings
+from app.gateway.settings import Settings
 from app.tls import client_context, pinned_context
 from tests.support.procs import (
     ADMIN,

@@ -87,7 +87,8 @@ async def test_without_a_traceparent_the_request_starts_its_own_trace(
 def test_a_gateway_without_an_endpoint_never_imports_the_sdk() -> None:
     # (FastAPI itself imports opentelemetry's API; the SDK, the exporter and
     # our tracing module stay out.)
-    code = ("import sys; from app.main import create_app; from app.settings import Settings; "
+    code = ("import sys; from app.gateway.main import create_app; "
+            "from app.gateway.settings import Settings; "
             "import tempfile; create_app(Settings(data_dir=tempfile.mkdtemp())); "
             "print(sorted(m for m in sys.modules if m.startswith(("
             "'opentelemetry.sdk', 'opentelemetry.exporter', 'app.router.tracing'))))")

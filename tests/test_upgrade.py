@@ -381,7 +381,7 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
 def test_min_agent_version_setting_must_be_a_version() -> None:
     from pydantic import ValidationError
 
-    from app.settings import Settings
+    from app.gateway.settings import Settings
 
     assert Settings(min_agent_version="0.1.0").min_agent_version == "0.1.0"
     with pytest.raises(ValidationError, match="is not a version"):

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.main import create_app
+from app.gateway.main import create_app
+from app.gateway.settings import Settings
 from app.router.fields import checked_model
 from app.router.forms import form_fields
 from app.router.passthrough import checked_previous
 from app.router.replies import Reply, error
-from app.settings import Settings
 
 
 @pytest.fixture(scope="module")

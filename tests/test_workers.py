@@ -321,8 +321,8 @@ async def test_one_leader_among_the_workers_of_two_gateways(
 def test_the_default_is_the_cores_with_etcd_and_one_on_the_embedded_store(
     tmp_path: Path
 ) -> None:
-    from app import workers
-    from app.settings import Settings
+    from app.gateway import workers
+    from app.gateway.settings import Settings
 
     etcd = {"etcd_endpoints": "127.0.0.1:2379", "secret": "s" * 32, "admin_token": "a" * 32}
     assert workers.count(Settings(**etcd)) == len(os.sched_getaffinity(0))  # type: ignore[arg-type]

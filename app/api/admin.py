@@ -10,26 +10,27 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import yaml
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
 from app.api.auth import admin_guard
+from app.api.deps import MirrorState, RoutesRead
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
 from app.api.writes import deadline, etag, precondition
 from app.control import catalog, fleet, gpuhealth
 from app.control import state as s
+from app.control.agentversion import Window
+from app.control.keyfiles import ProviderKeys
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.wire import catalog as rules
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
 
 
 class LeaderView(BaseModel):
@@ -38,21 +39,31 @@ class LeaderView(BaseModel):
     is_leader: bool
 
 
-def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
-    require_admin = admin_guard(gw.admin_token)
+def routes(state: MirrorState, ops: CatalogOps, table: RoutesRead,
+           provider_keys: ProviderKeys, *, admin_token: str, gateway_id: str,
+           is_leader: Callable[[], bool], agent_window: Window, write_deadline: float,
+           model_roots: list[str], provider_key_dir: str, idle_slack: float,
+           default_load_target: int) -> APIRouter:
+    """`table`: this gateway's routes, read; `provider_keys`: its provider
+    key files, read off the loop; `is_leader`: whether this gateway leads now;
+    `write_deadline`: LLMGW_ADMIN_WRITE_DEADLINE; `model_roots`,
+    `provider_key_dir`: where a model's files may be (LLMGW_MODEL_ROOTS,
+    LLMGW_PROVIDER_KEY_DIR); `idle_slack`: LLMGW_USAGE_REFRESH plus
+    LLMGW_USAGE_INTERVAL; `default_load_target`: LLMGW_DEFAULT_LOAD_TARGET."""
+    require_admin = admin_guard(admin_token)
 
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
     @r.get("/leader", response_model=LeaderView)
     async def leader() -> LeaderView:
-        info = gw.mirror.leader()
-        return LeaderView(gateway=gw.settings.gateway_id,
+        info = state.mirror.leader()
+        return LeaderView(gateway=gateway_id,
                           leader=info.id if info else None,
-                          is_leader=gw.elector.is_leader)
+                          is_leader=is_leader())
 
     @r.get("/gateways")
     async def gateways() -> list[s.GatewayInfo]:
-        return list(gw.mirror.parsed(s.GATEWAYS, s.GatewayInfo).values())
+        return list(state.mirror.parsed(s.GATEWAYS, s.GatewayInfo).values())
 
     # --- catalog -----------------------------------------------------------------
 
@@ -60,12 +71,12 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
         """The spec, and how its replicas stand. Placement is a pure function
         of the mirrored state, so any gateway can say why a replica is not
         placed, not only the leader."""
-        replicas = gw.mirror.replicas()
-        statuses = gw.mirror.statuses()
-        usages = gw.mirror.usages()
+        replicas = state.mirror.replicas()
+        statuses = state.mirror.statuses()
+        usages = state.mirror.usages()
         mine = [r for r in replicas.values()
                 if r.model == model.name and r.draining_since is None]
-        nodes = gw.mirror.nodes()
+        nodes = state.mirror.nodes()
         ready = sum(1 for r in mine
                     if s.replica_phase(r, statuses.get(r.id), r.node in nodes) == "ready")
         failed = [{"id": r.id, "node": r.node, "detail": st.detail}
@@ -73,30 +84,29 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
                   and s.replica_phase(r, st) == "failed"]
         nofit: NoFit | None = None
         wanted = wanted_now(model, mine, usages, time.time(),
-                            gw.settings.usage_refresh + gw.settings.usage_interval,
-                            gw.settings.default_load_target)
+                            idle_slack, default_load_target)
         if len(mine) < wanted:
-            fit = place(model.name, model, gw.mirror.nodes(), replicas,
-                        nodeconfs=gw.mirror.nodeconfs(), quotas=gw.mirror.quotas(),
-                        models=gw.mirror.models(), agent_versions=gw.agent_window)
+            fit = place(model.name, model, state.mirror.nodes(), replicas,
+                        nodeconfs=state.mirror.nodeconfs(), quotas=state.mirror.quotas(),
+                        models=state.mirror.models(), agent_versions=agent_window)
             nofit = fit if isinstance(fit, NoFit) else None
         health = fleet.model_health(model, mine, nofit, displaced={
             r.id: r.drain_reason for r in replicas.values()
             if r.model == model.name and r.drain_reason})
-        if model.external is not None and not gw.table.endpoints(model.name):
+        if model.external is not None and not table.endpoints(model.name):
             # Withheld by this gateway's router (its key file): say why.
-            health = fleet.Health("unplaceable", gw.table.unavailable(model.name)
+            health = fleet.Health("unplaceable", table.unavailable(model.name)
                                   or "not published yet")
         extra: dict[str, Any] = {}
         if model.adapter is not None:
             # Where the leader loaded it (docs/architecture.md, LoRA adapters).
-            rec = gw.mirror.parsed(s.ADAPTERS, s.AdapterSet).get(model.name)
+            rec = state.mirror.parsed(s.ADAPTERS, s.AdapterSet).get(model.name)
             loaded = list(rec.replicas) if rec is not None else []
             extra = {"loaded_on": loaded,
                      "unloading": sorted(rec.unloading) if rec is not None else []}
             health = (fleet.Health("ok", f"loaded on {len(loaded)} replica(s) of "
                                          f"{model.adapter.base}") if loaded else
-                      fleet.Health("degraded", gw.table.unavailable(model.name)
+                      fleet.Health("degraded", table.unavailable(model.name)
                                    or "not loaded yet"))
         return stored_view(model) | {"status": {
             "wanted": wanted, "replicas": len(mine), "ready": ready,
@@ -109,16 +119,16 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
 
     def model_etag(name: str) -> str | None:
         """What `If-Match` takes to replace or delete the model (writes.py)."""
-        return etag(gw.mirror.get(s.MODELS + name))
+        return etag(state.mirror.get(s.MODELS + name))
 
     @r.get("/models")
     async def list_models() -> list[dict[str, Any]]:
         return [with_status(m) | {"etag": model_etag(m.name)}
-                for m in gw.mirror.models().values()]
+                for m in state.mirror.models().values()]
 
     @r.get("/models/{name:path}", responses=problems(404))
     async def get_model(name: str, response: Response) -> dict[str, Any]:
-        model = gw.mirror.models().get(name)
+        model = state.mirror.models().get(name)
         tag = model_etag(name)
         if model is None or tag is None:
             raise Problem(404, "No such model", f"model {name!r} is not in the catalog")
@@ -129,12 +139,12 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
     async def export_catalog(request: Request) -> Response:
         """The catalog in LLMGW_CATALOG_FILE's form: YAML if asked for
         (Accept: application/yaml), else JSON."""
-        if not gw.ready:
+        if not state.ready:
             # An empty export saved as a file would seed an empty catalog
             # (DESIGN invariant 9: answer only from state you have).
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the catalog yet; ask another")
-        body = catalog.export(gw.mirror.models())
+        body = catalog.export(state.mirror.models())
         accept = request.headers.get("accept", "")
         if any(t in accept for t in ("application/yaml", "application/x-yaml", "text/yaml")):
             return Response(yaml.safe_dump(body, sort_keys=False),
@@ -142,15 +152,14 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
         return Response(json.dumps(body, indent=2), media_type="application/json")
 
     async def check_spec(spec: s.ModelSpec) -> None:
-        errors = rules.check_spec(spec, gw.settings.model_root_list,
-                                  gw.settings.provider_key_dir)
+        errors = rules.check_spec(spec, model_roots, provider_key_dir)
         key_file = spec.external.api_key_file if spec.external is not None else None
         if not errors and key_file is not None:
             # The file as this gateway finds it, off the loop: one the policy
             # refuses (a FIFO, outside the folder once resolved) is a 422; one
             # missing or unreadable here may be fixed on disk, and the model's
             # status says why meanwhile.
-            got = await gw.provider_keys.read_now(key_file)
+            got = await provider_keys.read_now(key_file)
             if got.refused:
                 errors = [rules.FieldError(("external", "api_key_file"), got.error)]
         if errors:
@@ -172,7 +181,7 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
         await check_spec(spec)
         with answered():
             done = await ops.put_model(
-                name, spec, cond, deadline(request, gw.settings.admin_write_deadline))
+                name, spec, cond, deadline(request, write_deadline))
         response.status_code = 200 if done.existed else 201
         if done.etag is not None:
             response.headers["ETag"] = done.etag
@@ -183,7 +192,7 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
         cond = precondition(request)
         with answered():
             await ops.delete_model(name, cond,
-                                   deadline(request, gw.settings.admin_write_deadline))
+                                   deadline(request, write_deadline))
         return Response(status_code=204)
 
     # --- fleet -----------------------------------------------------------------------
@@ -193,11 +202,11 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
         """What each live node's agent reports, its replicas, and the
         operator's choices for it (`conf`: cordoned, draining, pool, labels,
         engine build), which outlive its agent."""
-        replicas = gw.mirror.replicas()
-        confs = gw.mirror.nodeconfs()
+        replicas = state.mirror.replicas()
+        confs = state.mirror.nodeconfs()
         holders = fleet.gpu_holders(replicas)
         out = []
-        for node in gw.mirror.nodes().values():
+        for node in state.mirror.nodes().values():
             mine = sorted(rid for rid, rep in replicas.items() if rep.node == node.name)
             conf = confs.get(node.name) or s.NodeConf()
             held = holders.get(node.name, {})
@@ -219,22 +228,22 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
     async def routes_for(model: str) -> dict[str, Any]:
         """How this gateway routes `model` now: each endpoint's load, cooldown,
         affinity share, and whether it is being chosen and why (not)."""
-        name = gw.table.resolve(model)
+        name = table.resolve(model)
         if name is None:
             raise Problem(404, "No such model", f"no model or alias {model!r} is routed here")
-        return {"gateway": gw.settings.gateway_id, "model": name,
-                "endpoints": gw.table.explain(name), "unavailable": gw.table.unavailable(name),
-                "overflow": gw.table.overflow(name)}  # spill-over's external model, if any
+        return {"gateway": gateway_id, "model": name,
+                "endpoints": table.explain(name), "unavailable": table.unavailable(name),
+                "overflow": table.overflow(name)}  # spill-over's external model, if any
 
     @r.get("/replicas")
     async def replicas() -> list[dict[str, Any]]:
-        statuses = gw.mirror.statuses()
-        nodes = gw.mirror.nodes()
+        statuses = state.mirror.statuses()
+        nodes = state.mirror.nodes()
         # Each engine's own counts as this gateway last polled them (fresh
         # polls only): null where unknown, never a made-up zero.
-        loads = gw.table.fresh_loads()
+        loads = table.fresh_loads()
         out = []
-        for rid, rep in gw.mirror.replicas().items():
+        for rid, rep in state.mirror.replicas().items():
             st = statuses.get(rid)
             detail = st.detail if st else ""
             if rep.node not in nodes and rep.draining_since is None:
@@ -245,7 +254,7 @@ def routes(gw: Gateway, ops: CatalogOps) -> APIRouter:
                 "phase": s.replica_phase(rep, st, rep.node in nodes),
                 "url": st.url if st else "", "detail": detail,
                 # Requests this gateway has in flight on it now.
-                "inflight": gw.table.inflight(rid),
+                "inflight": table.inflight(rid),
                 "running": load.running if (load := loads.get(rid)) else None,
                 "waiting": load.waiting if load else None,
                 "kv_cache": load.kv_cache if load else None,  # 0 to 1

@@ -19,20 +19,20 @@ import hashlib
 import json
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
+from app.api.deps import MirrorState
 from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
 from app.control import state as s
+from app.control.keys import SecretRing
+from app.control.mirror import Mirror
 from app.control.ops.agent_ops import AgentOps
-
-if TYPE_CHECKING:
-    from app.gateway import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +43,20 @@ class StatusReport(BaseModel):
     replicas: list[s.ReplicaStatus] = Field(max_length=s.MAX_REPLICAS_REPORTED)
 
 
-def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], s.NodeConf]:
+def assignments(mirror: Mirror, secrets: SecretRing, node: str
+                ) -> tuple[str, list[dict[str, Any]], s.NodeConf]:
     """This node's desired replicas, with their engine keys, a fingerprint,
     and the node's conf, whose vLLM build and version are chosen for the
     node (in the fingerprint: a new choice answers the long poll)."""
-    mine = sorted((r for r in gw.mirror.replicas().values() if r.node == node),
+    mine = sorted((r for r in mirror.replicas().values() if r.node == node),
                   key=lambda r: r.id)
-    conf = gw.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+    conf = mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
     # The id of the secret each key derives from is in the fingerprint: a key
     # that changes (a rotation's end) answers the long poll, so the agent
     # checks its engine with the new key (docs/architecture.md, Agent).
     shape: list[Any] = [
         [r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args,
-         gw.secrets.key_secret_id(r.secret)]
+         secrets.key_secret_id(r.secret)]
         for r in mine]
     if conf.engine_build != "auto":  # fingerprints of the default stay as they were
         shape.append(conf.engine_build)
@@ -65,7 +66,7 @@ def assignments(gw: Gateway, node: str) -> tuple[str, list[dict[str, Any]], s.No
     out = [{"id": r.id, "model": r.model, "weights": r.weights,
             "weights_revision": r.weights_revision, "engine_args": r.engine_args,
             "engine": r.engine,
-            "gpus": r.gpus, "key": gw.secrets.engine_key(r.id, r.secret)} for r in mine]
+            "gpus": r.gpus, "key": secrets.engine_key(r.id, r.secret)} for r in mine]
     return fp, out, conf
 
 
@@ -102,7 +103,10 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
             t.cancel()
 
 
-def routes(gw: Gateway, ops: AgentOps) -> APIRouter:
+def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyncio.Event,
+           *, node_ttl: int, vllm_version: str) -> APIRouter:
+    """`closing`: set once this gateway stops; `node_ttl`: LLMGW_NODE_TTL;
+    `vllm_version`: LLMGW_VLLM_VERSION, a node's unless its conf says."""
     r = APIRouter(prefix="/agent/v1/nodes/{node}", tags=["agents"])
 
     # Nodes seen with a token of the previous secret, logged once each: the
@@ -112,7 +116,7 @@ def routes(gw: Gateway, ops: AgentOps) -> APIRouter:
 
     def authorize(request: Request, node: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        which = gw.secrets.check_node_token(node, token.strip()) if (
+        which = secrets.check_node_token(node, token.strip()) if (
             scheme.lower() == "bearer") else None
         if which is None:
             raise Problem(401, "Unauthorized", f"not a valid agent token for node {node!r}")
@@ -126,7 +130,7 @@ def routes(gw: Gateway, ops: AgentOps) -> APIRouter:
         # Answer only from state we have (DESIGN invariant 9): a gateway whose
         # mirror has not loaded would hand an agent an empty assignment list,
         # and the agent would stop every engine on its node.
-        if not gw.ready:
+        if not state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
@@ -137,7 +141,7 @@ def routes(gw: Gateway, ops: AgentOps) -> APIRouter:
             raise Problem(400, "Node name mismatch", f"body names {info.name!r}, path {node!r}")
         with answered():
             await ops.heartbeat(info)
-        return {"node": node, "ttl": gw.settings.node_ttl}
+        return {"node": node, "ttl": node_ttl}
 
     @r.get("/assignments")
     async def get_assignments(
@@ -151,28 +155,28 @@ def routes(gw: Gateway, ops: AgentOps) -> APIRouter:
         across its restarts, so failing over to a gateway whose watch lags
         cannot roll it back."""
         authorize(request, node)
-        if wait > 0 and gw.closing.is_set():
+        if wait > 0 and closing.is_set():
             # A long poll here would answer at once, again and again, until
             # the stop ends: the agent moves to another gateway instead.
             raise Problem(503, "Gateway stopping", "this gateway is stopping; ask another")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
         while True:
-            seen = gw.mirror.revision
-            fp, replicas, conf = assignments(gw, node)
+            seen = state.mirror.revision
+            fp, replicas, conf = assignments(state.mirror, secrets, node)
             left = deadline - loop.time()
-            if fp != since or left <= 0 or gw.closing.is_set():
-                return {"fingerprint": fp, "revision": seen, "store": gw.mirror.store_id(),
+            if fp != since or left <= 0 or closing.is_set():
+                return {"fingerprint": fp, "revision": seen, "store": state.mirror.store_id(),
                         "replicas": replicas, "engine_build": conf.engine_build,
-                        "vllm_version": conf.vllm_version or gw.settings.vllm_version}
+                        "vllm_version": conf.vllm_version or vllm_version}
             # Woken only by a change to this node's replicas or conf, not by
             # every change in the fleet (docs/architecture.md, Scale).
-            await _first(gw.mirror.wait_node_past(node, seen, left), gw.closing.wait())
+            await _first(state.mirror.wait_node_past(node, seen, left), closing.wait())
 
     @r.put("/status")
     async def put_status(node: str, report: StatusReport, request: Request) -> dict[str, int]:
         authorize(request, node)
-        inventory = gw.mirror.nodes().get(node)
+        inventory = state.mirror.nodes().get(node)
         bad = {st.id: why for st in report.replicas
                if st.url and (why := check_engine_url(st.url, inventory)) is not None}
         if bad:

@@ -69,7 +69,7 @@ def _is_openai(request: Request) -> bool:
 def install(app: FastAPI, unavailable: type[Exception], full: type[Exception]) -> None:
     """Renders problems, and the store's errors: `unavailable` (the store
     did not answer) and its subclass `full` (etcd's NOSPACE alarm), handed
-    in by the composition root (app/main.py) so the api imports no store."""
+    in by the composition root (app/gateway/main.py) so the api imports no store."""
 
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> Response:

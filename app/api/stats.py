@@ -25,10 +25,10 @@ from pydantic import Field, ValidationError
 from app.api.auth import admin_guard
 from app.api.errors import Problem
 from app.api.openapi import problems
-from app.request_series import Series, merge
+from app.gateway.request_series import Series, merge
 
 if TYPE_CHECKING:
-    from app.gateway import Gateway
+    from app.gateway.parts import Gateway
 
 # A window of 256 models is some 1.3 MB of JSON; past this a peer's answer
 # is not read (named in `missing`), so one gateway cannot fill another's memory.
@@ -107,7 +107,7 @@ def routes(gw: Gateway) -> APIRouter:
                   dependencies=[Depends(admin_guard(gw.admin_token))])
 
     # Documented, not validated on the way out: a window of many models is
-    # some hundred thousand numbers (app/request_series.py).
+    # some hundred thousand numbers (app/gateway/request_series.py).
     @r.get("/stats", summary="Each model's traffic over the last minutes",
            response_model=None,
            responses={200: {"model": StatsAnswer, "description": "the window"},

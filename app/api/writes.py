@@ -19,7 +19,7 @@ from app.control.ops.conditions import Deadline, Precondition, etag
 __all__ = ["DEADLINE_HEADER", "RECEIVED", "deadline", "etag", "precondition"]
 
 # The ASGI scope key GatewayApp stamps with time.monotonic() as a request
-# enters the app (app/main.py), before its body is read.
+# enters the app (app/gateway/main.py), before its body is read.
 RECEIVED = "llmgw.received"
 DEADLINE_HEADER = "x-request-deadline"
 

@@ -45,6 +45,6 @@ class Window:
 
 def default_window(minimum: str | None = None) -> Window:
     """This gateway's window: `minimum` (LLMGW_MIN_AGENT_VERSION, checked by
-    app/settings/nodes.py at start; default this gateway's major.minor.0) up to
+    app/gateway/settings/nodes.py at start; default this gateway's major.minor.0) up to
     this gateway's version."""
     return Window(minimum or minor_floor(__version__), __version__)

@@ -19,7 +19,7 @@ also names. So nothing about the file is trusted:
   and no second thread is started for that path until the first returns.
 
 `read_key` is the blocking read; `ProviderKeys` keeps each path's last
-outcome for the publisher (app/publish.py) and the admin API.
+outcome for the publisher (app/gateway/publish.py) and the admin API.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def plan(
     towards their model's replicas, until that reaches `node_grace`: a
     restarting agent or a handover must not reload every model
     (docs/architecture.md, Placement). The router does not route to them
-    meanwhile (app/publish.py).
+    meanwhile (app/gateway/publish.py).
 
     A spec change rolls (docs/architecture.md, Reconciler): the replacement
     is placed first, and an old replica is drained only once enough

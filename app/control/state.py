@@ -76,7 +76,7 @@ QUOTAS = "quotas/"
 # One usage snapshot per gateway, bound to its election lease (app/control/usage.py).
 USAGE = "usage/"
 # Each gateway's claims on client keys' limits, `keyshares/{gateway}`, bound
-# to its election lease (app/key_shares.py; docs/architecture.md, Client keys).
+# to its election lease (app/gateway/key_shares.py; docs/architecture.md, Client keys).
 KEY_SHARES = "keyshares/"
 # Fabric test results, `fabric/{from}/{to}`: the last TCP bandwidth measured
 # from one node's agent to another's, written by the gateway that ran the test

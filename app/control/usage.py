@@ -18,7 +18,7 @@ times alone are written at most every `refresh` seconds, so a busy gateway
 writes every few seconds, never per request.
 
 The router is not imported here (DESIGN invariant 8): `UsageSource` is what
-this side needs, and app/publish.py implements it.
+this side needs, and app/gateway/publish.py implements it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Counted as the key's tokens per minute are (limits.py): charged when an
 answer ends, a spill admitted while this gateway's day window is under its
 part of the limit, the parts moved between gateways by the claims loop
-(app/key_shares.py, kind `external_tokens_per_day`). The window slides over
+(app/gateway/key_shares.py, kind `external_tokens_per_day`). The window slides over
 a day in one-minute buckets, so a key costs at most 1,440 entries however
 many spills it makes.
 """

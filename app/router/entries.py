@@ -1,4 +1,4 @@
-"""What the control side hands the router (app/publish.py), as plain
+"""What the control side hands the router (app/gateway/publish.py), as plain
 values: a replica's endpoint, a catalog entry, a client key's grant."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The request path never waits on the store (DESIGN invariant 2), so gateways
 cannot ask each other, or etcd, how much of a key's minute is left. Instead
 each gateway admits up to its claim on each limit (`set_claims`), moved by a
 background loop toward where the key's requests arrive (app/router/shares.py,
-app/key_shares.py; docs/architecture.md, "Client keys"): N gateways together
+app/gateway/key_shares.py; docs/architecture.md, "Client keys"): N gateways together
 admit at most `limit + N - 1` per window. The loop reads `key_loads()` and
 is woken (`on_short`) when a request is refused on a claim below the limit.
 Until the loop first sets claims (a Limiter alone, in tests), each gateway
@@ -193,7 +193,7 @@ class Limiter:
         return rpm, tpm
 
     def set_claims(self, claims: Mapping[str, Mapping[str, int]]) -> None:
-        """This gateway's claims by key id and limit name (app/key_shares.py);
+        """This gateway's claims by key id and limit name (app/gateway/key_shares.py);
         a key or limit left out is claimed 0 (this gateway admits FLOOR)."""
         self._claims = {k: dict(v) for k, v in claims.items()}
 

@@ -1,4 +1,4 @@
-"""OpenAPI entries for /v1, which FastAPI does not route (app/main.py).
+"""OpenAPI entries for /v1, which FastAPI does not route (app/gateway/main.py).
 
 They say what the plain ASGI router (proxy.py) really takes and answers:
 the body fields it type-checks (fields.py) with the same types, the

@@ -4,7 +4,7 @@ A key's limits are the key's, for all gateways together (docs/architecture.md,
 "Client keys"). Each gateway holds a *claim* on each limit and admits while
 what it holds (requests or tokens in its window, requests in flight) is under
 `max(FLOOR, claim)`. The claims of all gateways together stay within the
-limit, whatever the timing, because of how they move (app/key_shares.py):
+limit, whatever the timing, because of how they move (app/gateway/key_shares.py):
 
 * a claim is raised only out of what no other gateway claims, by a store
   transaction conditioned on every other gateway's record as read: two

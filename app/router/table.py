@@ -153,7 +153,7 @@ class RouteTable:
 
     def set_peer_inflight(self, counts: Mapping[str, int]) -> None:
         """Requests the other gateways have in flight, by replica id, as their
-        last usage snapshots say (app/publish.py)."""
+        last usage snapshots say (app/gateway/publish.py)."""
         self._peer_inflight = {rid: n for rid, n in counts.items() if n > 0}
 
     def queued(self) -> dict[str, int]:

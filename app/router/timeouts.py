@@ -39,7 +39,7 @@ LISTEN_AFTER = 0.25
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Seconds; see app/settings/router.py for what each value costs."""
+    """Seconds; see app/gateway/settings/router.py for what each value costs."""
 
     connect: float = 5.0
     first_byte: float = 300.0

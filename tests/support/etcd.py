@@ -1,4 +1,4 @@
-"""A throwaway etcd for tests: fixtures over tests/support/etcd_server.py.
+"""A throwaway etcd for tests: fixtures over bench/etcd_server.py.
 
 Tests talk to a real etcd rather than a fake, so the same contract suite that
 covers the embedded store covers the real thing (see tests/test_store_contract.py).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd_server import (
+from bench.etcd_server import (
     EtcdServer,
     EtcdTlsFiles,
     find_etcd_binary,

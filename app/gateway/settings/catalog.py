@@ -1,7 +1,7 @@
 """The catalog's settings: which weights and provider key files a model
 may name, the catalog file a new store is seeded from, and how often the
 router's tables are published again. Read by app/control's catalog rules,
-the admin API and app/publish.py."""
+the admin API and app/gateway/publish.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator
 
 from app.control.catalog import load_file
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class CatalogSettings(Group):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from app.control.state import DEFAULT_VLLM_VERSION, check_vllm_version
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class NodeSettings(Group):

@@ -1,8 +1,8 @@
 """The gateway's HTTP server: where it listens and how others reach it, its
 TLS, what a connection and a request meet before a client is authenticated
 (body caps, slow clients, the admin write deadline), how it stops, and its
-process's garbage collector. Read by app/cli.py (uvicorn), app/main.py and
-app/slowclients.py."""
+process's garbage collector. Read by app/cli.py (uvicorn), app/gateway/main.py and
+app/gateway/slowclients.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class EdgeSettings(Group):
@@ -78,7 +78,7 @@ class EdgeSettings(Group):
     agent_max_body: int = Field(1024 * 1024, ge=1024)
     # Seconds a connection may take to send a request's headers (counted from
     # when it opens, or from its next request's first byte), and may go with
-    # no byte in the middle of a body; then it is closed (app/slowclients.py).
+    # no byte in the middle of a body; then it is closed (app/gateway/slowclients.py).
     # Longer lets slow or hostile clients hold a descriptor each that long;
     # shorter cuts clients on very bad links.
     header_timeout: float = Field(30.0, gt=0)

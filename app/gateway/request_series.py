@@ -13,7 +13,7 @@ Bounded: the models are those the proxy reports (catalog names and
 model with no sample in the window is dropped when the series is read, and
 a new model past the cap replaces the one least recently seen. On the
 request path: an integer division, a compare and a few additions; runs on
-the event loop like app/request_metrics.py, so no lock.
+the event loop like app/gateway/request_metrics.py, so no lock.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each gateway has a registry of its own (no global one), so a process can hold
 several gateways. Per-request figures are counted on the request path as the
-proxy reports them (`RequestObserver`, app/request_metrics.py); the fleet's
+proxy reports them (`RequestObserver`, app/gateway/request_metrics.py); the fleet's
 state is read from the mirror when Prometheus scrapes, so it costs nothing
 between scrapes.
 
@@ -25,19 +25,19 @@ from app.control import fleet, gpuhealth
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import Replica, replica_phase
-from app.request_metrics import RequestMetrics
+from app.gateway.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from app.control.agentversion import Window
     from app.control.leader import Elector
     from app.control.mirror import Mirror
+    from app.gateway.settings import Settings
     from app.router.table import RouteTable
-    from app.settings import Settings
     from app.store.base import Store
 
 
 class Observed(Protocol):
-    """What the metrics read at scrape time. The gateway (app/gateway.py) is
+    """What the metrics read at scrape time. The gateway (app/gateway/parts.py) is
     one; declared here so this module does not import the gateway that
     builds it (docs/architecture.md, Folders)."""
 
@@ -70,7 +70,7 @@ class GatewayMetrics:
     def __init__(self, gw: Observed) -> None:
         # No auto-describe: it would collect at registration, before the gateway runs.
         self.registry = CollectorRegistry(auto_describe=False)
-        # The proxy's `RequestObserver` (app/request_metrics.py).
+        # The proxy's `RequestObserver` (app/gateway/request_metrics.py).
         self.requests = RequestMetrics()
         self.registry.register(self.requests)
         self.registry.register(_FleetCollector(gw))

@@ -37,14 +37,14 @@ from app.control.leader import Elector
 from app.control.mirror import Mirror
 from app.control.reconciler import Reconciler
 from app.control.usage import UsagePublisher
-from app.key_shares import KeyShares
-from app.metrics import GatewayMetrics
-from app.publish import LastUse, NodeAgents, Publisher, RouterUsage
-from app.request_series import RequestSeries
+from app.gateway.key_shares import KeyShares
+from app.gateway.metrics import GatewayMetrics
+from app.gateway.publish import LastUse, NodeAgents, Publisher, RouterUsage
+from app.gateway.request_series import RequestSeries
+from app.gateway.settings import Settings
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
-from app.settings import Settings
 from app.store.base import Store, StoreUnavailable
 from app.tls import pinned_context
 from app.wire.tokens import node_token
@@ -103,7 +103,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self)
         # Notes each model's last use for the usage snapshots, then counts
         # the request in the last minutes' series (the cluster page's
-        # charts, app/request_series.py), then in the metrics.
+        # charts, app/gateway/request_series.py), then in the metrics.
         self.series = RequestSeries(then=self.metrics.requests)
         self.last_use = LastUse(then=self.series)
         self.tracer: OtelTracer | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class RouterSettings(Group):
@@ -68,7 +68,7 @@ class RouterSettings(Group):
     # crashed gateway loses up to this long of counts (a clean stop loses none).
     key_usage_interval: float = Field(5.0, gt=0)
     # Seconds between passes of the loop that moves each gateway's claims on
-    # client keys' limits toward where their requests arrive (app/key_shares.py;
+    # client keys' limits toward where their requests arrive (app/gateway/key_shares.py;
     # it also runs at once on a refusal below a key's limit). Its record is
     # written at most this often while only its load changes. Shorter: claims
     # follow a client sooner, for more store writes from busy gateways.

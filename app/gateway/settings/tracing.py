@@ -4,7 +4,7 @@ operator's collectors. Read by the gateway when it starts
 
 from __future__ import annotations
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class TracingSettings(Group):

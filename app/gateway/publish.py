@@ -205,7 +205,7 @@ class Publisher:
             if name in coming or (name not in why and _starts_on_use(models[name])
                                   and "no replica is placed:" not in unavailable[name]))
         # Live gateways (lease-bound keys): equal shares of each key's limits
-        # until the claims loop runs (app/key_shares.py); this one counts
+        # until the claims loop runs (app/gateway/key_shares.py); this one counts
         # even before its own key is seen.
         gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
         grants = {

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.gateway.settings import Settings
 from app.logs import stop as stop_logging
-from app.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -23,16 +23,16 @@ from pathlib import Path
 from pydantic import SecretStr, model_validator
 
 from app.control.keyfiles import check_key_dir
-from app.settings._group import CONFIG
-from app.settings.catalog import CatalogSettings
-from app.settings.control import ControlSettings
-from app.settings.edge import EdgeSettings
-from app.settings.local_agent import LocalAgentSettings
-from app.settings.nodes import NodeSettings
-from app.settings.router import RouterSettings
-from app.settings.store import StoreSettings
-from app.settings.tracing import TracingSettings
-from app.settings.trust import TrustSettings, load_or_create
+from app.gateway.settings._group import CONFIG
+from app.gateway.settings.catalog import CatalogSettings
+from app.gateway.settings.control import ControlSettings
+from app.gateway.settings.edge import EdgeSettings
+from app.gateway.settings.local_agent import LocalAgentSettings
+from app.gateway.settings.nodes import NodeSettings
+from app.gateway.settings.router import RouterSettings
+from app.gateway.settings.store import StoreSettings
+from app.gateway.settings.tracing import TracingSettings
+from app.gateway.settings.trust import TrustSettings, load_or_create
 
 __all__ = ["Settings"]
 

@@ -1,7 +1,7 @@
 """The base of every group of settings: read from the environment with the
 prefix `LLMGW_`, unknown variables ignored. A group can be built alone (a
 test, a tool that needs only its part); the gateway builds them all at once
-as `app.settings.Settings`.
+as `app.gateway.settings.Settings`.
 
 No float setting takes nan or an infinity, bounded or not: a timeout of nan
 compares false with everything (never expires, or always), inf passes a

@@ -5,7 +5,7 @@ is done per chunk. Counted in plain Python numbers, not prometheus_client's
 Counter and Histogram: those take a lock and search their buckets one by
 one on each call (1-2 µs a histogram observation on an idle core), which the
 router pays per request. Everything here runs on the gateway's event loop,
-the scrape included (app/main.py renders /metrics in the loop), so no lock
+the scrape included (app/gateway/main.py renders /metrics in the loop), so no lock
 is needed and a scrape never sees half an observation.
 docs/architecture.md, "Metrics", lists the series.
 """

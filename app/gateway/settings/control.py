@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class ControlSettings(Group):

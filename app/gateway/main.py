@@ -28,11 +28,11 @@ from app.control.ops.agent_ops import AgentOps
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
-from app.gateway import Gateway
+from app.gateway.parts import Gateway
+from app.gateway.settings import Settings
 from app.router import openapi as v1_openapi
 from app.router.passthrough import ROOT_PATHS
 from app.router.proxy import Proxy
-from app.settings import Settings
 from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -155,14 +155,23 @@ def create_app(settings: Settings, campaign: bool = True,
             body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    app.include_router(admin.routes(gw, CatalogOps(gw, gw.settings.gateway_id)))
     admin_token, write_deadline = gw.admin_token, settings.admin_write_deadline
+    app.include_router(admin.routes(
+        gw, CatalogOps(gw, settings.gateway_id), gw.table, gw.provider_keys,
+        admin_token=admin_token, gateway_id=settings.gateway_id,
+        is_leader=lambda: gw.elector.is_leader, agent_window=gw.agent_window,
+        write_deadline=write_deadline, model_roots=settings.model_root_list,
+        provider_key_dir=settings.provider_key_dir,
+        idle_slack=settings.usage_refresh + settings.usage_interval,
+        default_load_target=settings.default_load_target))
     app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn), admin_token=admin_token,
                                    write_deadline=write_deadline))
     fleet_ops = FleetOps(gw)
     app.include_router(fleet.routes(gw, fleet_ops, admin_token=admin_token,
                                     write_deadline=write_deadline))
-    app.include_router(agent.routes(gw, AgentOps(gw, gw.settings.node_ttl)))
+    app.include_router(agent.routes(gw, AgentOps(gw, settings.node_ttl), gw.secrets, gw.closing,
+                                    node_ttl=settings.node_ttl,
+                                    vllm_version=settings.vllm_version))
     caller = nodes.NodeCaller(gw, gw.secrets, settings.node_api_timeout,
                               settings.node_api_connect_timeout)
     app.include_router(nodes.routes(caller, gw, gw.secrets, admin_token=admin_token,

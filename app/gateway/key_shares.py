@@ -1,6 +1,6 @@
 """Each gateway's claims on client keys' limits: the loop that moves them.
 
-Where the control plane meets the router's limiter (like app/publish.py,
+Where the control plane meets the router's limiter (like app/gateway/publish.py,
 wiring: neither side imports the other). The decisions are pure, in
 app/router/shares.py; this loop gathers, decides and writes
 (docs/architecture.md, "Client keys").

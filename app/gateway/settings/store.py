@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 
 class StoreSettings(Group):

@@ -1,9 +1,10 @@
 """A throwaway etcd: one member (or a cluster) on free loopback ports.
 
-Tests start it through tests/support/etcd.py (fixtures, skips, the shared
-etcd's guard); benchmarks (bench/control_scale.py) start it directly. This
-module imports neither pytest nor anything else of tests/, so a benchmark
-runs where pytest is not installed (tests/test_bench_imports.py).
+Benchmarks (bench/control_scale.py) start it directly; tests through
+tests/support/etcd.py (fixtures, skips, the shared etcd's guard), which
+imports it from here. It imports neither pytest nor anything of tests/, so a
+benchmark runs without tests/ and where pytest is not installed
+(tests/test_bench_imports.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import SecretStr, field_validator
 
-from app.settings._group import Group
+from app.gateway.settings._group import Group
 
 # Values a careless copy of an example file would leave in place.
 _PLACEHOLDERS = {"changeme", "change-me", "secret", "changethis", "password", "xxx"}
