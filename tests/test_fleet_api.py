@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -122,14 +124,18 @@ async def test_quotas_are_set_reported_with_their_use_and_removed(
         _problem(await c.delete("/admin/quotas/team-a"), 404)
 
 
-async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
-    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
-) -> None:
+@asynccontextmanager
+async def lagging_b(etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+                    ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, Any, list[bool]]]:
+    """Two gateways and node h1; gateway b's watch stopped before a cordons
+    h1, so b decides on a conf without the cordon. Yields a's gateway, b's
+    client, b's gateway, and the outcomes of b's writes of h1's conf (b's
+    own loops, its election, key shares and usage, write through the same
+    store and are left out)."""
     async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, ca), (b, cb)]:
         ga, gb = a.state.gateway, b.state.gateway
         await _add_node(ga, "h1")
         await until(lambda: "h1" in gb.mirror.nodes(), "h1 on gateway b")
-        # B's watch lags: it has not seen A's cordon when it sets the pool.
         await gb.mirror.stop()
         assert (await ca.post("/admin/nodes/h1/cordon")).status_code == 200
         outcomes: list[bool] = []
@@ -137,13 +143,18 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
 
         async def txn(compares: Any, success: Any, *args: Any, **kw: Any) -> TxnResult:
             res: TxnResult = await real_txn(compares, success, *args, **kw)
-            # This write's outcomes only: b's own loops (its election, key
-            # shares, usage) write through the same store.
             if any(op.key == s.NODECONF + "h1" for op in success):
                 outcomes.append(res.succeeded)
             return res
 
         gb.store.txn = txn
+        yield ga, cb, gb, outcomes
+
+
+async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
+    etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str, tmp_path: Path
+) -> None:
+    async with lagging_b(etcd_server, etcd_prefix, tmp_path) as (ga, cb, gb, outcomes):
         put = asyncio.ensure_future(cb.put("/admin/nodes/h1/conf", json={"pool": "research"}))
         await until(lambda: outcomes, "b's first write")
         gb.mirror.start()
@@ -154,8 +165,7 @@ async def test_a_write_decided_on_a_stale_mirror_is_refused_and_decided_again(
         assert outcomes == [False, True]
         assert await _stored(ga, s.NODECONF + "h1") == {
             "cordoned": True, "draining": False, "pool": "research", "labels": {},
-            "engine_build": "auto",
-                            "vllm_version": "", "gpu_cleared": {}}
+            "engine_build": "auto", "vllm_version": "", "gpu_cleared": {}}
 
 
 async def test_a_write_whose_mirror_does_not_catch_up_is_decided_on_the_store_s_read(
@@ -167,24 +177,7 @@ async def test_a_write_whose_mirror_does_not_catch_up_is_decided_on_the_store_s_
     again. Before the fix every try was decided on the mirror's stale conf
     and refused, and the admin got 409 'kept changing' (outcomes [False,
     False, False])."""
-    async with gateways(etcd_server, etcd_prefix, tmp_path, 2) as [(a, ca), (b, cb)]:
-        ga, gb = a.state.gateway, b.state.gateway
-        await _add_node(ga, "h1")
-        await until(lambda: "h1" in gb.mirror.nodes(), "h1 on gateway b")
-        await gb.mirror.stop()
-        assert (await ca.post("/admin/nodes/h1/cordon")).status_code == 200
-        outcomes: list[bool] = []
-        real_txn = gb.store.txn
-
-        async def txn(compares: Any, success: Any, *args: Any, **kw: Any) -> TxnResult:
-            res: TxnResult = await real_txn(compares, success, *args, **kw)
-            # This write's outcomes only: b's own loops (its election, key
-            # shares, usage) write through the same store.
-            if any(op.key == s.NODECONF + "h1" for op in success):
-                outcomes.append(res.succeeded)
-            return res
-
-        gb.store.txn = txn
+    async with lagging_b(etcd_server, etcd_prefix, tmp_path) as (ga, cb, _, outcomes):
         r = await cb.put("/admin/nodes/h1/conf", json={"pool": "research"})
         assert r.status_code == 200, r.text
         assert outcomes == [False, True]
