@@ -23,6 +23,7 @@ from typing import Any
 
 from app.api.errors import problem
 from app.control.keys import SecretRing
+from app.router.intake import ClientGone, TooLarge, receive_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -69,22 +70,15 @@ class Edge:
             await _answer(scope, receive, send, 413, "Request body too large",
                           f"{declared} bytes; this route takes at most {cap}")
             return None
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > cap:
-                await _answer(scope, receive, send, 413, "Request body too large",
-                              f"over {cap} bytes, the most this route takes")
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return _replay(b"".join(chunks), receive)
+        try:
+            body = await receive_body(receive, cap)
+        except ClientGone:
+            return None
+        except TooLarge:
+            await _answer(scope, receive, send, 413, "Request body too large",
+                          f"over {cap} bytes, the most this route takes")
+            return None
+        return _replay(body, receive)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -59,7 +59,13 @@ def has_body(scope: Scope) -> bool:
     return False
 
 
-async def read_body(receive: Receive) -> bytes:
+class TooLarge(Exception):
+    """The body went past its cap while it was read."""
+
+
+async def receive_body(receive: Receive, cap: int) -> bytes:
+    """The whole body of an ASGI request, read up to `cap` bytes: ClientGone
+    when the client left, TooLarge past the cap (also app/api/edge.py's)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -68,12 +74,19 @@ async def read_body(receive: Receive) -> bytes:
             raise ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY:
-            raise error(413, f"The request body is larger than {MAX_BODY} bytes.",
-                        "invalid_request_error")
+        if size > cap:
+            raise TooLarge
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def read_body(receive: Receive) -> bytes:
+    try:
+        return await receive_body(receive, MAX_BODY)
+    except TooLarge:
+        raise error(413, f"The request body is larger than {MAX_BODY} bytes.",
+                    "invalid_request_error") from None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
