@@ -214,8 +214,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=int, default=60, help="per run (each path, each pair)")
     p.add_argument("--pairs", type=int, default=2)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=4)
     p.add_argument("--requests", type=int, default=32,
                    help="inference-perf: requests per run (its concurrent stages count requests)")
     p.add_argument("--port", type=int, default=18431)
