@@ -4,6 +4,7 @@ tool, taking a Job, returning a Run with the same figures for both."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -89,7 +90,7 @@ def inference_perf(job: Job, pair: int) -> Run:
         "report": {"request_lifecycle": {"summary": True, "per_stage": False}},
         "storage": {"local_storage": {"path": str(job.work / "reports")}},
     }
-    job.work.mkdir(parents=True, exist_ok=True)
+    _fresh(job.work)
     (job.work / "config.json").write_text(json.dumps(config, indent=1))
     wall = _run([str(job.venv / "bin" / "python"), "-c",
                  "from inference_perf.main import main_cli; main_cli()",
@@ -104,6 +105,12 @@ def inference_perf(job: Job, pair: int) -> Run:
                1000 * lat["time_to_first_token"]["p99"],
                1000 * lat["inter_token_latency"]["median"],
                float(ok["throughput"]["output_tokens_per_sec"]), wall)
+
+
+def _fresh(work: Path) -> None:
+    """An empty folder: a report left by an earlier run is never read as this one's."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
 
 
 def _fixed(n: int) -> dict[str, Any]:
@@ -126,7 +133,7 @@ def guidellm(job: Job, pair: int) -> Run:
         "constraints": [{"kind": "max_duration", "seconds": job.seconds}],
         "outputs": [{"kind": "json", "path": str(out)}],
     }}
-    job.work.mkdir(parents=True, exist_ok=True)
+    _fresh(job.work)
     (job.work / "scenario.json").write_text(json.dumps(scenario, indent=1))
     wall = _run([str(job.venv / "bin" / "python"), "-m", "guidellm", "run",
                  "--scenario", str(job.work / "scenario.json"), "--disable-progress"], job)
