@@ -159,8 +159,10 @@ def last_line(summary: dict[str, Any], tools: list[str]) -> str:
 def write_results(path: Path, args: argparse.Namespace, runs: list[Run],
                   summary: dict[str, Any], before: str, after: str, seconds: float,
                   line: str, failed: dict[str, str]) -> None:
-    start, end = "<!-- serve.sh: begin -->", "<!-- serve.sh: end -->"
-    body = [start, "## The benchmarks users run (`bench/serve.sh`)", "",
+    # One section per set of tools: a run of one tool leaves the other's.
+    tools = args.tools.replace(",", " ")
+    start, end = f"<!-- serve.sh: begin {tools} -->", f"<!-- serve.sh: end {tools} -->"
+    body = [start, f"## The benchmarks users run (`bench/serve.sh`, {tools})", "",
             f"Written by `bench/serve.sh` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
             f": nproc {os.cpu_count()}, load average {before} before, {after} after (the "
             "machine is shared with other developers running tests), "
