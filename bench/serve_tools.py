@@ -140,8 +140,10 @@ def guidellm(job: Job, pair: int) -> Run:
     bench = json.loads(out.read_text())["benchmarks"][0]
     m = bench["metrics"]
     totals = m["request_totals"]
+    # Failed: errored only; "incomplete" ones were in flight when
+    # max_duration ended the run (cancelled by the tool, not failed).
     return Run("guidellm", job.target.name, pair, int(totals["successful"]),
-               int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)),
+               int(totals.get("errored", 0)),
                float(m["time_to_first_token_ms"]["successful"]["median"]),
                float(m["time_to_first_token_ms"]["successful"]["percentiles"]["p99"]),
                float(m["inter_token_latency_ms"]["successful"]["median"]),
