@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The benchmarks users run, through llmgw and straight to the engine, on the
+# quickstart's llama.cpp engine (SmolLM2-135M): inference-perf and GuideLLM,
+# the two paths interleaved. See bench/README.md.
+#
+#   bench/serve.sh                      # installs the tools on first run, then ~6 min
+#   bench/serve.sh --concurrency 32 --seconds 60 --pairs 2 --tools guidellm
+#
+# Each tool lives in a venv of its own under $LLMGW_BENCH_CACHE
+# (~/.cache/llmgw/bench-serve), never the project's. Last line:
+# serve: ttft_added_p50_ms= itl_added_p50_ms= throughput_ratio= tools=...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${LLMGW_BENCH_CACHE:-$HOME/.cache/llmgw/bench-serve}"
+# inference-perf 0.7 needs Python >= 3.12.
+PY312="${LLMGW_BENCH_PY312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3.12)}"
+PY="${LLMGW_BENCH_PY:-.venv/bin/python}"
+[ -x "$PY" ] || PY=/work/main/.venv/bin/python
+mkdir -p "$CACHE"
+
+say() { echo "serve.sh: $*" >&2; }
+
+# install VENV PACKAGE...: a venv of its own, once (a marker says it finished).
+install() {
+  local venv="$CACHE/$1"; shift
+  [ -f "$venv/.installed" ] && return 0
+  [ -x "$PY312" ] || { say "Python 3.12 not found (set LLMGW_BENCH_PY312)"; exit 1; }
+  say "installing $* into $venv (once)"
+  rm -rf "$venv"
+  "$PY312" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q "$@" >"$venv.install.log" 2>&1 \
+    || { say "pip failed, see $venv.install.log"; tail -n 5 "$venv.install.log" >&2; exit 1; }
+}
+
+install inference-perf 'inference-perf==0.7.0'
+touch "$CACHE/inference-perf/.installed"
+# GuideLLM 0.8.1 loads its data through torch's DataLoader: torch is needed.
+# The CPU build is enough (LLMGW_BENCH_TORCH, e.g. 'torch==2.13.0+cpu' where a
+# CPU wheel is at hand; plain 'torch' from PyPI brings CUDA's libraries, GBs).
+# The venv's Python: LLMGW_BENCH_PY_GUIDELLM (any 3.10+ with that torch wheel).
+PY312_SAVED="$PY312"
+PY312="${LLMGW_BENCH_PY_GUIDELLM:-$PY312}"
+install guidellm "${LLMGW_BENCH_TORCH:-torch}" 'guidellm==0.8.1'
+touch "$CACHE/guidellm/.installed"
+PY312="$PY312_SAVED"
+
+exec "$PY" bench/serve.py --cache "$CACHE" "$@"
