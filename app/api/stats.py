@@ -16,6 +16,8 @@ import asyncio
 import json
 import ssl
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
@@ -28,21 +30,23 @@ from app.api.openapi import problems
 from app.gateway.request_series import Series, merge
 
 if TYPE_CHECKING:
-    from app.gateway.parts import Gateway
+    from pathlib import Path
+
+    from app.api.deps import MirrorState
 
 # A window of 256 models is some 1.3 MB of JSON; past this a peer's answer
 # is not read (named in `missing`), so one gateway cannot fill another's memory.
 MAX_BYTES = 4 << 20
 
 
-def _tls(gw: Gateway) -> ssl.SSLContext:
+def _tls(cert_file: Path | None) -> ssl.SSLContext:
     """Peers are verified as `llmgw ctl` verifies a gateway: the system's
     CAs, host names checked; plus this gateway's own certificate file as
     trust anchors, so a fleet whose gateways share a certificate (or a
     private CA kept in the chain file) reach each other without a setting."""
     ctx = ssl.create_default_context()
-    if gw.settings.tls_cert_file is not None:
-        ctx.load_verify_locations(gw.settings.tls_cert_file)
+    if cert_file is not None:
+        ctx.load_verify_locations(cert_file)
         ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return ctx
 
@@ -64,24 +68,33 @@ async def _ask(session: aiohttp.ClientSession, url: str, token: str) -> Series:
         raise ValueError(f"answered no stats ({type(exc).__name__})") from None
 
 
-async def fleet_stats(gw: Gateway, tls: ssl.SSLContext) -> dict[str, Any]:
-    mine = gw.series.snapshot()
-    me = gw.settings.gateway_id
-    peers = {gid: info.url for gid, info in gw.mirror.gateways().items() if gid != me}
+@dataclass(frozen=True)
+class Peers:
+    """How this gateway asks the others for their windows."""
+
+    me: str  # this gateway's id
+    token: str  # the admin token, which every gateway of the fleet takes
+    timeout: float  # LLMGW_STATS_PEER_TIMEOUT
+    tls: ssl.SSLContext
+
+
+async def fleet_stats(state: MirrorState, mine: Series, p: Peers) -> dict[str, Any]:
+    me = p.me
+    peers = {gid: info.url for gid, info in state.mirror.gateways().items() if gid != me}
     missing: dict[str, str] = {}
     found: list[Series] = []
     if peers:
-        timeout = aiohttp.ClientTimeout(total=gw.settings.stats_peer_timeout)
-        connector = aiohttp.TCPConnector(ssl=tls)
+        timeout = aiohttp.ClientTimeout(total=p.timeout)
+        connector = aiohttp.TCPConnector(ssl=p.tls)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             answers = await asyncio.gather(
-                *(_ask(session, url, gw.admin_token) for url in peers.values()),
+                *(_ask(session, url, p.token) for url in peers.values()),
                 return_exceptions=True)
         for gid, answer in zip(peers, answers, strict=True):
             if isinstance(answer, Series):
                 found.append(answer)
             elif isinstance(answer, TimeoutError):
-                missing[gid] = f"no answer within {gw.settings.stats_peer_timeout:g} s"
+                missing[gid] = f"no answer within {p.timeout:g} s"
             elif isinstance(answer, (ValueError, aiohttp.ClientError, OSError)):
                 missing[gid] = str(answer) or type(answer).__name__
             else:  # anything else is a bug: raised, logged with its traceback
@@ -101,10 +114,13 @@ class StatsAnswer(Series):
                                    "ends here")
 
 
-def routes(gw: Gateway) -> APIRouter:
-    tls = _tls(gw)  # reads the CA files once, not on the loop per request
+def routes(state: MirrorState, series: Callable[[], Series], *, admin_token: str,
+           gateway_id: str, peer_timeout: float, tls_cert_file: Path | None) -> APIRouter:
+    """`series`: this gateway's own window (RequestSeries.snapshot)."""
+    # The CA files are read once, not on the loop per request.
+    peers = Peers(gateway_id, admin_token, peer_timeout, _tls(tls_cert_file))
     r = APIRouter(prefix="/admin", tags=["stats"],
-                  dependencies=[Depends(admin_guard(gw.admin_token))])
+                  dependencies=[Depends(admin_guard(admin_token))])
 
     # Documented, not validated on the way out: a window of many models is
     # some hundred thousand numbers (app/gateway/request_series.py).
@@ -124,18 +140,18 @@ def routes(gw: Gateway) -> APIRouter:
         LLMGW_STATS_PEER_TIMEOUT; `scope=self` is this gateway's alone.
         A model with no request in the window is absent."""
         if scope == "self":
-            mine = gw.series.snapshot()
+            mine = series()
             out = {"interval": mine.interval, "start": mine.start, "samples": mine.samples,
                    "models": mine.models}
             out["now"] = time.time()
-            out["gateways"] = [gw.settings.gateway_id]
+            out["gateways"] = [gateway_id]
             out["missing"] = {}
             return out
-        if not gw.ready:
+        if not state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another, "
                           "or ask for scope=self")
-        out = await fleet_stats(gw, tls)
+        out = await fleet_stats(state, series(), peers)
         out["now"] = time.time()  # the page scales the interval in progress by it
         return out
 

@@ -179,7 +179,9 @@ def create_app(settings: Settings, campaign: bool = True,
                                     upgrade_timeout=settings.node_upgrade_timeout))
     app.include_router(fabric.routes(caller, gw, fleet_ops, admin_token=admin_token,
                                      settle=settings.etcd_timeout))
-    app.include_router(stats.routes(gw))
+    app.include_router(stats.routes(
+        gw, gw.series.snapshot, admin_token=gw.admin_token, gateway_id=settings.gateway_id,
+        peer_timeout=settings.stats_peer_timeout, tls_cert_file=settings.tls_cert_file))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
