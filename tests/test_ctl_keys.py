@@ -63,7 +63,7 @@ def test_a_created_key_is_shown_once_and_works_until_revoked(gw: GatewayProc) ->
     assert fields["name"] == "alice [/x]"  # as given: not read as rich markup
     assert rec["models"] == ["m", "other"]
     assert rec["limits"] == {"requests_per_minute": 100, "tokens_per_minute": 50000,
-                             "concurrent_requests": 4}
+                             "concurrent_requests": 4, "external_tokens_per_day": None}
     assert abs(rec["expires"] - (time.time() + 30 * 86400)) < 120 and not rec["expired"]
 
     table = ok(gw, "list")

@@ -169,7 +169,11 @@ class Cluster:
     def base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         env.update({"LLMGW_SECRET": SECRET, "LLMGW_ADMIN_TOKEN": ADMIN,
-                    "PYTHONUNBUFFERED": "1", "LLMGW_LOG_LEVEL": "info"})
+                    "PYTHONUNBUFFERED": "1", "LLMGW_LOG_LEVEL": "info",
+                    # One process, which tests signal and whose id and log
+                    # they read, unless a test asks for workers=N
+                    # (tests/test_workers.py).
+                    "LLMGW_WORKERS": "1"})
         env["PATH"] = f"{FAKE_BIN}{os.pathsep}{env.get('PATH', '')}"
         env["FAKE_VLLM_PYTHON"] = sys.executable  # the fake needs this venv's aiohttp
         return env
@@ -182,10 +186,7 @@ class Cluster:
         env = self.base_env()
         env.update({"LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": name,
                     "LLMGW_LEASE_TTL": str(self.ttl),
-                    "LLMGW_DATA_DIR": str(self.tmp / name),
-                    # One process, which tests signal and whose id they read,
-                    # unless a test asks for workers=N (tests/test_workers.py).
-                    "LLMGW_WORKERS": "1"})
+                    "LLMGW_DATA_DIR": str(self.tmp / name)})
         if self.etcd:
             env.update({"LLMGW_ETCD_ENDPOINTS": self.etcd, "LLMGW_ETCD_PREFIX": self.prefix})
         env.update({f"LLMGW_{k.upper()}": v for k, v in settings.items()})
