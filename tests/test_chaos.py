@@ -191,7 +191,8 @@ def test_a_short_schedule_keeps_every_guarantee(tmp_path: Path) -> None:
     # 429s (its client asks past the limit on purpose), the 503s in the
     # seconds after etcd's return (see below).
     assert r.classes["ok"] > 0.8 * (r.requests - r.classes["refused"]), detail
-    assert r.streams_cut_unexplained == [] and r.limit_exceeded == [], detail
+    assert r.streams_cut_unexplained == [], (r.streams_cut_unexplained, detail)
+    assert r.limit_exceeded == [], (r.limit_exceeded, detail)
     assert r.edits > 10 and r.edits_lost == [], r.edits_lost
     assert r.gpu_double_holds == [] and r.writes_after_lease == []
     assert r.engines_needed > chaos.REPLICAS, "churn placed no replica"

@@ -167,9 +167,11 @@ def routes(state: MirrorState, ops: CatalogOps, table: RoutesRead,
                 f"{'.'.join(str(p) for p in e.loc)}: {e.msg}" for e in errors),
                 errors=[e.as_dict(("body",)) for e in errors])
 
+    # 404: a name no route matches (a line break in it, say) is answered as
+    # a path that is not here, before any check of the name.
     @r.put("/models/{name:path}", response_model=s.StoredModel,
            responses={201: {"model": s.StoredModel, "description": "created"},
-                      **problems(400, 409)},
+                      **problems(400, 404, 409)},
            response_model_exclude_none=True, response_model_exclude_unset=True)
     async def put_model(name: str, spec: s.ModelSpec, request: Request,
                         response: Response) -> dict[str, Any]:
