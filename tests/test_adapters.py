@@ -24,6 +24,7 @@ from app.store.embedded import EmbeddedStore
 from app.wire.adapters import engine_flags, max_loras
 from app.wire.catalog import check_catalog, check_spec
 from app.wire.spec import ModelSpec, Profile
+from tests.test_reconciler import Clock, put
 from tests.test_usage import Source
 
 SECRET = "adapters-test-secret-0123456789"
@@ -178,14 +179,6 @@ class FakeEngines:
         return None
 
 
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror, Elector]]:
     store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
@@ -198,10 +191,6 @@ async def parts(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStore, Mirror, El
     finally:
         await mirror.stop()
         await store.close()
-
-
-async def put(store: EmbeddedStore, mirror: Mirror, key: str, value: s.BaseModel) -> None:
-    assert await mirror.wait_for(await store.put(key, value.model_dump_json().encode()), 2)
 
 
 async def test_the_leader_loads_the_subset_and_the_router_routes_only_there(
