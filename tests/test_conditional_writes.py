@@ -102,12 +102,17 @@ async def test_of_two_writes_conditioned_on_the_same_etag_one_wins(
     c, _ = gw
     assert (await c.put("/admin/models/m", json=SPEC)).status_code == 201
     tag = await etag_of(c, "m")
-    for _ in range(3):
+    # Each round's two specs differ from the one stored: a put of the spec
+    # as stored writes nothing and holds at that ETag (it comes first), so
+    # both would answer 200 (the flake of round 2, whose stored spec was
+    # one of the two).
+    for i in range(3):
+        x, y = 4 + 2 * i, 5 + 2 * i
         a, b = await asyncio.gather(
-            c.put("/admin/models/m", json=SPEC | {"gpus": 2}, headers={"If-Match": tag}),
-            c.put("/admin/models/m", json=SPEC | {"gpus": 3}, headers={"If-Match": tag}))
+            c.put("/admin/models/m", json=SPEC | {"gpus": x}, headers={"If-Match": tag}),
+            c.put("/admin/models/m", json=SPEC | {"gpus": y}, headers={"If-Match": tag}))
         assert sorted([a.status_code, b.status_code]) == [200, 412], (a.text, b.text)
-        winner = 2 if a.status_code == 200 else 3
+        winner = x if a.status_code == 200 else y
         assert (await c.get("/admin/models/m")).json()["gpus"] == winner
         tag = await etag_of(c, "m")
 
