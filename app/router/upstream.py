@@ -27,77 +27,24 @@ client does that and nothing more; see docs/architecture.md ("Routing").
 from __future__ import annotations
 
 import asyncio
-import re
 import ssl
 import time
 from collections.abc import Callable
-from functools import lru_cache
-from typing import NamedTuple, cast
-from urllib.parse import urlsplit
+from typing import cast
 
 import httptools
+
+# What a request is made of, checked (request_line.py); its errors are those
+# of every caller of this client.
+from app.router.request_line import UNSAFE_TARGET, Origin, header_lines, origin
+from app.router.request_line import Unsendable as Unsendable
+from app.router.request_line import UpstreamError as UpstreamError
+from app.router.request_line import header_block as header_block
+from app.router.request_line import unsafe_target as unsafe_target
 
 # Buffered body bytes above which the socket stops being read until the
 # reader catches up.
 _HIGH_WATER = 256 * 1024
-# Bytes that may not appear in a request target or a header value (CR, LF and
-# the other controls): they would let a value end the line it is on.
-_UNSAFE = re.compile(rb"[\x00-\x1f\x7f]")
-_UNSAFE_TARGET = re.compile(rb"[\x00-\x20\x7f]")
-
-
-@lru_cache(maxsize=1024)
-def header_block(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
-    """Request header lines checked and joined once (a route's own, which
-    every request to it repeats); `post(preset=...)` sends them as they are."""
-    for name, value in headers:
-        if _UNSAFE.search(value) or _UNSAFE.search(name):
-            raise UpstreamError(f"unsafe value in request header {name!r}")
-    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
-
-
-class UpstreamError(Exception):
-    """The connection failed, broke, or carried something that is not HTTP."""
-
-
-class Unsendable(UpstreamError):
-    """The request itself cannot be sent as asked (a control character in its
-    target or a header value): nothing was sent, and no server failed. Its
-    caller says whose input it was; the router's is the client's (relay.py)."""
-
-
-def unsafe_target(target: str) -> bool:
-    """Whether `target` (a path and query string) can go on no request line."""
-    try:
-        return _UNSAFE_TARGET.search(target.encode("latin-1")) is not None
-    except UnicodeEncodeError:
-        return True
-
-
-class Origin(NamedTuple):
-    """Where a base URL points: what a connection is opened to, the Host
-    header, and the path every request target starts with."""
-
-    scheme: str
-    host: str
-    port: int
-    host_header: bytes
-    prefix: bytes
-
-
-@lru_cache(maxsize=4096)
-def origin(base_url: str) -> Origin:
-    """The origin of an engine's or provider's base URL (http or https)."""
-    parts = urlsplit(base_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    default = port == (443 if parts.scheme == "https" else 80)
-    host = parts.hostname
-    shown = f"[{host}]" if ":" in host else host
-    header = shown if default else f"{shown}:{port}"
-    return Origin(parts.scheme, host, port, header.encode("idna"),
-                  parts.path.rstrip("/").encode())
 
 
 class Response:
@@ -316,15 +263,11 @@ class UpstreamClient:
             path = o.prefix + target.encode("latin-1")
         except UnicodeEncodeError:
             raise Unsendable(f"unsafe request target {target!r}") from None
-        if _UNSAFE_TARGET.search(path):
+        if UNSAFE_TARGET.search(path):
             raise Unsendable(f"unsafe request target {target!r}")
         lines = [method, b" ", path, b" HTTP/1.1\r\nHost: ", o.host_header,
-                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", preset]
-        for name, value in headers:
-            if _UNSAFE.search(value) or _UNSAFE.search(name):
-                raise Unsendable(f"unsafe value in request header {name!r}")
-            lines += (name, b": ", value, b"\r\n")
-        lines += (b"\r\n", body)
+                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", preset,
+                 header_lines(headers), b"\r\n", body]
         data = b"".join(lines)
         if self.on_request is not None:
             self.on_request(base_url + target)
