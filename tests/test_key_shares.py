@@ -14,7 +14,8 @@ import pytest
 from app.control import state as s
 from app.control.mirror import Mirror
 from app.gateway.key_shares import SERIAL, KeyShares
-from app.router.limits import Limiter, Limits, OverLimit, Ticket
+from app.router.entries import Limits
+from app.router.limits import Limiter, OverLimit, Ticket
 from app.router.shares import next_claim, split, targets
 from app.store.embedded import EmbeddedStore
 from tests.support.proxy_rig import FakeClock

@@ -24,7 +24,8 @@ from app.control.keys import hash_client_key
 from app.control.mirror import Mirror
 from app.gateway.main import GatewayApp, create_app
 from app.gateway.settings import Settings
-from app.router.limits import Limiter, Limits
+from app.router.entries import Limits
+from app.router.limits import Limiter
 from app.store.embedded import EmbeddedStore
 from app.store.etcd import EtcdStore
 from tests.fakes import fake_vllm

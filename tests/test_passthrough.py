@@ -11,9 +11,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router import responses
-from app.router.entries import Endpoint, KeyGrant
+from app.router.entries import Endpoint, KeyGrant, Limits
 from app.router.forms import form_fields
-from app.router.limits import Limiter, Limits
+from app.router.limits import Limiter
 from app.router.replies import Reply
 from tests.support.proxy_rig import CLIENT_KEY, Rig, hash_key
 

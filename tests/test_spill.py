@@ -15,8 +15,8 @@ from aiohttp.test_utils import TestServer
 
 from app.router.budget import ExternalBudget
 from app.router.choice import EngineLoad
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant
-from app.router.limits import Limiter, Limits, OverLimit
+from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
+from app.router.limits import Limiter, OverLimit
 from app.router.timeouts import Timeouts
 from app.wire.catalog import check_catalog, overflow_problem, overflowing_to
 from app.wire.spec import ModelSpec

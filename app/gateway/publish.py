@@ -32,8 +32,7 @@ from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
 from app.control.usage import Queue
 from app.router.engine_load import NodeAgent
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant
-from app.router.limits import Limits
+from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
 from app.router.proxy import RequestObserver
 from app.router.table import RouteTable
 

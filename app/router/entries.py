@@ -1,11 +1,24 @@
 """What the control side hands the router (app/gateway/publish.py), as plain
-values: a replica's endpoint, a catalog entry, a client key's grant."""
+values: a replica's endpoint, a catalog entry, a client key's grant and its
+limits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.router.limits import NO_LIMITS, Limits
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's limits for all gateways together; None: unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    concurrent_requests: int | None = None
+    # Tokens a day served by models' overflows (spill-over, app/router/spill.py).
+    external_tokens_per_day: int | None = None
+
+
+NO_LIMITS = Limits()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,10 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from app.router.budget import ExternalBudget
+from app.router.entries import NO_LIMITS, Limits
 from app.router.estimates import ask_for_usage as ask_for_usage
 from app.router.estimates import estimate_usage as estimate_usage
 from app.router.overlimit import OverLimit as OverLimit
@@ -55,20 +55,6 @@ WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
 # end can be predicted, and one second is what a polite retry costs.
 _CONCURRENCY_RETRY = 1
 _EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """A key's limits for all gateways together; None: unlimited."""
-
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    concurrent_requests: int | None = None
-    # Tokens a day served by models' overflows (spill-over, app/router/spill.py).
-    external_tokens_per_day: int | None = None
-
-
-NO_LIMITS = Limits()
 
 
 class _KeyState:
