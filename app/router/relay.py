@@ -36,6 +36,7 @@ from app.router.continuation import Resumed, Splice, resumable, resume
 from app.router.engine_errors import client_fault, read_capped
 from app.router.engine_headers import passed_on, route_headers
 from app.router.entries import Endpoint
+from app.router.hold import hold
 from app.router.limits import Ticket
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
 from app.router.spill import Spill
@@ -95,7 +96,7 @@ class Upstreams:
         as they are).
         `spill`: the model's overflow may take the request instead (spill.py).
         """
-        started = [False]  # set by _hold once a held stream's response began
+        started = [False]  # set by hold() once a held stream's response began
         try:
             if spill is not None or (not self._table.endpoints(model)
                                      and self._table.holdable(model)):
@@ -103,7 +104,7 @@ class Upstreams:
                     if spill is not None:
                         model = await spill.route(model)  # or its overflow's name
                     if not self._table.endpoints(model) and self._table.holdable(model):
-                        await self._hold(model, stream, send, started, ex)
+                        await hold(self._table, self._timeouts, model, stream, send, started, ex)
                 except asyncio.CancelledError:
                     why = watch.caught()
                     if why is None:
@@ -127,38 +128,6 @@ class Upstreams:
             await send({"type": "http.response.body", "more_body": False,
                         "body": error_event(err["message"], err.get("code") or "upstream_error")})
             return int(r.status)
-
-    async def _hold(self, model: str, stream: bool, send: Send, started: list[bool],
-                    ex: Exchange) -> None:
-        """Scale from zero: holds a request while `model`'s replica is on its
-        way, up to `cold_start` seconds. A stream's response starts at once
-        (`started[0]` set): its headers, then SSE comments every few seconds,
-        so that neither the client nor a proxy between gives up on it."""
-        t = self._timeouts
-        if not self._table.hold(model, t.cold_start_held):
-            raise error(503, f"Too many requests are waiting for '{model}' to start here; "
-                        "retry shortly.", "service_unavailable", "model_starting",
-                        retry_after=max(1, int(t.cold_start / 10)))
-        keepalive: asyncio.Task[None] | None = None
-        try:
-            if stream:
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                    (b"x-llmgw-held", b"cold-start"), ex.header]})
-                started[0] = True
-                keepalive = asyncio.create_task(replies.keep_alive(send, model))
-            if not await self._table.wait_routable(model, t.cold_start):
-                self._table.hold_timed_out(model)
-                why = self._table.unavailable(model)
-                raise error(503, f"No replica of '{model}' became ready within "
-                            f"{t.cold_start:g} s" + (f": {why}" if why else "."),
-                            "service_unavailable", "no_ready_replica",
-                            retry_after=max(1, int(t.cold_start / 10)))
-        finally:
-            self._table.unhold(model)
-            if keepalive is not None:
-                keepalive.cancel()
-                await asyncio.gather(keepalive, return_exceptions=True)
 
     async def _attempts(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                         stream: bool, send: Send,
