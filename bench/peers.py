@@ -229,6 +229,14 @@ class Llmgw:
                 os.kill(self.engine_pid, signal.SIGKILL)
 
 
+def did_not_come_up(exc: Unavailable, gw: Llmgw) -> int:
+    """Says why llmgw did not start, with each of its processes' last lines;
+    the exit status of a benchmark that could not measure it."""
+    print(f"llmgw did not come up: {exc}\n" + "\n".join(
+        f"--- {p.name}\n{p.tail()}" for p in gw.procs), file=sys.stderr)
+    return 1
+
+
 @dataclass
 class Peer:
     """A proxy in front of the stand-in, started for its measurements only."""

@@ -401,9 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted; stopping everything", file=sys.stderr)
             return 130
         except Unavailable as exc:
-            print(f"llmgw did not come up: {exc}\n" + "\n".join(
-                f"--- {p.name}\n{p.tail()}" for p in gw.procs), file=sys.stderr)
-            return 1
+            return peers.did_not_come_up(exc, gw)
         finally:
             for peer in live.values():
                 peer.stop()
