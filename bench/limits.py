@@ -10,7 +10,8 @@ traffic patterns a load balancer makes:
 * round robin over the three for 3 s: admitted beyond the limit;
 * moved: 4 streams on gw0, then the client on gw1: seconds until 4 there;
 * killed: 4 streams on gw0, gw0 SIGKILLed, the client on gw1: seconds
-  until 4 there (the lease is LLMGW_LEASE_TTL=4 here).
+  until 4 there (the lease is LLMGW_LEASE_TTL=4 here; its part is held
+  a TTL after the lease went).
 
 Last line: `limits: sticky_share=X cluster_overshoot=Y`: X the smaller of the
 two sticky fractions, Y the most admitted beyond a limit by all gateways
@@ -211,7 +212,7 @@ def main() -> None:
             key = fleet.key({"concurrent_requests": 4})
             hold(urls[0], key, 4, 3.0, 400)
             os.kill(fleet.gws[0][0].pid, signal.SIGKILL)
-            got, took = hold(urls[1], key, 4, TTL + 8.0, 40)
+            got, took = hold(urls[1], key, 4, 2 * TTL + 8.0, 40)
             print(f"killed: {got}/4 on gw1 {took:.1f} s after gw0 was (lease {TTL} s)")
             print(f"limits: sticky_share={min(rpm_share, conc_share):.2f} "
                   f"cluster_overshoot={max(0, overshoot)}")

@@ -239,3 +239,47 @@ async def test_other_gateways_in_flight_make_a_llamacpp_queue(store: EmbeddedSto
         await until(lambda: table.queued() == {}, "gw-b's count dropped")
     finally:
         await mirror.stop()
+
+
+async def test_a_gateway_that_has_seen_others_never_takes_itself_for_alone(
+    store: EmbeddedStore,
+) -> None:
+    """A lone gateway admits a key's whole limit with no claim (the bound
+    L + N - 1 is L). etcd back from an outage past the TTL drops every
+    gateway's registration at once, and each writes its own back first: a
+    gateway that has seen others must not read that moment as being alone,
+    or each admits the whole limit (docs/architecture.md, "Client keys").
+    Seen to fail: the grant said 1 gateway once only gw-a's registration
+    was back, and gw-a and gw-b each held the key's whole limit."""
+    mirror = Mirror(store)
+    table = RouteTable()
+    Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a")
+    mirror.start()
+    digest = hash_client_key("sk-test")
+
+    async def write(key: str, value: s.BaseModel) -> None:
+        rev = await store.put(key, value.model_dump_json().encode())
+        assert await mirror.wait_for(rev, 2)
+        await asyncio.sleep(0)
+
+    def gateways() -> int:
+        grant = table.grant(digest)
+        assert grant is not None
+        return grant.gateways
+
+    def info(gw: str) -> s.GatewayInfo:
+        return s.GatewayInfo(id=gw, url="http://x", version="t", started=0)
+
+    try:
+        await write(s.KEYS + digest, s.ClientKey(id="k1", name="t", created=0))
+        await write(s.GATEWAYS + "gw-a", info("gw-a"))
+        assert gateways() == 1  # alone so far: the whole limit, no claim
+        await write(s.GATEWAYS + "gw-b", info("gw-b"))
+        assert gateways() == 2
+        for gw in ("gw-a", "gw-b"):  # the leases dropped at once
+            await store.delete(s.GATEWAYS + gw)
+        await write(s.GATEWAYS + "gw-a", info("gw-a"))  # gw-a back first
+        await until(lambda: mirror.get(s.GATEWAYS + "gw-b") is None, "gw-b gone")
+        assert gateways() >= 2
+    finally:
+        await mirror.stop()

@@ -77,9 +77,16 @@ class Elector:
         return self._gateway.id
 
     def _lease_proven(self) -> bool:
-        # The store counts the TTL from when it received the renewal, which is
-        # after we sent it; a fifth of the TTL covers clock-rate differences.
-        return self._clock() - self._renewed_at < self._ttl * 0.8
+        return self._clock() < self.proven_until()
+
+    def proven_until(self, extra: float = 0.0) -> float:
+        """Until when (this elector's clock) the lease is proven alive, and
+        `extra` seconds more: what the others wait past its expiry before
+        they take what it bound (the key-share records' hold).
+
+        The store counts the TTL from when it received the renewal, which is
+        after we sent it; a fifth of the time covers clock-rate differences."""
+        return self._renewed_at + (self._ttl + extra) * 0.8
 
     @property
     def lead_revision(self) -> int:

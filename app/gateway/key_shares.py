@@ -49,7 +49,8 @@ class ClaimSink(Protocol):
 
     def key_loads(self) -> Mapping[str, KeyLoad]: ...
 
-    def set_claims(self, claims: Mapping[str, Mapping[str, int]]) -> None: ...
+    def set_claims(self, claims: Mapping[str, Mapping[str, int]],
+                   until: float = ...) -> None: ...
 
 
 Claims = dict[str, dict[str, int]]
@@ -60,8 +61,19 @@ class KeyShares:
 
     def __init__(self, store: Store, mirror: Mirror, limiter: ClaimSink, gateway_id: str,
                  lease: Callable[[], int], *, refresh: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 until: Callable[[], float] = lambda: float("inf"), hold: float = 0.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
+        # Until when (monotonic) this gateway's claims stand: while its lease
+        # is proven, and `hold` more, the time the others keep a vanished
+        # record's part (Elector.proven_until). Past it they may be taken.
+        self._until = until
+        self._hold = hold
+        self._mono = monotonic
+        # Every other gateway's record as last seen, and when (monotonic):
+        # a record gone with its lease is counted for `hold` more.
+        self._seen: dict[str, tuple[s.KeyShares, float]] = {}
         self._mirror = mirror
         self._limiter = limiter
         self._me = gateway_id
@@ -100,7 +112,10 @@ class KeyShares:
                     continue
                 used = {gw: sh.used.get(kind, 0) for gw, sh in theirs.items()}
                 used[self._me] = mine.used.get(kind, 0)
-                room = limit - sum(sh.claims.get(kind, 0) for sh in theirs.values())
+                # What another holds counts even past its claim: requests it
+                # admitted on a claim it has since lost with its lease.
+                room = limit - sum(max(sh.claims.get(kind, 0), sh.used.get(kind, 0))
+                                   for sh in theirs.values())
                 claim = next_claim(current.get(kind, 0),
                                    targets(limit, gateways, used, asked)[self._me],
                                    used[self._me], room, kind in mine.refused,
@@ -128,14 +143,50 @@ class KeyShares:
             return True  # the others move their claims on these: at once
         return (record.keys != old.keys and record.updated - old.updated >= self._refresh)
 
+    def _others(self) -> dict[str, s.KeyShares]:
+        """The other gateways' records, and for `hold` after it went, each
+        record gone with its lease (its claims and what it held, as last
+        seen): etcd back from an outage past the TTL drops every lease at
+        once, and a gateway alive but not yet written again still holds
+        what it admitted (docs/architecture.md, "Client keys")."""
+        now = self._mono()
+        live = {gw: rec for gw, rec in self._mirror.parsed(s.KEY_SHARES, s.KeyShares).items()
+                if gw != self._me}
+        out = dict(live)
+        for gw, (rec, seen) in list(self._seen.items()):
+            if gw in live:
+                continue
+            if now - seen >= self._hold:
+                del self._seen[gw]
+                continue
+            out[gw] = s.KeyShares(gateway=gw, updated=rec.updated, keys={
+                k: s.KeyShare(claims=sh.claims, used=sh.used)  # no demand, no refusal
+                for k, sh in rec.keys.items()})
+        for gw, rec in live.items():
+            self._seen[gw] = (rec, now)
+        return out
+
+    def _lapse(self) -> None:
+        """This gateway's lease is not proven: its record may be gone and its
+        part taken, so it claims nothing until it raises again."""
+        if self.claims or self.written is not None:
+            logger.info("gateway %s cannot prove its lease: its claims on keys' limits "
+                        "lapse", self._me)
+        self.claims = {}
+        self.written = None
+        self._limiter.set_claims({})
+
     async def step(self) -> bool:
         """One pass; True when it wrote this gateway's record."""
+        until = self._until()
+        if self._mono() >= until:
+            self._lapse()
+            return False  # nothing to claim on until the lease is proven again
         lease = self._lease()
         if lease == 0 or not self._mirror.ready:
             return False
         loads = self._limiter.key_loads()
-        others = {gw: rec for gw, rec in self._mirror.parsed(s.KEY_SHARES, s.KeyShares).items()
-                  if gw != self._me}
+        others = self._others()
         wanted = self.decide(loads, others)
         # Lowers take effect at once; raises only once written.
         lowered: Claims = {}
@@ -145,7 +196,7 @@ class KeyShares:
                 lowered[key_id] = {k: n for k, n in kept.items() if n > 0}
         raised = wanted != lowered
         self.claims = lowered
-        self._limiter.set_claims(lowered)
+        self._limiter.set_claims(lowered, until)
         key = s.KEY_SHARES + self._me
         if raised and self._mirror.revision >= self._last_raise:
             record = self._record(wanted, loads)
@@ -157,7 +208,7 @@ class KeyShares:
                 Put(SERIAL, str(self._mirror.revision).encode())])
             if res.succeeded:
                 self.claims = wanted
-                self._limiter.set_claims(wanted)
+                self._limiter.set_claims(wanted, until)
                 self._last_raise = res.revision
                 self.written, self._written_lease = record, lease
                 return True

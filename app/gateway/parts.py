@@ -209,7 +209,9 @@ class Gateway:
         # "Choosing a replica").
         self.proxy.loads.directory = NodeAgents(self._mirror, self.secrets)
         self.key_shares = KeyShares(self._store, self._mirror, self.proxy.limits, st.gateway_id,
-                                    lambda: elector.lease, refresh=st.key_share_interval)
+                                    lambda: elector.lease, refresh=st.key_share_interval,
+                                    until=lambda: elector.proven_until(st.lease_ttl),
+                                    hold=st.lease_ttl)
         self.key_shares.start()
         await self.proxy.start()
         self._leading = [

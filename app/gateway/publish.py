@@ -58,6 +58,7 @@ class Publisher:
         self._table = table
         self._secrets = secrets
         self._scheduled = False
+        self._seen_others = False  # another gateway's registration was ever seen
         self._last: tuple[object, ...] = ()
         # Each routable replica's endpoint and what it was made of, the
         # mirror's parsed values (the same objects while their keys do not
@@ -205,8 +206,15 @@ class Publisher:
                                   and "no replica is placed:" not in unavailable[name]))
         # Live gateways (lease-bound keys): equal shares of each key's limits
         # until the claims loop runs (app/gateway/key_shares.py); this one counts
-        # even before its own key is seen.
+        # even before its own key is seen. Alone (1), a gateway admits a key's
+        # whole limit with no claim; once it has seen another it never takes
+        # itself for alone again: etcd back from an outage drops every lease at
+        # once and each gateway writes its own registration back first
+        # (docs/architecture.md, "Client keys").
         gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
+        self._seen_others = self._seen_others or gateways > 1
+        if self._seen_others:
+            gateways = max(2, gateways)
         grants = {
             digest: KeyGrant(rec.id, rec.name, frozenset(rec.models), Limits(
                 rec.limits.requests_per_minute, rec.limits.tokens_per_minute,

@@ -100,13 +100,21 @@ class Limiter:
         self._usage: dict[tuple[str, str], list[int]] = {}
         # Key id -> limit name -> this gateway's claim; None: equal shares.
         self._claims: dict[str, dict[str, int]] | None = None
+        # When (this limiter's clock) the claims stop standing: this gateway
+        # can no longer prove its lease, so its record may be gone and its
+        # part taken by the others; it admits on no claim from then on,
+        # even before its claims loop next steps (a gateway resumed from a
+        # pause serves requests first).
+        self._claims_until = float("inf")
         self.on_short: Callable[[], None] | None = None
         # Tokens served by overflow providers, per key over a day (budget.py).
         self.external = ExternalBudget(clock, self.claims_of, lambda: self.on_short)
 
     def claims_of(self, key_id: str) -> Mapping[str, int] | None:
         """This gateway's claims on `key_id`'s limits; None: no claims loop."""
-        return None if self._claims is None else self._claims.get(key_id, {})
+        if self._claims is None:
+            return None
+        return self._claims.get(key_id, {}) if self._clock() < self._claims_until else {}
 
     def expired(self, expires: float | None) -> bool:
         return expires is not None and self._wall() >= expires
@@ -142,7 +150,8 @@ class Limiter:
             of = f"{{}} on each of {gateways} gateways" if gateways > 1 else "{} on this gateway"
         else:
             of = "{} held by this gateway now"
-        claims = self._claims.get(key_id, {}) if self._claims is not None else {}
+        claims = (self._claims.get(key_id, {})
+                  if self._claims is not None and now < self._claims_until else {})
 
         def part(kind: str, limit: int | None) -> int | None:
             # Alone, L + N - 1 is L: the whole limit, with no claim to wait for.
@@ -178,10 +187,13 @@ class Limiter:
                 conc < (limits.concurrent_requests or 0))
         return rpm, tpm
 
-    def set_claims(self, claims: Mapping[str, Mapping[str, int]]) -> None:
-        """This gateway's claims by key id and limit name (app/gateway/key_shares.py);
-        a key or limit left out is claimed 0 (this gateway admits FLOOR)."""
+    def set_claims(self, claims: Mapping[str, Mapping[str, int]],
+                   until: float = float("inf")) -> None:
+        """This gateway's claims by key id and limit name (app/gateway/key_shares.py),
+        standing until `until` (this limiter's clock); a key or limit left
+        out is claimed 0 (this gateway admits FLOOR)."""
         self._claims = {k: dict(v) for k, v in claims.items()}
+        self._claims_until = until
 
     def key_loads(self) -> dict[str, KeyLoad]:
         """What this gateway holds of each key with limits, and was asked lately."""
