@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import sections  # noqa: E402
 from control_etcd import inventory  # noqa: E402
 
 from app.control import state as s  # noqa: E402
@@ -316,26 +317,15 @@ def main() -> None:
     print(summary)
 
 
-BEGIN, END = "<!-- control_scale: begin -->", "<!-- control_scale: end -->"
-
-
 def write_results(path: Path, began: str, before: str, after: str, lines: list[str],
                   summary: str) -> None:
-    """Replaces this benchmark's section of `path` (between its markers),
-    leaving the rest (bench/router_overhead.py's) as it is."""
-    section = "\n".join([
-        BEGIN, "## Control plane at fleet scale (bench/control_scale.py)", "",
+    """Replaces this benchmark's section of `path`, leaving the others."""
+    sections.replace_section(path, "control_scale", "\n".join([
+        "## Control plane at fleet scale (bench/control_scale.py)", "",
         f"Written on {began}: nproc {os.cpu_count()}, load average {before} before, "
         f"{after} after (1, 5, 15 min). Wall times on a shared machine count the "
         "other sessions' work too; CPU times are the pass's own.", "",
-        *[f"- {line}" for line in lines], "", summary, END])
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = section + "\n\n" + text
-    path.write_text(text)
-
+        *[f"- {line}" for line in lines], "", summary]))
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,8 @@ other proxy forwards to that same stand-in, started one at a time for its own
 measurements. Per target: c=1, c=64, c=256 with wrk (plain requests), first
 chunk latency one stream at a time, then batches of concurrent SSE streams
 (32, 64, 128, 256; it stops at the first batch with a broken or late chunk).
-Writes bench/RESULTS.md, whose last line (also printed last) is the summary.
+Writes its section of bench/RESULTS.md (bench/sections.py), whose last line
+(also printed last) is the summary.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
 import load  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
+import sections  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 
 TARGETS = ("direct", "llmgw", "floor", "nginx", "litellm", "vllm-router")
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(tmp, ignore_errors=True)
     text = report.render(figures, args, load_before, os.getloadavg(),
                          time.monotonic() - started, prof)
-    args.results.write_text(text)
+    sections.replace_section(args.results, "router_overhead", text)
     print()
     if prof:  # the profile is in the file; the summary line stays last
         print(text.split("\n## Profile")[0].rstrip())

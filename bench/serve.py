@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf_tokenizer
+import sections
 import serve_tools
 from serve_tools import Run, Target
 
@@ -161,8 +162,7 @@ def write_results(path: Path, args: argparse.Namespace, runs: list[Run],
                   line: str, failed: dict[str, str]) -> None:
     # One section per set of tools: a run of one tool leaves the other's.
     tools = args.tools.replace(",", " ")
-    start, end = f"<!-- serve.sh: begin {tools} -->", f"<!-- serve.sh: end {tools} -->"
-    body = [start, f"## The benchmarks users run (`bench/serve.sh`, {tools})", "",
+    body = [f"## The benchmarks users run (`bench/serve.sh`, {tools})", "",
             f"Written by `bench/serve.sh` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
             f": nproc {os.cpu_count()}, load average {before} before, {after} after (the "
             "machine is shared with other developers running tests), "
@@ -180,14 +180,8 @@ def write_results(path: Path, args: argparse.Namespace, runs: list[Run],
     for tool, why in failed.items():
         last = why.strip().splitlines()[-1] if why.strip() else "?"
         body += ["", f"{tool} did not finish: `{last}` (its log in the cache's runs/)"]
-    body += ["", line, end]
-    old = path.read_text() if path.exists() else ""
-    if start in old and end in old:
-        new = old[:old.index(start)] + "\n".join(body) + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + "\n".join(body) + "\n"
-    path.write_text(new)
-
+    body += ["", line]
+    sections.replace_section(path, f"serve.sh {tools}", "\n".join(body))
 
 def run_tool(tool: str, targets: tuple[Target, Target], tokenizer: Path,
              args: argparse.Namespace) -> list[Run]:
