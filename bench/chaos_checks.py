@@ -78,31 +78,42 @@ def gpu_double_holds(events: Iterable[Event]) -> list[str]:
 
 
 def writes_after_lease(events: Iterable[Event], dead: dict[int, int]) -> list[str]:
-    """Writes to `replicas/` made with no live leader: the writer is the
-    `leader` key's value at the write's revision (a transaction does not
-    touch it), and its lease must not have been seen gone (`dead`: lease id
-    -> the revision etcd answered "TTL -1" at) before that revision, nor the
-    key deleted. Seen to fail: a replica put after the leader key's delete,
-    and one after its lease was reported expired. Broken llmgw: NOT seen to
-    fail. With the fence gone (`Elector.fence()` returning no compare) and
-    a gateway that once led leading for good (`is_leader` true ever after),
-    a run of etcd_down and stop_leader made the stale leader write while
-    another gateway held a live `leader` key: etcd's history does not say
-    who made a write, so this check gives it to the live key's holder and
-    reports nothing; gpu_double_holds caught that run ("revision 126:
-    node-1 GPU 1 held by ['churn-806dbe63', 'churn-a69709f4']"). This check
-    only sees writes made while no live leader lease exists."""
+    """Writes to `replicas/` by anyone but the live leader. Every fenced
+    leader transaction puts `leader-write` `{id, lease}` beside its writes
+    (docs/architecture.md, State), so the history names each write's
+    writer: it must be the lease the `leader` key was bound to at that
+    revision (a transaction does not touch the key), that lease must not
+    have been seen gone (`dead`: lease id -> the revision etcd answered
+    "TTL -1" at) before it, and the key must be there. Seen to fail: a
+    replica put after the leader key's delete, one after its lease was
+    reported expired, one signed by another lease than the leader key's, and
+    one unsigned (tests/test_chaos.py). Broken llmgw: with the fence gone
+    (`Elector.fence()` returning no compare) and a gateway that once led
+    leading for good (`is_leader` true ever after), the schedule
+    stop_leader, etcd_down, stop_leader (seed 12, etcd down 8 s) reported 5
+    writes, e.g. "revision 167: put replicas/churn-18edaf1a by gw0 under
+    lease 4651270858288875631, while the leader key was gw1's, lease
+    363844013032171325" and "revision 124: delete replicas/churn-cddeb55f
+    by gw0 with no leader key" (gpu_double_holds caught 2 of them)."""
     leader: Event | None = None
     out = []
     for group in by_revision(events):
         writes = [e for e in group if e.key.startswith("replicas/")]
+        signed = next((e for e in group if e.key == "leader-write" and e.kind == "put"), None)
+        by = (signed.value or {}) if signed is not None else {}
         for w in writes:
-            if leader is None:
-                out.append(f"revision {w.rev}: {w.kind} {w.key} with no leader key")
+            what = f"revision {w.rev}: {w.kind} {w.key}"
+            if signed is None:
+                out.append(f"{what} with no leader-write beside it")
+            elif leader is None:
+                out.append(f"{what} by {by.get('id')} with no leader key")
+            elif by.get("lease") != leader.lease:
+                out.append(f"{what} by {by.get('id')} under lease {by.get('lease')}, while the "
+                           f"leader key was {(leader.value or {}).get('id')}'s, lease "
+                           f"{leader.lease}")
             elif leader.lease in dead and dead[leader.lease] < w.rev:
-                who = (leader.value or {}).get("id")
-                out.append(f"revision {w.rev}: {w.kind} {w.key} by {who}, whose lease "
-                           f"{leader.lease} was gone at revision {dead[leader.lease]}")
+                out.append(f"{what} by {by.get('id')}, whose lease {leader.lease} was gone "
+                           f"at revision {dead[leader.lease]}")
         for e in group:
             if e.key == "leader":
                 leader = e if e.kind == "put" else None

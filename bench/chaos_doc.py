@@ -98,8 +98,8 @@ the clients, haproxy's log, the harness's kills |
 {s['limit_exceeded']} | its client's streams |
 | acknowledged edits lost | {s['edits_lost']} | the admin's answers, etcd at each schedule's end |
 | GPUs held twice at a revision | {s['gpu_double_holds']} | etcd's `replicas/` history |
-| `replicas/` writes with no live leader lease | {s['writes_after_lease']} | \
-etcd's `leader` history, lease TTLs |
+| `replicas/` writes not made under the live leader lease | {s['writes_after_lease']} | \
+etcd's `leader` and `leader-write` history, lease TTLs |
 | engines started beyond those needed | {s['engines_duplicated']} | the stand-ins' logs |
 | gateways a SIGTERM did not stop within 120 s | {s['stops_stuck']} | the harness |
 | secrets found in what the run captured | {s['secrets_found']} | logs, \

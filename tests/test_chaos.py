@@ -8,7 +8,8 @@ Each check was also seen to fail on a real run of the short form against a
 scratch copy of llmgw broken on purpose (the placer seeing no GPU taken, the
 agent adopting no engine, each gateway admitting a key's whole limit, the
 relay cutting streams, acknowledged catalog changes left unwritten, the
-agent logging engine keys): bench/chaos_checks.py's and
+agent logging engine keys, the fence removed with an ex-leader leading
+for good): bench/chaos_checks.py's and
 bench/chaos_secrets.py's docstrings say how, and what each reported."""
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def replica(rev: int, rid: str, node: str, gpus: list[int]) -> Event:
     return Event(rev, f"replicas/{rid}", "put", {"id": rid, "node": node, "gpus": gpus})
 
 
+def signed(rev: int, gw: str, lease: int) -> Event:
+    return Event(rev, "leader-write", "put", {"id": gw, "lease": lease})
+
+
 def test_gpu_double_holds_flags_two_replicas_on_one_gpu() -> None:
     good = [leader(2, "gw0", 7), replica(3, "a", "node-1", [0]), replica(4, "b", "node-1", [1]),
             Event(5, "replicas/a", "delete"), replica(6, "c", "node-1", [0]),
@@ -47,15 +52,25 @@ def test_gpu_double_holds_flags_two_replicas_on_one_gpu() -> None:
 
 
 def test_writes_after_lease_flags_a_write_with_no_live_leader() -> None:
-    history = [leader(2, "gw0", 7), replica(3, "a", "node-1", [0]),
+    history = [leader(2, "gw0", 7), replica(3, "a", "node-1", [0]), signed(3, "gw0", 7),
                Event(4, "leader", "delete"), replica(5, "b", "node-1", [1]),
-               leader(6, "gw1", 8), replica(7, "c", "node-2", [0])]
+               signed(5, "gw0", 7), leader(6, "gw1", 8), replica(7, "c", "node-2", [0]),
+               signed(7, "gw1", 8)]
     assert checks.writes_after_lease(history, {}) == [
-        "revision 5: put replicas/b with no leader key"]
+        "revision 5: put replicas/b by gw0 with no leader key"]
     # The leader key still there, but etcd said its lease was gone first.
     found = checks.writes_after_lease(history, {8: 6})
     assert len(found) == 2 and "by gw1, whose lease 8 was gone at revision 6" in found[1]
-    assert checks.writes_after_lease(history[:3] + history[4:], {7: 10}) == []
+    good = [e for e in history if e.rev not in (4, 5)]
+    assert checks.writes_after_lease(good, {7: 10}) == []
+    # A paused ex-leader's write, signed by its own lease while gw1's holds
+    # the leader key; and a write nobody signed.
+    stale = [*good, replica(8, "d", "node-2", [1]), signed(8, "gw0", 7),
+             replica(9, "e", "node-1", [2])]
+    assert checks.writes_after_lease(stale, {}) == [
+        "revision 8: put replicas/d by gw0 under lease 7, while the leader key was gw1's, "
+        "lease 8",
+        "revision 9: put replicas/e with no leader-write beside it"]
 
 
 def test_edits_lost_flags_an_acknowledged_edit_missing_at_the_end() -> None:

@@ -253,7 +253,7 @@ class AdapterLoop:
                 writes.append(Delete(s.ADAPTERS + name))
         if writes:
             try:
-                res = await self._store.txn(self._elector.fence(), writes)
+                res = await self._store.txn(self._elector.fence(), self._elector.signed(writes))
             except StoreError as exc:
                 logger.info("adapter sets not written: %s", exc)
                 return True

@@ -113,6 +113,13 @@ class Elector:
             raise NotLeader(f"gateway {self._gateway.id} does not hold the leader key")
         return [Compare.created_at(s.LEADER, self._leader_revision)]
 
+    def signed(self, ops: list[Put | Delete]) -> list[Put | Delete]:
+        """`ops` and the `leader-write` put that names their writer and its
+        lease, so that etcd's history attributes every fenced write
+        (docs/architecture.md, State)."""
+        me = s.LeaderWrite(id=self._gateway.id, lease=self.lease)
+        return [*ops, Put(s.LEADER_WRITE, me.model_dump_json().encode())]
+
     async def tick(self) -> ElectionStep:
         """One renewal, then one campaign."""
         was = self.is_leader

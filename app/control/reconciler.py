@@ -271,7 +271,7 @@ class Reconciler:
         return out
 
     async def _write(self, conditions: list[Compare], ops: list[Put | Delete]) -> None:
-        res = await self._store.txn(self._elector.fence() + conditions, ops)
+        res = await self._store.txn(self._elector.fence() + conditions, self._elector.signed(ops))
         # Refused or not, the next pass must not plan on a mirror older than
         # this answer: a refusal means the store holds something we have not
         # seen yet.

@@ -51,6 +51,10 @@ from app.wire.spec import (
 )
 
 LEADER = "leader"
+# Put by every fenced leader transaction, in it: `{id, lease}`, who made the
+# write and under which lease, so that etcd's history says who wrote each
+# revision (a transaction names no writer). Checked by bench/chaos.py.
+LEADER_WRITE = "leader-write"
 # This store's id: random, created once by the first gateway to start on it
 # (app/control/storeid.py). Revisions are compared only within one id: a new
 # etcd, even one bootstrapped with the same cluster id, counts from 1 again.
@@ -96,6 +100,7 @@ __all__ = [
     "KEY_SHARES",
     "KEY_USAGE",
     "LEADER",
+    "LEADER_WRITE",
     "MAX_DETAIL",
     "MAX_GPUS",
     "MAX_REPLICAS_REPORTED",
@@ -376,6 +381,13 @@ class GatewayInfo(_Stored):
 class LeaderInfo(_Stored):
     id: str
     url: str
+
+
+class LeaderWrite(_Stored):
+    """`leader-write`: the writer of the latest fenced leader transaction."""
+
+    id: str
+    lease: int
 
 
 class StoreId(_Stored):
