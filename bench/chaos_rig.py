@@ -35,6 +35,7 @@ from peers import ROOT, Process, free_port, http, wait_for
 FAKE_BIN = ROOT / "tests" / "fakes" / "bin"
 PREFIX = "/llmgw/"
 TTL = 4  # LLMGW_LEASE_TTL: a paused leader is past it within seconds
+NODE_TTL = 6  # LLMGW_NODE_TTL
 MODEL = "chat"
 REPLICAS = 3  # of 4 GPUs on two nodes: the engines needed
 
@@ -157,6 +158,9 @@ class Rig:
                 "LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": f"gw{i}", "LLMGW_WORKERS": "1",
                 "LLMGW_DATA_DIR": str(self.tmp / f"gw{i}"), "LLMGW_LEASE_TTL": str(TTL),
                 "LLMGW_ETCD_TIMEOUT": "2", "LLMGW_PROVIDER_KEY_DIR": str(self.tmp / "keys"),
+                # Shorter than the short form's etcd outage (8 s), so that every
+                # node's key goes at etcd's return too (agents beat every 2 s).
+                "LLMGW_NODE_TTL": str(NODE_TTL),
                 # The history is the evidence: the leader must not compact it.
                 "LLMGW_ETCD_COMPACTION_INTERVAL": "0"}
             slot = Slot(f"gw{i}", [sys.executable, "-m", "app.cli", "serve"], env,

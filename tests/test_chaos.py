@@ -222,8 +222,11 @@ def test_a_short_schedule_keeps_every_guarantee(tmp_path: Path) -> None:
     # and a leader with a live lease once it was back.
     assert r.etcd_down.get("ok", 0) > 5 and r.etcd_down.get("other", 0) == 0, r.etcd_down
     assert len(r.etcd_back_s) == 1
-    # Once etcd is back, every lease it held has passed its TTL (SIGSTOP):
-    # the nodes' go with them, and /v1 answers 503 "node not heard from"
-    # until the agents are heard again. Bounded, not (yet) 0.
-    assert len(r.etcd_refusing_s) == 1 and r.etcd_refusing_s[0] < 30, r.etcd_refusing_s
+    # Once etcd is back, every lease it held has passed its TTL (SIGSTOP),
+    # the nodes' too (LLMGW_NODE_TTL=6 here), agents alive: their replicas
+    # stay routed until each agent's next heartbeat registers it again
+    # (app/gateway/node_grace.py), so no 503 follows etcd's return. Seen to
+    # fail without that grace (node_grace=0): 107 requests answered 503 in
+    # the 3.1 s after etcd was back.
+    assert r.etcd_refused_after == 0, (r.etcd_refusing_s, detail)
     assert r.secrets_found == [], r.secrets_found

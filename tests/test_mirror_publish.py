@@ -18,6 +18,7 @@ from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import until
+from tests.support.proxy_rig import FakeClock
 
 SECRET = "mirror-test-secret-0123456789"
 
@@ -281,5 +282,63 @@ async def test_a_gateway_that_has_seen_others_never_takes_itself_for_alone(
         await write(s.GATEWAYS + "gw-a", info("gw-a"))  # gw-a back first
         await until(lambda: mirror.get(s.GATEWAYS + "gw-b") is None, "gw-b gone")
         assert gateways() >= 2
+    finally:
+        await mirror.stop()
+
+
+async def test_a_node_whose_key_just_went_is_routed_for_one_heartbeat_more(
+    store: EmbeddedStore,
+) -> None:
+    """etcd back from an outage past the TTL drops every node's lease at
+    once, agents and engines alive; each agent is registered again at its
+    next heartbeat. Until then a node's ready replicas stay routed (for
+    `node_grace`), not a fleet-wide 503 "node not heard from" (the chaos
+    suite measured 4.4 s of those after each outage). Seen to fail: the
+    replica left the table the moment its node's key went."""
+    mirror = Mirror(store)
+    table = RouteTable()
+    clock = FakeClock()
+    pub = Publisher(mirror, table, SecretRing(SECRET), node_grace=6.0, clock=clock)
+    mirror.start()
+
+    async def write(key: str, value: s.BaseModel) -> None:
+        rev = await store.put(key, value.model_dump_json().encode())
+        assert await mirror.wait_for(rev, 2)
+        await asyncio.sleep(0)
+
+    async def gone(key: str) -> None:
+        await store.delete(key)
+        assert await mirror.wait_for((await store.range(key)).revision, 2)
+        await asyncio.sleep(0)
+
+    try:
+        await write(s.MODELS + "m", s.StoredModel(name="m", model="w"))
+        node = s.NodeInfo(name="n", gpus=[s.GpuInfo(index=0)])
+        await write(s.NODES + "n", node)
+        await write(s.REPLICAS + "m-1", s.Replica(id="m-1", model="m", node="n", gpus=[0],
+                                                  weights="w"))
+        await write(s.STATUS + "m-1", s.ReplicaStatus(id="m-1", node="n", phase="ready",
+                                                     url="http://127.0.0.1:9"))
+        assert len(table.endpoints("m")) == 1
+        await gone(s.NODES + "n")  # its lease dropped
+        assert len(table.endpoints("m")) == 1  # still routed
+        clock.now += 5
+        await write(s.NODES + "n", node)  # its agent's next heartbeat
+        clock.now += 5
+        pub.publish()
+        assert len(table.endpoints("m")) == 1
+        # Gone for good (its agent silent): out once the grace has passed.
+        await gone(s.NODES + "n")
+        assert len(table.endpoints("m")) == 1
+        clock.now += 6
+        pub.publish()
+        assert table.endpoints("m") == ()
+        assert table.unavailable("m") == "replica m-1: node n not heard from"
+        # A node that was never heard from is not routed at all.
+        await write(s.REPLICAS + "m-2", s.Replica(id="m-2", model="m", node="n2", gpus=[0],
+                                                  weights="w"))
+        await write(s.STATUS + "m-2", s.ReplicaStatus(id="m-2", node="n2", phase="ready",
+                                                     url="http://127.0.0.1:8"))
+        assert table.endpoints("m") == ()
     finally:
         await mirror.stop()

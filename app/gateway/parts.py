@@ -179,7 +179,11 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._claim_store_id(), name="store-id"))
         self._mirror = Mirror(self._store)
         publisher = Publisher(self._mirror, self.table, self.secrets, self.agent_window,
-                              self.provider_keys, gateway_id=st.gateway_id)
+                              self.provider_keys, gateway_id=st.gateway_id,
+                              # An agent heartbeats at least every third of the
+                              # node TTL: a key gone with its agent alive is back
+                              # within that (app/gateway/node_grace.py).
+                              node_grace=st.node_ttl / 3 + 1)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()

@@ -31,6 +31,7 @@ from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, place
 from app.control.usage import Queue
+from app.gateway.node_grace import NodeGrace
 from app.router.engine_load import NodeAgent
 from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
 from app.router.proxy import RequestObserver
@@ -46,8 +47,11 @@ _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAP
 class Publisher:
     def __init__(self, mirror: Mirror, table: RouteTable, secrets: SecretRing,
                  agent_window: Window | None = None,
-                 keys: ProviderKeys | None = None, *, gateway_id: str = "") -> None:
+                 keys: ProviderKeys | None = None, *, gateway_id: str = "",
+                 node_grace: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._agent_window = agent_window
+        # Nodes whose key just went stay routed this long (app/gateway/node_grace.py).
+        self._node_grace = NodeGrace(node_grace, clock, self._schedule)
         # This gateway's: the other gateways' snapshots feed the router their
         # in-flight counts ("" feeds none).
         self._gateway_id = gateway_id
@@ -135,6 +139,7 @@ class Publisher:
         )
         statuses = m.statuses()
         nodes = m.nodes()
+        held = self._node_grace.held(nodes)
         endpoints: dict[str, list[Endpoint]] = {}
         # Why each model's other replicas are not routable, for the 503 a
         # client gets when none is (kept only for models without endpoints).
@@ -145,7 +150,7 @@ class Publisher:
             st = statuses.get(rid)
             if rep.model not in models or rep.draining_since is not None:
                 continue
-            if rep.node not in nodes:
+            if rep.node not in nodes and rep.node not in held:
                 # Not heard from (its agent or the node is down, or a restart
                 # dropped its key): the leader keeps the replica for a grace
                 # period, but its last "ready" is no promise.
