@@ -151,9 +151,9 @@ def plan(
     # planned; others' only change their draining_since), and the fleet's
     # fits, kept up to date as replicas are placed.
     by_model = replicas_by_model(live)
-    fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now)
+    bases = lora_bases(models)  # once a pass: adapters_of() per replica scanned the catalog
+    fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now, bases)
 
-    bases = lora_bases(models)
     for name, spec in placing_order(models):
         want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
         mine = sort_out(spec, by_model.get(name, []), live, ready=ready, loads=loads or {},

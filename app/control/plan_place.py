@@ -18,7 +18,7 @@ from app.control import state as s
 from app.control.displace import displace
 from app.control.placement import Fit, NoFit, Placer, place
 from app.control.plan_phases import Plan, Trimmed
-from app.wire.adapters import adapters_of, engine_flags
+from app.wire.adapters import engine_flags
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -41,6 +41,7 @@ class Fleet:
     placer: Placer
     fitting: dict[str, Any]
     now: float
+    lora_bases: Collection[str] = frozenset()  # the models some adapter names
 
 
 def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want: int,
@@ -73,7 +74,7 @@ def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want:
             id=replica_id(name, new_suffix()), model=name, node=fit.node,
             gpus=fit.gpus, engine=prof.engine, weights=weights,
             weights_revision=spec.revision, profile=prof.name,
-            engine_args=engine_flags(prof, bool(adapters_of(name, fleet.models))),
+            engine_args=engine_flags(prof, name in fleet.lora_bases),
             secret=secret_id,
         )
         live[rep.id] = rep
