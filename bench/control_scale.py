@@ -167,6 +167,53 @@ def passes(sizes: list[int], models: int, repeat: int) -> dict[int, PassFigures]
     return out
 
 
+def loop_stalls(f: Fleet, missing: bool = True) -> tuple[float, float]:
+    """The longest an event loop waited while one pass ran on it (as the
+    reconciler ran plan() before) and while one ran in a worker thread (as
+    it does now, asyncio.to_thread): what a request on the leader gateway
+    waits behind a pass, in ms. With the fleet not frozen, the thread's
+    figure was ~300 ms here: collections walking the fleet, GIL held."""
+    replicas = ({rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
+                if missing else f.replicas)
+    counter = itertools.count()
+
+    def suffix() -> str:
+        return f"new{next(counter):05d}"
+
+    async def measure(inline: bool) -> float:
+        worst, done = 0.0, False
+
+        async def ticker() -> None:
+            nonlocal worst
+            while not done:
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                worst = max(worst, time.perf_counter() - t - 0.001)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        if inline:
+            one_pass(f, replicas, suffix)
+            await asyncio.sleep(0.002)  # the ticker wakes late: that wait is the stall
+        else:
+            await asyncio.to_thread(one_pass, f, replicas, suffix)
+        done = True
+        await tick
+        return worst * 1000
+
+    # As a gateway holds its mirror: frozen once loaded, at its GC threshold
+    # (app/gateway/main.py); else each collection walks the whole fleet.
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(7000, 10, 10)
+    try:
+        return asyncio.run(measure(True)), asyncio.run(measure(False))
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -287,6 +334,11 @@ def main() -> None:
              f"{REPLICAS_PER_MODEL} replicas: steady {w:.0f} ms (CPU {c:.0f}), 10% missing "
              f"{mw:.0f} ms (CPU {mc:.0f}); medians of {args.repeat}"
              for n, (w, c, mw, mc) in figures.items()]
+    stall_inline, stall_thread = loop_stalls(fleet(top, args.models))
+    lines.append(f"event loop stall behind one pass (10% missing, {top:,} nodes): on the loop "
+                 f"{stall_inline:.0f} ms, in a worker thread (the reconciler's way) "
+                 f"{stall_thread:.1f} ms")
+    print(lines[-1], flush=True)
     p99 = float("nan")
     if args.edits:
         times = edit_figures(args.edits, args.edit_models)
@@ -309,7 +361,8 @@ def main() -> None:
     nan = float("nan")
     w, c, mw, mc = figures[top]
     summary = (f"control_scale: pass_ms_{top}={max(w, mw):.1f} pass_cpu_ms_{top}="
-               f"{max(c, mc):.1f} edit_p99_ms_{args.edit_models}={p99:.1f} "
+               f"{max(c, mc):.1f} loop_stall_ms_{top}={stall_thread:.1f} "
+               f"edit_p99_ms_{args.edit_models}={p99:.1f} "
                f"etcd_writes_per_s_10000={e.get('agent_writes', nan) * 10_000:.1f} "
                f"etcd_sustained_puts_per_s={e.get('puts', nan):.0f} "
                f"mirror_mib_{top}={e.get('mirror_mib', nan):.1f}")

@@ -22,6 +22,7 @@ drive load-based scaling (app/control/scaling.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -162,8 +163,13 @@ class Reconciler:
             secret_id = self._secrets.fleet_secret_id(
                 g.secret for g in self._mirror.parsed(s.GATEWAYS, s.GatewayInfo).values())
             unrecorded = self._secrets.replica_secret_id("")
-        p = plan(
-            models, nodes, replicas,
+        # plan() is pure and reads only what was taken above (the mirror's
+        # views are replaced, never changed, when a key changes): it runs in
+        # a worker thread, so a large fleet's pass (hundreds of ms at 10,000
+        # nodes) does not stall this gateway's router, which the GIL lets
+        # run every few milliseconds meanwhile (docs/architecture.md, Scale).
+        p = await asyncio.to_thread(
+            plan, models, nodes, replicas,
             now=now, drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
             absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
             node_grace=self._node_grace, statuses=statuses, failed=failed,

@@ -64,6 +64,15 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+async def _freeze_after_load(gw: Gateway) -> None:
+    """Once the mirror has first loaded: a collection, then everything
+    alive frozen (the collector never walks it again)."""
+    while not await gw.mirror.wait_past(0, 60.0):
+        pass
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(settings: Settings, campaign: bool = True,
                ready_first: float = 0.0) -> GatewayApp:
     """`campaign=False`: a gateway's worker other than its first, which
@@ -77,22 +86,31 @@ def create_app(settings: Settings, campaign: bool = True,
         await gw.start()
         if ready_first:  # the mirror's first load (revision > 0), or the bound
             await gw.mirror.wait_past(0, ready_first)
+        background: list[asyncio.Task[None]] = []
         if settings.gc_threshold:
             # Everything built so far lives as long as the gateway: frozen,
             # the collector never walks it again (settings.gc_threshold).
             gc.collect()
             gc.freeze()
             gc.set_threshold(settings.gc_threshold, 10, 10)
+            # The mirror's first load, in the background, is most of what a
+            # gateway keeps for good (10,000 nodes: ~200 MiB parsed): frozen
+            # too, once, or every full collection walks it, GIL held, the
+            # router stalled behind it (~300 ms at 10,000 nodes,
+            # bench/control_scale.py).
+            background.append(asyncio.create_task(_freeze_after_load(gw), name="gc-freeze"))
         # Client key usage: counted by the router, written in batches here,
         # where control and router meet (DESIGN invariant 8).
         usage = KeyUsageWriter(gw.store, gw.mirror, settings.gateway_id, gw.proxy.limits)
         app.state.key_usage = usage
-        writing = asyncio.create_task(usage.run(settings.key_usage_interval), name="key-usage")
+        background.append(asyncio.create_task(usage.run(settings.key_usage_interval),
+                                              name="key-usage"))
         try:
             yield
         finally:
-            writing.cancel()
-            await asyncio.gather(writing, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await gw.proxy.stop_counting()  # counts still running: estimated, then written
             try:  # the last counts: a clean stop loses none while the store answers
                 await asyncio.wait_for(usage.flush(), settings.etcd_timeout)
