@@ -141,7 +141,7 @@ def test_a_key_is_made_shown_once_used_and_revoked(fleet: Fleet, page: Page) -> 
     shown = page.locator("#shown-key")
     expect(shown).to_be_visible()
     expect(shown.locator("#shown-key-value")).to_have_text(re.compile(r"^sk-llmgw-\S{20,}$"))
-    shot(shown, "key-shown")
+    shot(shown, "key-shown", mask=[shown.locator("#shown-key-value")])
     key = shown.locator("#shown-key-value").inner_text()
     page.locator("#shown-key-done").click()
     expect(shown).to_be_hidden()

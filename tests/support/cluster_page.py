@@ -46,13 +46,15 @@ def artifacts() -> Path:
     return out
 
 
-def shot(target: Page | Locator, name: str) -> Path:
-    """Saves a screenshot of the page (whole) or of one element."""
+def shot(target: Page | Locator, name: str, mask: list[Locator] | None = None) -> Path:
+    """Saves a screenshot of the page (whole) or of one element, with the
+    elements in `mask` (a client key shown once) covered: artifacts leave
+    the machine, secrets must not."""
     path = artifacts() / f"{name}.png"
     if isinstance(target, Page):
-        target.screenshot(path=str(path), full_page=True)
+        target.screenshot(path=str(path), full_page=True, mask=mask or [])
     else:
-        target.screenshot(path=str(path))
+        target.screenshot(path=str(path), mask=mask or [])
     return path
 
 
