@@ -27,12 +27,17 @@ def vllm(rig: Rig, model: str, *eps: tuple[str, str]) -> None:
 
 
 def test_a_response_id_names_its_replica_and_nothing_else_does() -> None:
-    made = responses.new_id("small-model-0a1b2c3d")
-    assert made.startswith("resp_") and responses.replica_of(made) == "small-model-0a1b2c3d"
-    assert responses.new_id("r") != responses.new_id("r")
+    made = responses.new_id("small-model-0a1b2c3d", "k1")
+    assert made.startswith("resp_")
+    assert responses.replica_of(made, "k1") == "small-model-0a1b2c3d"
+    assert responses.new_id("r", "k1") != responses.new_id("r", "k1")
     for other in ("resp_0123", "resp_" + "a" * 32, "resp_" + "a" * 32 + ".Bad",
                   "chatcmpl-1", "resp_" + "g" * 32 + ".r", made + "/x", made + ".x"):
-        assert responses.replica_of(other) is None, other
+        assert responses.replica_of(other, "k1") is None, other
+    # Another key's: not found, as an id nobody made.
+    with pytest.raises(Reply) as refused:
+        responses.replica_of(made, "k2")
+    assert refused.value.status == 404
 
 
 async def test_a_continuation_goes_to_the_replica_that_made_the_response(rig: Rig) -> None:
@@ -44,8 +49,8 @@ async def test_a_continuation_goes_to_the_replica_that_made_the_response(rig: Ri
     # Draws start at the first listed: a made it, under an id naming it (the
     # client's own request_id is replaced: the id is the gateway's to set).
     made = a.seen[-1][1]["request_id"]
-    assert responses.replica_of(made) == "a" and a.seen[-1][1]["model"] == "small"
-    said_b = responses.new_id("b")
+    assert responses.replica_of(made, "k1") == "a" and a.seen[-1][1]["model"] == "small"
+    said_b = responses.new_id("b", "k1")
     for _ in range(3):  # however the draws go, the continuation goes to b
         r = await rig.http.post("/v1/responses", headers=AUTH, json={
             "model": "small", "input": "more", "previous_response_id": said_b})
@@ -62,7 +67,7 @@ async def test_a_continuation_goes_to_the_replica_that_made_the_response(rig: Ri
 async def test_a_response_whose_replica_is_gone_gets_a_404_that_says_so(rig: Rig) -> None:
     a = await rig.upstream("a")
     rig.route("small", ("a", a.url))
-    gone = responses.new_id("small-dead0001")
+    gone = responses.new_id("small-dead0001", "k1")
     r = await rig.http.post("/v1/responses", headers=AUTH, json={
         "model": "small", "input": "x", "previous_response_id": gone})
     assert r.status_code == 404
@@ -82,7 +87,7 @@ async def test_a_response_whose_replica_is_gone_gets_a_404_that_says_so(rig: Rig
     # A replica of another model: named to a key allowed it, else not found.
     rig.table.set_endpoints({"small": rig.table.endpoints("small"),
                              "other": [Endpoint("o", a.url, "k", engine="vllm")]})
-    theirs = responses.new_id("o")
+    theirs = responses.new_id("o", "k1")
     r = await rig.http.post("/v1/responses", headers=AUTH, json={
         "model": "tiny", "input": "x", "previous_response_id": theirs})
     assert (r.status_code, r.json()["error"]["code"]) == (400, "model_mismatch")
@@ -96,8 +101,42 @@ async def test_a_response_whose_replica_is_gone_gets_a_404_that_says_so(rig: Rig
     r = await rig.http.post("/v1/responses", headers=AUTH, json={
         "model": "small", "input": "x", "previous_response_id": 7})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "previous_response_id")
-    r = await rig.http.delete(f"/v1/responses/{responses.new_id('a')}", headers=AUTH)
+    r = await rig.http.delete(f"/v1/responses/{responses.new_id('a', 'k1')}", headers=AUTH)
     assert r.status_code == 405  # vLLM serves no DELETE
+
+
+async def test_a_response_is_its_key_s_alone(rig: Rig) -> None:
+    """A response id is bound to the key that made it: another key allowed
+    the same model, holding the id, gets vLLM's own "not found" to a GET, a
+    cancel and a continuation, and nothing reaches the replica (which would
+    answer it: vLLM stores a response under its id alone). Seen to fail:
+    any key allowed the model read and continued another key's response."""
+    a = await rig.upstream("a")
+    vllm(rig, "small", ("a", a.url))
+    other = "sk-other-key-0123456789"
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "tests"),
+                               hash_key(other): KeyGrant("k2", "other")})
+    first = await rig.http.post("/v1/responses", headers=AUTH,
+                                json={"model": "small", "input": "hi"})
+    assert first.status_code == 200, first.text
+    made = a.seen[-1][1]["request_id"]
+    seen = len(a.paths)
+    theirs = {"Authorization": f"Bearer {other}"}
+    for method, path, body in [
+            ("GET", f"/v1/responses/{made}", None),
+            ("POST", f"/v1/responses/{made}/cancel", None),
+            ("POST", "/v1/responses", {"model": "small", "input": "x",
+                                       "previous_response_id": made})]:
+        r = await rig.http.request(method, path, headers=theirs, json=body)
+        assert r.status_code == 404, (path, r.text)
+        assert r.json()["error"]["code"] == "response_not_found", r.text
+    assert len(a.paths) == seen
+    # Its own key reads and continues it.
+    r = await rig.http.get(f"/v1/responses/{made}", headers=AUTH)
+    assert r.status_code == 200
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "more", "previous_response_id": made})
+    assert r.status_code == 200 and a.seen[-1][1]["previous_response_id"] == made
 
 
 async def test_a_key_limited_to_other_models_is_refused_on_every_route(rig: Rig) -> None:
@@ -105,7 +144,7 @@ async def test_a_key_limited_to_other_models_is_refused_on_every_route(rig: Rig)
     rig.route("small", ("a", a.url))
     rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "t",
                                                               frozenset({"other"}))})
-    made = responses.new_id("a")
+    made = responses.new_id("a", "k1")
     for method, path, body in [
             ("POST", "/v1/responses", {"model": "small", "input": "x"}),
             ("POST", "/v1/rerank", {"model": "small", "query": "q", "documents": ["d"]}),
@@ -233,7 +272,7 @@ async def test_the_key_s_limits_count_every_route(rig: Rig) -> None:
     vllm(rig, "small", ("a", a.url))
     rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant(
         "k1", "t", limits=Limits(requests_per_minute=3))})
-    made = responses.new_id("a")
+    made = responses.new_id("a", "k1")
     for method, path, body in [("POST", "/tokenize", {"model": "small", "prompt": "x"}),
                                ("GET", f"/v1/responses/{made}", None),
                                ("POST", "/v1/score", {"model": "small"})]:

@@ -109,7 +109,7 @@ class Passthrough:
     def _create(self, grant: KeyGrant, model: str, body: dict[str, Any]) -> Plan:
         """POST /v1/responses: a continuation goes where its previous response is."""
         prev = checked_previous(body)
-        pin = responses.replica_of(prev) if prev else None
+        pin = responses.replica_of(prev, grant.id, "previous_response_id") if prev else None
         if prev and pin is not None and all(
                 ep.replica_id != pin for ep in self._table.endpoints(model)):
             self._elsewhere(grant, prev, pin)
@@ -118,7 +118,7 @@ class Passthrough:
         def encode(ep: Endpoint) -> tuple[bytes, bytes, bytes]:
             if not ep.engine:  # an external provider: its own ids, no vLLM extension
                 return _json(ep, body, b"")
-            sent = body | {"request_id": responses.new_id(ep.replica_id)}
+            sent = body | {"request_id": responses.new_id(ep.replica_id, grant.id)}
             return b"POST", json.dumps(sent).encode(), b"application/json"
 
         given = body.get("input")
@@ -140,7 +140,7 @@ class Passthrough:
 
     def _stored(self, grant: KeyGrant, path: str, response_id: str, query: str) -> Plan:
         """GET /v1/responses/{id} and POST …/cancel, to the replica holding it."""
-        replica = responses.replica_of(response_id)
+        replica = responses.replica_of(response_id, grant.id)
         if replica is None:
             raise responses.not_found(response_id, "response_id")
         model = responses.model_of(self._table, replica)

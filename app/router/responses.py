@@ -18,13 +18,19 @@ VLLM_ENABLE_RESPONSES_API_STORE=1), and the replica's life: an id whose
 replica is gone gets a 404 that says so (`replica_gone`), not another
 replica's "not found".
 
-Not guaranteed: ownership. Anyone holding a response's id and a key
-allowed its model may read or continue it, as on a bare vLLM; the 128
-random bits keep ids unguessable, not unshareable.
+Ownership: the id is bound to the client key that made it. Its 32 hex
+digits are 64 random bits and the first 64 bits of
+sha256(key id, NUL, those random digits); another key holding the id gets
+vLLM's own "not found" to a GET, a cancel or a continuation, and nothing
+reaches the replica (which would answer: vLLM stores a response under its
+id alone, and a changed id is another id). No secret is needed: a key can
+make a tag for itself, but only on an id the engine never stored.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import secrets
 
@@ -37,16 +43,29 @@ PREFIX = "resp_"
 _OURS = re.compile(r"resp_([0-9a-f]{32})\.([a-z0-9][a-z0-9-]{0,63})")
 
 
-def new_id(replica_id: str) -> str:
-    """A response id naming the replica that will hold the response."""
-    return f"{PREFIX}{secrets.token_hex(16)}.{replica_id}"
+def _tag(owner: str, nonce: str) -> str:
+    return hashlib.sha256(f"{owner}\0{nonce}".encode()).hexdigest()[:16]
 
 
-def replica_of(response_id: str) -> str | None:
-    """The replica named by an id `new_id` made; None for any other id (one
-    an external provider made, one from before this, a client's own)."""
+def new_id(replica_id: str, owner: str) -> str:
+    """A response id naming the replica that will hold the response, bound
+    to `owner`, the id of the client key that asks for it."""
+    nonce = secrets.token_hex(8)
+    return f"{PREFIX}{nonce}{_tag(owner, nonce)}.{replica_id}"
+
+
+def replica_of(response_id: str, owner: str, param: str = "response_id") -> str | None:
+    """The replica named by an id `new_id` made for `owner`; None for any
+    other id (one an external provider made, a client's own). An id made
+    for another key raises vLLM's "not found" (a Reply), the same answer as
+    an id nobody made."""
     m = _OURS.fullmatch(response_id)
-    return m.group(2) if m else None
+    if m is None:
+        return None
+    nonce, tag = m.group(1)[:16], m.group(1)[16:]
+    if not hmac.compare_digest(tag, _tag(owner, nonce)):
+        raise not_found(response_id, param)
+    return m.group(2)
 
 
 def gone(response_id: str, replica: str, param: str) -> Reply:
