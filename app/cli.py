@@ -87,7 +87,8 @@ def serve(args: argparse.Namespace) -> None:
         sock = socket.socket(fileno=args.listen_fd)
         # Its last lines written before uvicorn ends it with the signal.
         _serve(args, _settings(), stop_logging, sock=sock, campaign=args.worker == 0,
-               ready_first=workers.READY_FIRST if args.restart else 0.0)
+               ready_first=workers.READY_FIRST if args.restart else 0.0,
+               worker=(args.worker, args.of))
         return
     settings = _settings(host=args.host, port=args.port, workers=args.workers)
     try:
@@ -117,13 +118,13 @@ def serve(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], None],
            sock: socket.socket | None = None, campaign: bool = True,
-           ready_first: float = 0.0) -> None:
+           ready_first: float = 0.0, worker: tuple[int, int] | None = None) -> None:
     import uvicorn
 
     from app.gateway.main import create_app
     from app.gateway.slowclients import protocol
 
-    app = create_app(settings, campaign=campaign, ready_first=ready_first)
+    app = create_app(settings, campaign=campaign, ready_first=ready_first, worker=worker)
     gateway = app.state.gateway
 
     notice = settings.shutdown_notice_seconds
@@ -237,6 +238,7 @@ def parser() -> argparse.ArgumentParser:
                     "available with etcd, 1 on the embedded store)")
     # A worker of a supervisor (app/gateway/workers.py): not for operators.
     sp.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    sp.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)  # the workers in all
     sp.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--supervisor", type=int, default=None, help=argparse.SUPPRESS)
     sp.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)

@@ -165,6 +165,47 @@ async def test_requests_on_new_connections_spread_over_both_workers(
         assert f"gateway gw: 2 workers on port {rig.gw.port}" in rig.gw.output()
 
 
+def scraped(gw: GatewayProc) -> tuple[float, float]:
+    """One scrape of /metrics on a new connection (either worker's):
+    `llmgw_requests_total` of model m answered 200, and `llmgw_leader`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(gw.url + "/metrics", timeout=10, verify=gw.verify)
+    r.raise_for_status()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    return (got.get(("llmgw_requests_total", (("code", "200"), ("model", "m"))), 0.0),
+            got[("llmgw_leader", ())])
+
+
+async def test_metrics_are_the_gateways_whichever_worker_answers_the_scrape(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A scrape reaches either worker; each says the gateway's figures:
+    every worker's requests summed (app/gateway/worker_metrics.py), never
+    going back from one scrape to the next, and that the gateway leads.
+    Seen to fail: a scrape said the answering worker's own count (14 of
+    the 28 requests), and `llmgw_leader` was the first worker's alone."""
+    async with two_workers(cluster, tmp_path) as rig:
+        statuses = [await rig.chat(rig.free, f"metrics-{i}") for i in range(20)]
+        assert statuses == [200] * 20
+        wait_for(lambda: all(access_workers(rig.gw, f"metrics-{i}") for i in range(20)), 10,
+                 "the access lines")
+        served = [access_workers(rig.gw, f"metrics-{i}")[0] for i in range(20)]
+        assert {"0", "1"} <= set(served), served  # both counted some
+        await asyncio.sleep(2.5)  # a write interval: every worker's file is current
+        scrapes = [await asyncio.to_thread(scraped, rig.gw) for _ in range(16)]
+        totals = [n for n, _ in scrapes]
+        assert len(set(totals)) == 1 and totals[0] >= 20 + 8, totals  # 8 warm-up requests
+        assert [leads for _, leads in scrapes] == [1.0] * 16, scrapes
+        # More requests: every later scrape says at least as many.
+        assert [await rig.chat(rig.free, f"more-{i}") for i in range(6)] == [200] * 6
+        later = [(await asyncio.to_thread(scraped, rig.gw))[0] for _ in range(16)]
+        assert all(b >= a for a, b in zip([totals[0], *later], later, strict=False)), later
+        await asyncio.sleep(2.5)
+        assert (await asyncio.to_thread(scraped, rig.gw))[0] == totals[0] + 6
+
+
 async def test_a_keys_limits_hold_across_two_workers(cluster: Cluster, tmp_path: Path) -> None:
     async with two_workers(cluster, tmp_path, key_usage_interval="0.5") as rig:
         rpm = await rig.key(requests_per_minute=4)

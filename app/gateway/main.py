@@ -30,12 +30,16 @@ from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
 from app.gateway.parts import Gateway
 from app.gateway.settings import Settings
+from app.gateway.worker_metrics import WorkerMetrics
 from app.router import openapi as v1_openapi
 from app.router.passthrough import ROOT_PATHS
 from app.router.proxy import Proxy
 from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
+# Seconds between a worker's writes of its request figures (worker_metrics.py):
+# what the others' /metrics lag behind it by, at most, between scrapes.
+WORKER_METRICS_INTERVAL = 2.0
 
 
 class GatewayApp(FastAPI):
@@ -74,12 +78,20 @@ async def _freeze_after_load(gw: Gateway) -> None:
 
 
 def create_app(settings: Settings, campaign: bool = True,
-               ready_first: float = 0.0) -> GatewayApp:
+               ready_first: float = 0.0, worker: tuple[int, int] | None = None) -> GatewayApp:
     """`campaign=False`: a gateway's worker other than its first, which
     never leads; `ready_first`: a restarted worker, which waits up to that
     many seconds for its mirror before its port takes connections, so the
-    other workers answer them meanwhile (docs/architecture.md, "Workers")."""
+    other workers answer them meanwhile; `worker`: (index, count) of a
+    worker of `llmgw serve --workers`, whose /metrics is the gateway's
+    (docs/architecture.md, "Workers")."""
     gw = Gateway(settings, campaign=campaign)
+    summed: WorkerMetrics | None = None
+    if worker is not None and worker[1] > 1:
+        index, count = worker
+        summed = WorkerMetrics(gw.metrics.requests, settings.data_dir, index, count)
+        gw.metrics.gateway_id = (settings.gateway_id.removesuffix(f"-w{index}")
+                                 if index else settings.gateway_id)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,6 +117,9 @@ def create_app(settings: Settings, campaign: bool = True,
         app.state.key_usage = usage
         background.append(asyncio.create_task(usage.run(settings.key_usage_interval),
                                               name="key-usage"))
+        if summed is not None:
+            background.append(asyncio.create_task(summed.run(WORKER_METRICS_INTERVAL),
+                                                  name="worker-metrics"))
         try:
             yield
         finally:
@@ -148,7 +163,12 @@ def create_app(settings: Settings, campaign: bool = True,
     @app.get("/metrics", tags=["probes"], summary="Prometheus metrics of this gateway",
              response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        if summed is None:
+            return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # Every worker's request figures, summed from their files: read off
+        # the event loop, this worker's snapshot taken on it (where it counts).
+        totals = await asyncio.to_thread(summed.totals, gw.metrics.requests.snapshot())
+        return Response(gw.metrics.render(totals), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz", tags=["probes"], summary="The state mirror is loaded")
     async def readyz() -> JSONResponse:

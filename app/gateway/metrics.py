@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from app.control import fleet, gpuhealth
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
-from app.control.state import Replica, replica_phase
+from app.control.state import LEADER, LeaderInfo, Replica, replica_phase
 from app.gateway.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
@@ -72,18 +72,39 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         # The proxy's `RequestObserver` (app/gateway/request_metrics.py).
         self.requests = RequestMetrics()
+        self._fleet = _FleetCollector(gw, lambda: self.gateway_id)
+        # Under --workers: the gateway's id (its first worker's, the one that
+        # campaigns), so that every worker says whether the gateway leads.
+        self.gateway_id: str | None = None
         self.registry.register(self.requests)
-        self.registry.register(_FleetCollector(gw))
+        self.registry.register(self._fleet)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, requests: RequestMetrics | None = None) -> bytes:
+        """The exposition; `requests`: request figures to show instead of
+        this process's (under --workers, every worker's summed)."""
+        if requests is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(requests)
+        registry.register(self._fleet)
+        return generate_latest(registry)
 
 
 class _FleetCollector(Collector):
     """The fleet as this gateway's mirror sees it, read at scrape time."""
 
-    def __init__(self, gw: Observed) -> None:
+    def __init__(self, gw: Observed, gateway_id: Callable[[], str | None]) -> None:
         self._gw = gw
+        self._gateway_id = gateway_id
+
+    def _leads(self) -> bool:
+        """This gateway holds the lead; under --workers, any of its workers
+        (the first, which alone campaigns), whichever answers the scrape."""
+        gw, of = self._gw, self._gateway_id()
+        if of is None:
+            return gw.elector.is_leader
+        held = gw.mirror.one(LEADER, LeaderInfo)
+        return held is not None and held.id == of
 
     def collect(self) -> Iterator[Metric]:
         gw = self._gw
@@ -96,7 +117,7 @@ class _FleetCollector(Collector):
             yield from (leader, ready)
             return
         mirror = gw.mirror
-        leader.add_metric([], 1 if gw.elector.is_leader else 0)
+        leader.add_metric([], 1 if self._leads() else 0)
         ready.add_metric([], 1)
         revision = GaugeMetricFamily("llmgw_mirror_revision", "Store revision the mirror holds")
         revision.add_metric([], mirror.revision)

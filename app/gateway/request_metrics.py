@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -78,12 +79,58 @@ class _Model:
 
 
 class RequestMetrics(Collector):
-    """The `RequestObserver` the proxy reports to, and their collector."""
+    """The `RequestObserver` the proxy reports to, and their collector.
+    Under `--workers N` a scrape shows every worker's figures summed
+    (`snapshot()` and `add()`, app/gateway/worker_metrics.py)."""
 
     def __init__(self) -> None:
         self._requests: dict[tuple[str, int], int] = {}
         self._models: dict[str, _Model] = {}
         self._continued: dict[tuple[str, str], int] = {}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything counted, as JSON-ready values (`add` reads them back)."""
+        def hist(h: _Histogram) -> list[float]:
+            return [*h.counts, h.sum]
+
+        return {
+            "requests": [[m, code, n] for (m, code), n in self._requests.items()],
+            "models": {m: {"seconds": hist(p.seconds), "ttft": hist(p.ttft),
+                           "tpot": hist(p.tpot), "prompt": p.prompt,
+                           "completion": p.completion}
+                       for m, p in self._models.items()},
+            "continued": [[m, outcome, n] for (m, outcome), n in self._continued.items()]}
+
+    def add(self, snap: Any) -> bool:
+        """Adds another worker's `snapshot()`; False (and nothing added) when
+        it is not one: a file another process wrote is checked, not trusted."""
+        try:
+            requests = [(str(m), int(code), int(n)) for m, code, n in snap["requests"]]
+            continued = [(str(m), str(o), int(n)) for m, o, n in snap["continued"]]
+            models: list[tuple[str, list[list[float]], int, int]] = []
+            for m, fig in snap["models"].items():
+                hists = [[float(x) for x in fig[k]] for k in ("seconds", "ttft", "tpot")]
+                for h, bounds in zip(hists, (DURATION_BUCKETS, TTFT_BUCKETS, TPOT_BUCKETS),
+                                     strict=True):
+                    if len(h) != len(bounds) + 2:
+                        return False
+                models.append((str(m), hists, int(fig["prompt"]), int(fig["completion"])))
+        except (TypeError, ValueError, KeyError, AttributeError):
+            return False
+        for m, code, n in requests:
+            self._requests[(m, code)] = self._requests.get((m, code), 0) + n
+        for m, o, n in continued:
+            self._continued[(m, o)] = self._continued.get((m, o), 0) + n
+        for m, hists, prompt, completion in models:
+            per = self._models.get(m)
+            if per is None:
+                per = self._models[m] = _Model()
+            for hist, got in zip((per.seconds, per.ttft, per.tpot), hists, strict=True):
+                hist.counts = [a + int(b) for a, b in zip(hist.counts, got[:-1], strict=True)]
+                hist.sum += got[-1]
+            per.prompt += prompt
+            per.completion += completion
+        return True
 
     def observe(self, model: str, status: int, seconds: float,
                 first_byte: float | None = None, prompt: int = 0,

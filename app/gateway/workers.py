@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.gateway import worker_metrics
 from app.gateway.settings import Settings
 from app.logs import stop as stop_logging
 
@@ -221,10 +222,10 @@ class Supervisor:
             time.sleep(0.05)
 
 
-def worker_argv(args: list[str], index: int, fd: int, restart: bool) -> list[str]:
-    """The command line of worker `index` on descriptor `fd`."""
+def worker_argv(args: list[str], index: int, fd: int, restart: bool, n: int) -> list[str]:
+    """The command line of worker `index` of `n` on descriptor `fd`."""
     return [sys.executable, "-m", "app.cli", *args, "serve", "--worker", str(index),
-            "--listen-fd", str(fd), "--supervisor", str(os.getpid()),
+            "--of", str(n), "--listen-fd", str(fd), "--supervisor", str(os.getpid()),
             *(["--restart"] if restart else [])]
 
 
@@ -234,7 +235,8 @@ def supervise(level: str, fmt: str, settings: Settings, n: int,
     killed by the signal that stopped it, once every worker has stopped
     (`stopped()` first: the pid file goes with a clean stop)."""
     log = ["--log-level", level, "--log-format", fmt]
-    sup = Supervisor(settings, n, lambda i, fd, again: worker_argv(log, i, fd, again))
+    sup = Supervisor(settings, n, lambda i, fd, again: worker_argv(log, i, fd, again, n))
+    worker_metrics.clear(settings.data_dir)  # an earlier run's figures are not summed
     logger.info("gateway %s: %d workers on port %d", settings.gateway_id, n, settings.port)
     try:
         sig = sup.run()
