@@ -39,6 +39,9 @@ class Mirror:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._kvs: dict[str, KeyValue] = {}
+        # The same keys by their first segment ("nodes/", "catalog/"): a read
+        # of one prefix scans its segment, not the whole fleet's keys.
+        self._segments: dict[str, dict[str, KeyValue]] = {}
         self.revision = 0
         self.ready = False
         self._listeners: list[Listener] = []
@@ -61,6 +64,9 @@ class Mirror:
         result = await self._store.range("")
         old = self._kvs
         self._kvs = {kv.key: kv for kv in result.kvs}
+        self._segments = {}
+        for kv in result.kvs:
+            self._segments.setdefault(_segment(kv.key), {})[kv.key] = kv
         self.revision = result.revision
         self.ready = True
         changed = {k for k in old.keys() | self._kvs.keys() if old.get(k) != self._kvs.get(k)}
@@ -91,11 +97,13 @@ class Mirror:
                 # Its engine build is in the node's assignments answer.
                 nodes.add(ev.key.removeprefix(s.NODECONF))
             if ev.kind == "put":
-                self._kvs[ev.key] = KeyValue(
+                kv = self._kvs[ev.key] = KeyValue(
                     ev.key, ev.value, ev.create_revision, ev.mod_revision, ev.lease
                 )
+                self._segments.setdefault(_segment(ev.key), {})[ev.key] = kv
             else:
                 self._kvs.pop(ev.key, None)
+                self._segments.get(_segment(ev.key), {}).pop(ev.key, None)
             changed.add(ev.key)
         self.revision = max(self.revision, batch.revision)
         self._drop_views(changed)
@@ -237,9 +245,11 @@ class Mirror:
         return self._kvs.get(key)
 
     def items(self, prefix: str) -> Iterator[KeyValue]:
-        # Sort only the matches: one scan of the keys, not a sort of them all.
-        for key in sorted(k for k in self._kvs if k.startswith(prefix)):
-            yield self._kvs[key]
+        # Sort only the matches: one scan of the prefix's segment's keys (all
+        # of them for a prefix without a "/"), not a sort of them all.
+        pool = self._segments.get(_segment(prefix), {}) if "/" in prefix else self._kvs
+        for key in sorted(k for k in pool if k.startswith(prefix)):
+            yield pool[key]
 
     def parsed(self, prefix: str, cls: type[T]) -> dict[str, T]:
         """Values under `prefix` parsed as `cls`, by the key's last part.
@@ -334,3 +344,10 @@ def _node_of(value: bytes) -> str:
         return ""
     node = data.get("node") if isinstance(data, dict) else None
     return node if isinstance(node, str) else ""
+
+
+def _segment(key: str) -> str:
+    """A key's first segment, its "/" included ("nodes/a" -> "nodes/"); a
+    key without one is its own."""
+    i = key.find("/")
+    return key[: i + 1] if i >= 0 else key
