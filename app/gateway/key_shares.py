@@ -71,9 +71,10 @@ class KeyShares:
         self._until = until
         self._hold = hold
         self._mono = monotonic
-        # Every other gateway's record as last seen, and when (monotonic):
-        # a record gone with its lease is counted for `hold` more.
-        self._seen: dict[str, tuple[s.KeyShares, float]] = {}
+        # Every other gateway's record as last seen, and since when
+        # (monotonic) it is gone (None: there): a record gone with its
+        # lease is counted for `hold` from when this gateway found it gone.
+        self._seen: dict[str, tuple[s.KeyShares, float | None]] = {}
         self._mirror = mirror
         self._limiter = limiter
         self._me = gateway_id
@@ -153,17 +154,19 @@ class KeyShares:
         live = {gw: rec for gw, rec in self._mirror.parsed(s.KEY_SHARES, s.KeyShares).items()
                 if gw != self._me}
         out = dict(live)
-        for gw, (rec, seen) in list(self._seen.items()):
+        for gw, (rec, gone) in list(self._seen.items()):
             if gw in live:
                 continue
-            if now - seen >= self._hold:
+            if gone is None:
+                self._seen[gw] = (rec, gone := now)
+            if now - gone >= self._hold:
                 del self._seen[gw]
                 continue
             out[gw] = s.KeyShares(gateway=gw, updated=rec.updated, keys={
                 k: s.KeyShare(claims=sh.claims, used=sh.used)  # no demand, no refusal
                 for k, sh in rec.keys.items()})
         for gw, rec in live.items():
-            self._seen[gw] = (rec, now)
+            self._seen[gw] = (rec, None)
         return out
 
     def _lapse(self) -> None:
