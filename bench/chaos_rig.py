@@ -269,9 +269,13 @@ class Rig:
                 continue
             events = []
             with contextlib.suppress(OSError, ValueError):
-                for e in self._stream(m, start, time.monotonic() + timeout):
-                    events.append(e)
-                    if e.rev >= target:
+                # Whole answers: etcd sends a revision's events in one, so the
+                # last revision read is whole (breaking at its first event
+                # left out the rest of its transaction: a replica delete
+                # read without the leader-write beside it).
+                for batch in self._stream(m, start, time.monotonic() + timeout):
+                    events.extend(batch)
+                    if events and events[-1].rev >= target:
                         break
             if events and events[-1].rev >= target:
                 break
@@ -282,6 +286,7 @@ class Rig:
                       self.seen.get((e.rev, e.key), 0.0), e.raw) for e in events]
 
     def _stream(self, m: Member, start: int, deadline: float) -> Any:
+        """etcd's watch from `start`: each answer's events, as a list."""
         end = PREFIX[:-1] + chr(ord(PREFIX[-1]) + 1)
         body = {"create_request": {"key": b64(PREFIX), "range_end": b64(end),
                                    "start_revision": start}}
@@ -292,18 +297,21 @@ class Rig:
                 line = r.readline()
                 if not line:
                     return
+                batch = []
                 for ev in json.loads(line).get("result", {}).get("events") or []:
                     kv = ev["kv"]
                     raw = base64.b64decode(kv.get("value", "")) if kv.get("value") else b""
                     value = None
                     with contextlib.suppress(ValueError):
                         value = json.loads(raw) if raw else None
-                    yield Event(int(kv["mod_revision"]),
-                                base64.b64decode(kv["key"]).decode().removeprefix(PREFIX),
-                                "delete" if ev.get("type") == "DELETE" else "put",
-                                value if isinstance(value, dict) else None,
-                                int(kv.get("lease", 0)), int(kv.get("create_revision", 0)),
-                                raw=raw.decode(errors="replace"))
+                    batch.append(Event(int(kv["mod_revision"]),
+                                       base64.b64decode(kv["key"]).decode().removeprefix(PREFIX),
+                                       "delete" if ev.get("type") == "DELETE" else "put",
+                                       value if isinstance(value, dict) else None,
+                                       int(kv.get("lease", 0)), int(kv.get("create_revision", 0)),
+                                       raw=raw.decode(errors="replace")))
+                if batch:
+                    yield batch
 
     def _watch(self) -> None:
         """The live watch: when each event was seen; the leases of `leader`."""
@@ -312,11 +320,12 @@ class Rig:
             m = self.members[i % 3]
             i += 1
             try:
-                for e in self._stream(m, nxt, float("inf")):
-                    self.seen.setdefault((e.rev, e.key), time.monotonic())
-                    if e.key == "leader" and e.kind == "put" and e.lease:
-                        self.leases.add(e.lease)
-                    nxt = max(nxt, e.rev)  # a revision split across lines is read again
+                for batch in self._stream(m, nxt, float("inf")):
+                    for e in batch:
+                        self.seen.setdefault((e.rev, e.key), time.monotonic())
+                        if e.key == "leader" and e.kind == "put" and e.lease:
+                            self.leases.add(e.lease)
+                        nxt = max(nxt, e.rev)  # a revision split across lines is read again
             except (OSError, ValueError):
                 time.sleep(0.05)
 
