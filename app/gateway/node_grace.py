@@ -5,8 +5,9 @@ keep alive, and a node without a key is "not heard from": its replicas are
 out of the router. But a key can go with its agent alive: etcd back from an
 outage past the TTL drops every lease at once, and each agent registers
 again only at its next heartbeat. `NodeGrace` keeps such a node's replicas
-routed for `grace` seconds after its key went (a heartbeat's period and a
-little), so an etcd outage does not end in a fleet-wide 503; a node whose
+routed for `grace` seconds after its key went (two heartbeats and a
+little: half the node TTL and 2 s), so an etcd outage does not end in a
+fleet-wide 503; a node whose
 agent is really gone was already silent for the whole TTL before its key
 went, so this adds `grace` to the time its replicas are tried (and a dead
 engine's connection errors move requests elsewhere meanwhile).

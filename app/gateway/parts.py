@@ -182,8 +182,9 @@ class Gateway:
                               self.provider_keys, gateway_id=st.gateway_id,
                               # An agent heartbeats at least every third of the
                               # node TTL: a key gone with its agent alive is back
-                              # within that (app/gateway/node_grace.py).
-                              node_grace=st.node_ttl / 3 + 1)
+                              # within two heartbeats (the first may still find
+                              # the store coming back; app/gateway/node_grace.py).
+                              node_grace=st.node_ttl / 2 + 2)
         # Loads in the background, retrying while the store is unreachable;
         # /readyz says no until it has.
         self._mirror.start()
