@@ -229,3 +229,18 @@ def test_a_setting_that_is_not_finite_is_one_line_naming_its_variable(
         _settings()
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "LLMGW_ETCD_TIMEOUT must be a finite number" in err[0], err
+
+
+def test_the_keep_alive_outlasts_the_openai_sdks_own_idle_expiry() -> None:
+    """A client must let an idle pooled connection go before the gateway
+    does, or a request sent as the gateway closes it fails "Server
+    disconnected without sending a response" (the openai SDK retries that;
+    with retries off the chaos suite saw it once in 100 schedules). Failed
+    first: the default was 5 s, the SDK's (httpx's) expiry."""
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    from app.gateway.settings import Settings
+
+    expiry = DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+    assert expiry is not None
+    assert Settings().keep_alive_timeout > expiry + 5

@@ -86,8 +86,12 @@ class EdgeSettings(Group):
     # Seconds a kept-open connection may sit idle between requests before it
     # is closed (uvicorn's timeout_keep_alive, whole seconds). Longer holds a
     # descriptor per idle client that long; shorter makes clients reconnect
-    # more often. A balancer's pooled connections should idle out first.
-    keep_alive_timeout: int = Field(5, ge=1)
+    # more often. Clients' pooled connections must idle out first: at 5 s,
+    # the openai SDK's own expiry (httpx's), a request sent on a connection
+    # the gateway was closing that instant failed "Server disconnected
+    # without sending a response" (the chaos suite, retries off: 1 in 100
+    # schedules). 75 s outlasts it, aiohttp's 15 s and balancers' 60 s.
+    keep_alive_timeout: int = Field(75, ge=1)
     # Seconds after its headers arrived (this process's monotonic clock, which
     # runs on while the process is paused) past which an admin write is not
     # applied: 408, nothing written (docs/architecture.md, Catalog writes).
