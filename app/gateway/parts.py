@@ -42,6 +42,7 @@ from app.gateway.metrics import GatewayMetrics
 from app.gateway.publish import LastUse, NodeAgents, Publisher, RouterUsage
 from app.gateway.request_series import RequestSeries
 from app.gateway.settings import Settings
+from app.gateway.stopping import ended
 from app.router.proxy import Proxy
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
@@ -351,11 +352,12 @@ class Gateway:
 
     async def stop(self) -> None:
         self.closing.set()
+        wait = 2 * self.settings.etcd_timeout + self.settings.election_interval
         if self._stepping_down is not None:  # not cancelled: it gives up the lead
-            await asyncio.gather(self._stepping_down, return_exceptions=True)
+            await ended([self._stepping_down], wait, "giving up the lead")
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await ended(self._tasks, wait, "being cancelled")
         if self.agent is not None:
             await self.agent.shutdown()
         if self._elector is not None:
