@@ -23,12 +23,10 @@ Usage (requests, prompt and completion tokens per key and model) is counted
 here and taken in batches by whoever writes it to the store (`take_usage`);
 the router never imports the control plane (DESIGN invariant 8). A stream
 that ends before the engine's usage event (the client left, the engine
-died, a timeout) would otherwise cost its key nothing, however long it ran:
-its tokens are estimated instead, and counted as estimated
-(`estimate_usage`). A stream from an engine that never reports its usage
-(llama-cpp-python's server) is counted instead: its completion tokens
-from its events here, its prompt by the engine, after the stream, through
-app/router/counting.py, which then adds them (`add_prompt`).
+died, a timeout) is charged an estimate, counted as such (`estimate_usage`),
+not nothing; one from an engine that never reports usage (llama-cpp-python's
+server) is counted: its completion tokens from its events here, its prompt
+by the engine afterwards (app/router/counting.py, `add_prompt`).
 """
 
 from __future__ import annotations
@@ -100,21 +98,21 @@ class Limiter:
         self._usage: dict[tuple[str, str], list[int]] = {}
         # Key id -> limit name -> this gateway's claim; None: equal shares.
         self._claims: dict[str, dict[str, int]] | None = None
-        # When (this limiter's clock) the claims stop standing: this gateway
-        # can no longer prove its lease, so its record may be gone and its
-        # part taken by the others; it admits on no claim from then on,
-        # even before its claims loop next steps (a gateway resumed from a
-        # pause serves requests first).
+        # When (this clock) the claims lapse: the lease unproven, the record may
+        # be gone and the part taken. Checked per request: a gateway resumed
+        # from a pause serves before its claims loop steps.
         self._claims_until = float("inf")
         self.on_short: Callable[[], None] | None = None
         # Tokens served by overflow providers, per key over a day (budget.py).
         self.external = ExternalBudget(clock, self.claims_of, lambda: self.on_short)
 
-    def claims_of(self, key_id: str) -> Mapping[str, int] | None:
-        """This gateway's claims on `key_id`'s limits; None: no claims loop."""
+    def claims_of(self, key_id: str, now: float | None = None) -> Mapping[str, int] | None:
+        """This gateway's claims on `key_id`'s limits, none once they lapsed
+        (`now`: this limiter's clock, read if not given); None: no claims loop."""
         if self._claims is None:
             return None
-        return self._claims.get(key_id, {}) if self._clock() < self._claims_until else {}
+        lapsed = (self._clock() if now is None else now) >= self._claims_until
+        return {} if lapsed else self._claims.get(key_id, {})
 
     def expired(self, expires: float | None) -> bool:
         return expires is not None and self._wall() >= expires
@@ -150,8 +148,7 @@ class Limiter:
             of = f"{{}} on each of {gateways} gateways" if gateways > 1 else "{} on this gateway"
         else:
             of = "{} held by this gateway now"
-        claims = (self._claims.get(key_id, {})
-                  if self._claims is not None and now < self._claims_until else {})
+        claims = self.claims_of(key_id, now) or {}
 
         def part(kind: str, limit: int | None) -> int | None:
             # Alone, L + N - 1 is L: the whole limit, with no claim to wait for.
