@@ -8,12 +8,7 @@ upgrade.
 
 from __future__ import annotations
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The spelling of names, the model spec and what agents report travel
 # between processes, so they live in app/wire; they are part of this
@@ -35,9 +30,7 @@ from app.wire.nodes import (
     check_vllm_version,
     fit,
 )
-from app.wire.nodes import (
-    Body as _Stored,  # tolerates fields written by a newer gateway
-)
+from app.wire.nodes import Body as _Stored  # tolerates fields written by a newer gateway
 from app.wire.spec import (
     EngineArg,
     External,
@@ -383,9 +376,7 @@ class LeaderInfo(_Stored):
     url: str
 
 
-class LeaderWrite(_Stored):
-    """`leader-write`: the writer of the latest fenced leader transaction."""
-
+class LeaderWrite(_Stored):  # `leader-write`: the latest fenced leader transaction's writer
     id: str
     lease: int
 
