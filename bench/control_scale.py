@@ -7,6 +7,8 @@
    each: in steady state (every replica placed and ready) and with 10% of
    the replicas missing (the pass places them). Wall and CPU time (the
    thread's): on a shared machine the wall time measures the others too.
+   And a full fleet (bench/control_full.py): models waiting for room, and
+   every model rolling at once.
 2. A catalog edit on one of three `llmgw serve` processes on a real etcd
    holding 2,000 models (one replica each, on 250 nodes), timed from the
    PUT's answer until both others list the new alias on /v1/models
@@ -53,6 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import sections  # noqa: E402
 from control_etcd import inventory  # noqa: E402
+from control_full import full_passes  # noqa: E402
 
 from app.control import state as s  # noqa: E402
 from app.control.plan import Plan, plan, wanted  # noqa: E402
@@ -334,6 +337,9 @@ def main() -> None:
              f"{REPLICAS_PER_MODEL} replicas: steady {w:.0f} ms (CPU {c:.0f}), 10% missing "
              f"{mw:.0f} ms (CPU {mc:.0f}); medians of {args.repeat}"
              for n, (w, c, mw, mc) in figures.items()]
+    for line in full_passes(fleet, top, NOW):
+        lines.append(line)
+        print(f"{line}  load {load()}", flush=True)
     stall_inline, stall_thread = loop_stalls(fleet(top, args.models))
     lines.append(f"event loop stall behind one pass (10% missing, {top:,} nodes): on the loop "
                  f"{stall_inline:.0f} ms, in a worker thread (the reconciler's way) "

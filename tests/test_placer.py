@@ -68,3 +68,37 @@ def test_a_placer_picks_what_a_full_scan_picks_as_replicas_are_added(seed: int) 
         placed += 1
     # The run covered both: a fleet filling up, then full for some shapes.
     assert placed > 20 and refused > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fits_without_one_replica_answers_what_a_scan_without_it_answers(seed: int) -> None:
+    """Once a model fits nowhere, `fits_without` asks one node (the gone
+    replica's) instead of the whole fleet: the same answer, quota or not."""
+    rng = random.Random(seed)
+    nodes, confs = _fleet(rng)
+    models = _models(rng)
+    for name in rng.sample(sorted(models), 4):
+        models[name] = models[name].model_copy(update={"quota": "team"})
+    quotas = {"team": s.Quota(max_gpus=rng.choice([6, 12, 40]))}
+    replicas: dict[str, s.Replica] = {}
+    placer = Placer(nodes, replicas, nodeconfs=confs, quotas=quotas, models=models)
+    answers: list[bool] = []
+    for step in range(300):
+        name = rng.choice(sorted(models))
+        spec = models[name]
+        fit = placer.place(name, spec)
+        if isinstance(fit, NoFit):
+            for gone in rng.sample(sorted(replicas), min(8, len(replicas))):
+                others = {k: v for k, v in replicas.items() if k != gone}
+                scan = place(name, spec, nodes, others, nodeconfs=confs, quotas=quotas,
+                             models=models)
+                assert placer.fits_without(name, spec, gone) == isinstance(scan, Fit), (
+                    step, name, gone)
+                answers.append(isinstance(scan, Fit))
+            continue
+        rep = s.Replica(id=f"r{step}", model=name, node=fit.node, gpus=fit.gpus,
+                        weights=spec.model or "")
+        replicas[rep.id] = rep
+        placer.add(rep)
+    # Both answers came up, many times each.
+    assert answers.count(True) > 50 and answers.count(False) > 50

@@ -35,6 +35,7 @@ def displace(
     profile: s.Profile | None = None,
     nodeconfs: Mapping[str, s.NodeConf] | None = None,
     quotas: Mapping[str, s.Quota] | None = None,
+    refused: bool = False,
 ) -> Displacement | None:
     """Which lower-priority replicas to drain so that one more replica of
     `name` (a replica of its minimum that place() could not fit) finds room;
@@ -47,6 +48,10 @@ def displace(
     that draining replicas will free counts as made: the answer is then that
     node with no victims, so that a pass taken while the first victims drain
     does not pick more.
+
+    `refused`: place() already found no node for it over `replicas`, so
+    (quota aside) only nodes where replicas are draining can have room once
+    they stop: only those are asked, not the whole fleet again.
     """
     profiles = spec.profile_list
     if not profiles:
@@ -75,7 +80,11 @@ def displace(
                     if models[staying[v].model].quota == scope)
         return held - freed + prof.gpu_count <= cap.max_gpus
 
-    waiting = place(name, spec, nodes, staying, profile=prof, nodeconfs=nodeconfs,
+    asked = nodes
+    if refused and cap is None:
+        asked = {n: nodes[n] for n in {r.node for r in replicas.values()
+                                       if r.draining_since is not None} if n in nodes}
+    waiting = place(name, spec, asked, staying, profile=prof, nodeconfs=nodeconfs,
                     quotas=quotas, models=models)
     if isinstance(waiting, Fit):
         return Displacement(waiting.node, [], {})

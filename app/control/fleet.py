@@ -151,3 +151,27 @@ def model_health(spec: s.ModelSpec, replicas: Iterable[s.Replica], nofit: NoFit 
     detail = "; ".join([detail, *notes])
     state: HealthState = "unplaceable" if placed == 0 and nofit is not None else "degraded"
     return Health(state, detail, reasons)
+
+
+def no_vllm_build(node: s.NodeInfo, conf: s.NodeConf | None) -> str:
+    """Why `node` has no vLLM build to run a replica with, or "". Agents
+    older than engine builds report none (None): not judged."""
+    if conf is not None and conf.engine_build == "none":
+        return "engine build set to none"
+    if node.vllm_build == "":
+        first = (node.vllm_build_check.splitlines() or ["not reported yet"])[0]
+        return f"no usable vLLM build ({first})"
+    return ""
+
+
+def quota_refusal(name: str, spec: s.ModelSpec, prof: s.Profile,
+                  replicas: Mapping[str, s.Replica], quotas: Mapping[str, s.Quota],
+                  models: Mapping[str, s.ModelSpec] | None) -> str:
+    """Why the model's scope cannot take this replica's GPUs; "" if it can."""
+    if spec.quota is None or spec.quota not in quotas or prof.gpu_count == 0:
+        return ""
+    use = quota_use(models if models is not None else {name: spec}, replicas)
+    held, cap = use.get(spec.quota, 0), quotas[spec.quota].max_gpus
+    if held + prof.gpu_count <= cap:
+        return ""
+    return f"quota {spec.quota}: {held} of {cap} GPUs held, needs {prof.gpu_count} more"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from app.control import agentversion, fleet, gpuhealth
 from app.control import state as s
@@ -24,14 +25,37 @@ class Fit:
     gpus: list[int]
 
 
+# Nodes named for one reason before it is said as a count and a few of them.
+_NAMED = 3
+_SHOWN = 5
+
+
 @dataclass(frozen=True)
 class NoFit:
+    """Why no node can take the replica: each node's reason (read-only, and
+    shared by the models a pass refuses for the same reasons)."""
+
     reasons: dict[str, str]
 
+    @cached_property
+    def _said(self) -> str:
+        # Each reason once, with its nodes: on a full fleet of 10,000 nodes
+        # one reason per node was half a megabyte per waiting model, in its
+        # status, the logs and the router's 503.
+        by_reason: dict[str, list[str]] = {}
+        for node in sorted(self.reasons):
+            by_reason.setdefault(self.reasons[node], []).append(node)
+        parts = []
+        for why, names in by_reason.items():
+            if len(names) <= _NAMED:
+                parts.append(f"{', '.join(names)}: {why}")
+            else:
+                parts.append(f"{len(names):,} nodes: {why} ({', '.join(names[:_SHOWN])} "
+                             f"and {len(names) - _SHOWN:,} more)")
+        return "; ".join(parts)
+
     def __str__(self) -> str:
-        if not self.reasons:
-            return "no nodes"
-        return "; ".join(f"{n}: {r}" for n, r in sorted(self.reasons.items()))
+        return self._said if self.reasons else "no nodes"
 
 
 def used_gpus(replicas: Mapping[str, s.Replica]) -> dict[str, set[int]]:
@@ -115,6 +139,7 @@ class Placer:
         # never walks every replica for them.
         self._indexed = False
         self._used: dict[str, set[int]] = {}
+        self._on_node: dict[str, list[str]] = {}
         self._total: dict[str, int] = {}
         self._per_model: dict[str, dict[str, int]] = {}
         # Per shape, per node: (GPUs that fit, free GPUs) or why it cannot.
@@ -123,9 +148,14 @@ class Placer:
         self._heaps: dict[_Shape, list[tuple[int, int, str, int]]] = {}
         self._versions: dict[str, int] = {}
         self._refusals: dict[str, str | None] = {}
+        # Per (shape, quota refusal): the NoFit while no replica was added
+        # since, the same for every model of that shape (a full fleet's
+        # waiting models each scanned every node for it).
+        self._nofits: dict[tuple[_Shape, str], NoFit] = {}
 
     def _count(self, r: s.Replica) -> None:
         self._total[r.node] = self._total.get(r.node, 0) + 1
+        self._on_node.setdefault(r.node, []).append(r.id)
         on = self._per_model.setdefault(r.model, {})
         on[r.node] = on.get(r.node, 0) + 1
 
@@ -133,9 +163,22 @@ class Placer:
         if self._indexed:
             return
         self._indexed = True
-        self._used = used_gpus(self._replicas)
-        for r in self._replicas.values():
-            self._count(r)
+        # _count() and used_gpus() in one walk of the fleet, names bound once.
+        used, total, on_node, per_model = self._used, self._total, self._on_node, self._per_model
+        for rid, r in self._replicas.items():
+            node = r.node
+            total[node] = total.get(node, 0) + 1
+            if (ids := on_node.get(node)) is None:
+                on_node[node] = [rid]
+                used[node] = set(r.gpus)
+            else:
+                ids.append(rid)
+                used[node].update(r.gpus)
+            on = per_model.get(r.model)
+            if on is None:
+                per_model[r.model] = {node: 1}
+            else:
+                on[node] = on.get(node, 0) + 1
 
     def add(self, r: s.Replica) -> None:
         if not self._indexed:
@@ -145,6 +188,7 @@ class Placer:
         self._versions[r.node] = self._versions.get(r.node, 0) + 1
         for fits in self._fits.values():
             fits.pop(r.node, None)
+        self._nofits.clear()
 
     def _found(self, shape: _Shape, node: s.NodeInfo, prof: s.Profile,
                need_mib: int | None) -> tuple[list[int], int] | str:
@@ -214,14 +258,17 @@ class Placer:
         prof = profile if profile is not None else profiles[0]
         self._index()
         need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
-        quota_refusal = _quota_refusal(name, spec, prof, self._replicas, self._quotas,
-                                       self._models)
+        quota_refusal = fleet.quota_refusal(name, spec, prof, self._replicas, self._quotas,
+                                             self._models)
         shape = (prof.pool, prof.engine, prof.gpu_count, need_mib,
                  tuple(sorted(prof.node_selector.items())))
         if not quota_refusal:
             quick = self._quick(name, shape, prof, need_mib)
             if quick is not None:
                 return quick
+        known = self._nofits.get((shape, quota_refusal))
+        if known is not None:
+            return known  # no node fits: the reasons are the shape's, not the model's
         fits = self._fits.setdefault(shape, {})
         same_model = self._per_model.get(name, {})
         reasons: dict[str, str] = {}
@@ -243,8 +290,42 @@ class Placer:
             if best is None or score < best[0]:
                 best = (score, found[0])
         if best is None:
-            return NoFit(reasons)
+            nofit = self._nofits[(shape, quota_refusal)] = NoFit(reasons)
+            return nofit
         return Fit(best[0][3], list(best[1]))
+
+    def fits_without(self, name: str, spec: s.ModelSpec, gone: str) -> bool:
+        """Whether one more replica of `name` (its first profile) would fit
+        were replica `gone` stopped: asked once place() found no node for
+        it, so only `gone`'s node can change its mind, unless a quota the
+        model counts against frees up (then the whole fleet is asked
+        again). One node's fit, not a scan of the fleet per replica (a
+        rollout on a full fleet asked that of every model's old replicas)."""
+        prof = spec.profile_list[0]
+        if spec.quota is not None and spec.quota in self._quotas and prof.gpu_count:
+            others = {k: v for k, v in self._replicas.items() if k != gone}
+            return not isinstance(place(
+                name, spec, self._nodes, others, nodeconfs=self._confs, quotas=self._quotas,
+                models=self._models, agent_versions=self._window), NoFit)
+        self._index()
+        node = self._replicas[gone].node
+        info = self._nodes.get(node)
+        if info is None:
+            return False
+        held: set[int] = set()
+        for rid in self._on_node.get(node, ()):
+            if rid != gone:
+                held.update(self._replicas[rid].gpus)
+        need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
+        kept = self._used.get(node)
+        self._used[node] = held
+        try:
+            return not isinstance(self._fit(info, prof, need_mib), str)
+        finally:
+            if kept is None:
+                del self._used[node]
+            else:
+                self._used[node] = kept
 
     def _fit(self, node: s.NodeInfo, prof: s.Profile,
              need_mib: int | None) -> tuple[list[int], int] | str:
@@ -272,7 +353,7 @@ class Placer:
                     + ",".join(f"{k}={v}" for k, v in unmatched))
         if prof.engine not in node.engines:
             return f"engine {prof.engine} not available"
-        if prof.engine == "vllm" and (why := _no_vllm_build(node, conf)):
+        if prof.engine == "vllm" and (why := fleet.no_vllm_build(node, conf)):
             return why
         if prof.engine == "llamacpp":
             if not node.cpu_only:
@@ -305,27 +386,3 @@ class Placer:
         # large ones for the models that need them; else (above) the lowest ids.
         order = sorted(roomy, key=lambda i: (roomy[i] or 0, i))
         return sorted(order[: prof.gpu_count]), len(idle)
-
-
-def _no_vllm_build(node: s.NodeInfo, conf: s.NodeConf | None) -> str:
-    """Why `node` has no vLLM build to run a replica with, or "". Agents
-    older than engine builds report none (None): not judged."""
-    if conf is not None and conf.engine_build == "none":
-        return "engine build set to none"
-    if node.vllm_build == "":
-        first = (node.vllm_build_check.splitlines() or ["not reported yet"])[0]
-        return f"no usable vLLM build ({first})"
-    return ""
-
-
-def _quota_refusal(name: str, spec: s.ModelSpec, prof: s.Profile,
-                   replicas: Mapping[str, s.Replica], quotas: Mapping[str, s.Quota],
-                   models: Mapping[str, s.ModelSpec] | None) -> str:
-    """Why the model's scope cannot take this replica's GPUs; "" if it can."""
-    if spec.quota is None or spec.quota not in quotas or prof.gpu_count == 0:
-        return ""
-    use = fleet.quota_use(models if models is not None else {name: spec}, replicas)
-    held, cap = use.get(spec.quota, 0), quotas[spec.quota].max_gpus
-    if held + prof.gpu_count <= cap:
-        return ""
-    return f"quota {spec.quota}: {held} of {cap} GPUs held, needs {prof.gpu_count} more"

@@ -28,7 +28,7 @@ from app.control.plan_phases import (
     sweep,
     trim,
 )
-from app.control.plan_place import Fleet, place_missing
+from app.control.plan_place import Fleet, place_missing, say_waits
 from app.wire.adapters import lora_bases
 
 __all__ = ["Plan", "plan", "wanted"]
@@ -152,7 +152,8 @@ def plan(
     # fits, kept up to date as replicas are placed.
     by_model = replicas_by_model(live)
     bases = lora_bases(models)  # once a pass: adapters_of() per replica scanned the catalog
-    fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now, bases)
+    fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now, bases,
+                  by_model=by_model)
 
     for name, spec in placing_order(models):
         want = wanted(spec, used.get(name), now, idle_slack, scaled.get(name))
@@ -167,4 +168,5 @@ def plan(
                 out.drain_reasons[rid] = why
         place_missing(out, fleet, name, spec, want, kept, mine.avoid, ready,
                       new_suffix=new_suffix, secret_id=secret_id)
+    say_waits(out, fleet)
     return out

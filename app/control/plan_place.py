@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from app.control import fleet as fleet_of
 from app.control import state as s
 from app.control.displace import displace
-from app.control.placement import Fit, NoFit, Placer, place
+from app.control.placement import Fit, NoFit, Placer
 from app.control.plan_phases import Plan, Trimmed
 from app.wire.adapters import engine_flags
 
 _SLUG = re.compile(r"[^a-z0-9]+")
+_ANY = 2 ** 62  # above any priority a spec can give
 
 
 def replica_id(model: str, suffix: str) -> str:
@@ -42,6 +44,17 @@ class Fleet:
     fitting: dict[str, Any]
     now: float
     lora_bases: Collection[str] = frozenset()  # the models some adapter names
+    # Each model's replicas in `live` when the pass began (plan_phases.
+    # replicas_by_model), and those this pass placed: what a model waiting
+    # for room reads of its own, not a scan of the fleet per model.
+    by_model: Mapping[str, list[str]] = field(default_factory=dict)
+    created: dict[str, list[str]] = field(default_factory=dict)
+    # The lowest priority of a replica not draining (None: not worked out
+    # yet), lowered by each replica placed: no victim is below it.
+    lowest: int | None = None
+    # Models short of their minimum that no victim can serve: what they
+    # wait for (room being freed) is said once the pass is over.
+    waits: list[str] = field(default_factory=list)
 
 
 def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want: int,
@@ -63,12 +76,14 @@ def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want:
         if isinstance(fit, NoFit):
             fit, prof = _place_any(fleet.placer, name, spec)
         if isinstance(fit, NoFit):
-            coming = [rid for rid in current if rid not in ready] + [
-                r.id for r in out.create if r.model == name]
-            _no_room(out, name, spec, fleet.nodes, live, kept.keep, coming, fit, fleet.fitting)
+            coming = [rid for rid in current if rid not in ready] + fleet.created.get(name, [])
+            _no_room(out, name, spec, fleet, kept, coming, fit)
             if name in out.unplaced and len(current) + i < spec.replica_range.min:
-                _displace(out, name, spec, fleet.models, fleet.nodes, live, fleet.now,
-                          fleet.fitting)
+                if _victims_possible(fleet, spec):
+                    _displace(out, name, spec, fleet.models, fleet.nodes, live, fleet.now,
+                              fleet.fitting)
+                else:
+                    fleet.waits.append(name)
             break
         rep = s.Replica(
             id=replica_id(name, new_suffix()), model=name, node=fit.node,
@@ -80,6 +95,9 @@ def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want:
         live[rep.id] = rep
         fleet.placer.add(rep)
         out.create.append(rep)
+        fleet.created.setdefault(name, []).append(rep.id)
+        if fleet.lowest is not None:
+            fleet.lowest = min(fleet.lowest, prof.priority)
 
 
 def _place_any(placer: Placer, name: str, spec: s.StoredModel
@@ -109,12 +127,9 @@ def _displace(out: Plan, name: str, spec: s.StoredModel,
               live: dict[str, s.Replica], now: float, fitting: dict[str, Any]) -> None:
     """Room for a replica of `name`'s minimum, made by draining replicas of
     lower-priority models above their own minimum (placement.displace())."""
-    # This pass's drains count as leaving, or the same room is picked twice.
-    view = {rid: r.model_copy(update={"draining_since": now})
-            if rid in out.drain and r.draining_since is None else r
-            for rid, r in live.items()}
+    view = _leaving(out, live, now)
     d = displace(name, spec, models, nodes, view, nodeconfs=fitting["nodeconfs"],
-                 quotas=fitting["quotas"])
+                 quotas=fitting["quotas"], refused=True)
     if d is None:
         return
     for rid in d.victims:
@@ -128,14 +143,66 @@ def _displace(out: Plan, name: str, spec: s.StoredModel,
                            if stopping else "")
 
 
-def _no_room(out: Plan, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo],
-             live: Mapping[str, s.Replica], keep: list[str], coming: list[str],
-             fit: NoFit, fitting: dict[str, Any]) -> None:
+def _leaving(out: Plan, live: Mapping[str, s.Replica], now: float) -> dict[str, s.Replica]:
+    """`live` with this pass's drains marked draining, or the same room is
+    picked twice."""
+    view = dict(live)
+    for rid in set(out.drain):
+        if (r := live.get(rid)) is not None and r.draining_since is None:
+            view[rid] = r.model_copy(update={"draining_since": now})
+    return view
+
+
+def _victims_possible(fleet: Fleet, spec: s.StoredModel) -> bool:
+    """Whether displace() could drain something for `spec` (its first
+    profile's priority): a replica of a lower priority is running, or a
+    quota it counts against is in play (displace() weighs that whole)."""
+    prof = spec.profile_list[0]
+    if spec.quota is not None and spec.quota in fleet.fitting["quotas"] and prof.gpu_count:
+        return True
+    if fleet.lowest is None:
+        fleet.lowest = min((fleet_of.replica_priority(fleet.models, r)
+                            for r in fleet.live.values() if r.draining_since is None),
+                           default=_ANY)
+    return fleet.lowest < prof.priority
+
+
+def say_waits(out: Plan, fleet: Fleet) -> None:
+    """For each model of `fleet.waits`, the room it waits for: the node
+    where replicas draining (before or in this pass) leave it room once
+    they stop, as displace() says it when it finds no victim. Worked out
+    once for them all after the pass, not with a scan of the fleet per
+    model (a full fleet's rollout drains on every node)."""
+    if not fleet.waits:
+        return
+    view = _leaving(out, fleet.live, fleet.now)
+    going: dict[str, list[str]] = {}
+    for rid, r in view.items():
+        if r.draining_since is not None:
+            going.setdefault(r.node, []).append(rid)
+    if not going:
+        return
+    # Only those nodes, and what stays on them: the rest of the fleet is full.
+    staying = {rid: r for rid, r in view.items()
+               if r.draining_since is None and r.node in going}
+    placer = Placer({n: fleet.nodes[n] for n in going if n in fleet.nodes}, staying,
+                    nodeconfs=fleet.fitting["nodeconfs"])
+    for name in fleet.waits:
+        fit = placer.place(name, fleet.models[name])
+        if isinstance(fit, Fit):
+            out.unplaced[name] += (f"; waiting for {', '.join(sorted(going[fit.node]))} "
+                                   f"to stop on {fit.node}")
+
+
+def _no_room(out: Plan, name: str, spec: s.StoredModel, fleet: Fleet, kept: Trimmed,
+             coming: list[str], fit: NoFit) -> None:
     """No node has room for a replica of the new spec: wait for what is on
     its way, else fall back to drain first, one old replica at a time, when
     that makes room."""
-    leaving = sorted(rid for rid, r in live.items() if r.model == name
-                     and (r.draining_since is not None or rid in out.drain))
+    live, keep, going = fleet.live, kept.keep, set(kept.drain)
+    # Draining already, marked so this pass (displaced), or drained by it.
+    leaving = sorted(rid for rid in fleet.by_model.get(name, ())
+                     if live[rid].draining_since is not None or rid in going)
     if leaving:
         # Their GPUs come free once they stop: one at a time, never two.
         why = f"no room for a new replica ({fit}): waiting for {', '.join(leaving)} to stop"
@@ -152,8 +219,7 @@ def _no_room(out: Plan, name: str, spec: s.StoredModel, nodes: Mapping[str, s.No
                              f"{', '.join(coming)} to be ready")
         return
     for rid in reversed(keep):
-        others = {k: v for k, v in live.items() if k != rid}
-        if not isinstance(place(name, spec, nodes, others, **fitting), NoFit):
+        if fleet.placer.fits_without(name, spec, rid):
             keep.remove(rid)
             out.drain.append(rid)
             out.reasons[name] = (f"no room for a new replica beside the old ones ({fit}): "

@@ -29,7 +29,7 @@ from app.control.agentversion import Window
 from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.placement import NoFit, place
+from app.control.placement import NoFit, Placer
 from app.control.usage import Queue
 from app.gateway.node_grace import NodeGrace
 from app.router.engine_load import NodeAgent
@@ -118,11 +118,12 @@ class Publisher:
                     counts[rid] = counts.get(rid, 0) + n
         self._table.set_peer_inflight(counts)
 
-    def _unplaced(self, name: str, spec: s.StoredModel, nodes: Mapping[str, s.NodeInfo]) -> str:
+    def _unplaced(self, name: str, spec: s.StoredModel, placer: Callable[[], Placer]) -> str:
         """Why a model has no replica at all: placement is a pure function of
-        the mirrored state, so this gateway can say what the leader sees."""
-        fit = place(name, spec, nodes, self._mirror.replicas(),
-                    agent_versions=self._agent_window)
+        the mirrored state, so this gateway can say what the leader sees.
+        One `placer` per publish: the models waiting for room on a full
+        fleet share its scan of the nodes (each scanned them all)."""
+        fit = placer().place(name, spec)
         return f"no replica is placed: {fit}" if isinstance(fit, NoFit) else (
             "no replica is placed yet")
 
@@ -197,8 +198,15 @@ class Publisher:
         self._keys.retain(key_files)
         _adapter_endpoints(models, m.parsed(s.ADAPTERS, s.AdapterSet), endpoints, why, coming)
         self._made = made
+        placers: list[Placer] = []
+
+        def placer() -> Placer:
+            if not placers:
+                placers.append(Placer(nodes, m.replicas(), agent_versions=self._agent_window))
+            return placers[0]
+
         unavailable = {
-            name: "; ".join(why.get(name) or [self._unplaced(name, models[name], nodes)])
+            name: "; ".join(why.get(name) or [self._unplaced(name, models[name], placer)])
             for name in models if name not in endpoints
         }
         # Scale from zero: requests are held for a model whose replica is
