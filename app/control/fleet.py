@@ -38,11 +38,6 @@ def gpu_free_mib(gpu: s.GpuInfo) -> int | None:
     return gpu.memory_mib or None
 
 
-def free_gpus(node: s.NodeInfo, held: set[int]) -> dict[int, int | None]:
-    """GPU index -> free MiB (None: unknown) for the node's GPUs no replica holds."""
-    return {g.index: gpu_free_mib(g) for g in node.gpus if g.index not in held}
-
-
 def gpu_holders(replicas: Mapping[str, s.Replica]) -> dict[str, dict[int, str]]:
     """Node -> GPU index -> the replica holding it. Draining replicas hold
     theirs until stopped, as in placement (`placement.used_gpus`)."""

@@ -95,6 +95,8 @@ def place(
     return placer.place(name, spec, profile=profile)
 
 
+_NONE: frozenset[int] = frozenset()
+
 # What a node's fit depends on besides the node: pool, engine, GPUs, MiB
 # each, the node selector's pairs.
 _Shape = tuple[str, str, int, int | None, tuple[tuple[str, str], ...]]
@@ -346,11 +348,13 @@ class Placer:
         pool = fleet.node_pool(conf)
         if pool != prof.pool:
             return f"in pool {pool}, the profile wants pool {prof.pool}"
-        labels = conf.labels if conf is not None else {}
-        unmatched = sorted((k, v) for k, v in prof.node_selector.items() if labels.get(k) != v)
-        if unmatched:
-            return ("labels do not match node_selector "
-                    + ",".join(f"{k}={v}" for k, v in unmatched))
+        if prof.node_selector:
+            labels = conf.labels if conf is not None else {}
+            unmatched = sorted((k, v) for k, v in prof.node_selector.items()
+                               if labels.get(k) != v)
+            if unmatched:
+                return ("labels do not match node_selector "
+                        + ",".join(f"{k}={v}" for k, v in unmatched))
         if prof.engine not in node.engines:
             return f"engine {prof.engine} not available"
         if prof.engine == "vllm" and (why := fleet.no_vllm_build(node, conf)):
@@ -359,22 +363,21 @@ class Placer:
             if not node.cpu_only:
                 return "llamacpp replicas go to CPU nodes"
             return [], 0
-        # A sick GPU is out until an admin clears it (gpuhealth.py).
-        sick = gpuhealth.sick_gpus(node, conf)
-        held = self._used.get(node.name, set()) | sick.keys()
+        # A sick GPU is out until an admin clears it (gpuhealth.py): one
+        # walk of the node's GPUs (this runs for every node of the fleet).
+        taken = self._used.get(node.name, _NONE)
+        cleared = conf.gpu_cleared if conf is not None else {}
+        free = [g for g in node.gpus if g.index not in taken and not (
+            g.health == "unhealthy" and cleared.get(g.index) != g.health_reason)]
+        if len(free) < prof.gpu_count:
+            out = "".join(f"; GPU {i} unhealthy" for i in sorted(gpuhealth.sick_gpus(node, conf)))
+            return (f"needs {prof.gpu_count} free GPUs, has {len(free)} of "
+                    f"{len(node.gpus)}{out}")
         if need_mib is None:
             # No memory need: the lowest free ids, without reading memory.
-            ids = sorted(g.index for g in node.gpus if g.index not in held)
-            if len(ids) < prof.gpu_count:
-                out = "".join(f"; GPU {i} unhealthy" for i in sorted(sick))
-                return (f"needs {prof.gpu_count} free GPUs, has {len(ids)} of "
-                        f"{len(node.gpus)}{out}")
+            ids = sorted(g.index for g in free)
             return ids[: prof.gpu_count], len(ids)
-        idle = fleet.free_gpus(node, held)
-        if len(idle) < prof.gpu_count:
-            out = "".join(f"; GPU {i} unhealthy" for i in sorted(sick))
-            return (f"needs {prof.gpu_count} free GPUs, has {len(idle)} of "
-                    f"{len(node.gpus)}{out}")
+        idle = {g.index: fleet.gpu_free_mib(g) for g in free}
         # Memory as discovered, not only the count; unknown memory (None)
         # is not refused (fleet.gpu_free_mib).
         roomy = {i: m for i, m in idle.items() if m is None or m >= need_mib}

@@ -185,29 +185,40 @@ def sort_out(spec: s.StoredModel, ids: Collection[str], live: Mapping[str, s.Rep
              secret_id: str, unrecorded_secret_id: str,
              sick: Mapping[str, Mapping[int, str]] | None = None, lora: bool = False) -> Mine:
     """The model's replicas (`ids`) sorted out, those draining left out. A
-    replica `loads` leaves out counts as the busiest: unknown is never idle."""
-    mine = [rid for rid in ids if live[rid].draining_since is None]
-    # Ready ones first, then the busiest, so that a surplus drops those
-    # that serve nothing, then the least loaded (their drains end first).
-    by_use = sorted(mine, key=lambda rid: (rid not in ready, -loads.get(rid, math.inf), rid))
-
-    def moving(rid: str) -> bool:
-        # On a drained node, or on a GPU fallen sick (gpuhealth.py; `sick`:
-        # node -> its sick GPUs): its replacement goes elsewhere first, as
-        # for a changed spec.
-        conf = nodeconfs.get(live[rid].node)
-        return (conf is not None and conf.draining) or bool(
-            sick and on_sick_gpu(live[rid], sick))
-
+    replica `loads` leaves out counts as the busiest: unknown is never idle.
+    One walk of the model's replicas, each read once (it ran for every
+    replica of the fleet in each pass: docs/architecture.md, Scale)."""
     runs = _spec_runs(spec, lora)
-    current = [rid for rid in by_use
-               if _matches(runs, live[rid], secret_id, unrecorded_secret_id)
-               and not moving(rid)
-               and rid not in failed]
-    kept = set(current)
-    return Mine(current=current, stale=[rid for rid in by_use if rid not in kept],
-                # Where this model kept dying: elsewhere first, if anywhere else fits.
-                avoid={live[rid].node for rid in mine if rid in failed})
+    current: list[str] = []
+    stale: list[str] = []
+    avoid: set[str] = set()  # where this model kept dying: elsewhere first, if anywhere fits
+    for rid in ids:
+        r = live[rid]
+        if r.draining_since is not None:
+            continue
+        if rid in failed:
+            avoid.add(r.node)
+            stale.append(rid)
+        elif _matches(runs, r, secret_id, unrecorded_secret_id) and not (
+                # On a drained node, or on a GPU fallen sick (gpuhealth.py;
+                # `sick`: node -> its sick GPUs): its replacement goes
+                # elsewhere first, as for a changed spec.
+                (nodeconfs and (conf := nodeconfs.get(r.node)) is not None and conf.draining)
+                or (sick and on_sick_gpu(r, sick))):
+            current.append(rid)
+        else:
+            stale.append(rid)
+
+    def by_use(rid: str) -> tuple[bool, float, str]:
+        # Ready ones first, then the busiest, so that a surplus drops those
+        # that serve nothing, then the least loaded (their drains end first).
+        return (rid not in ready, -loads.get(rid, math.inf), rid)
+
+    if len(current) > 1:
+        current.sort(key=by_use)
+    if len(stale) > 1:
+        stale.sort(key=by_use)
+    return Mine(current=current, stale=stale, avoid=avoid)
 
 
 # --- 5. the surplus and the stand-ins ----------------------------------------------
