@@ -34,7 +34,11 @@ def gateway_env(i: int, port: int, etcd: str, prefix: str, secret: str, admin: s
         "LLMGW_ETCD_ENDPOINTS": etcd, "LLMGW_ETCD_PREFIX": prefix, "LLMGW_SECRET": secret,
         "LLMGW_ADMIN_TOKEN": admin, "LLMGW_GATEWAY_ID": f"scale-gw{i}",
         "LLMGW_PORT": str(port), "LLMGW_DATA_DIR": str(data / f"gw{i}"),
-        "LLMGW_LOCAL_AGENT": "false", "LLMGW_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
+        "LLMGW_LOCAL_AGENT": "false", "LLMGW_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
+        # One process each, as the other benchmarks' gateways: the default
+        # (the cores) ran six processes on this 2-core machine, each with
+        # its own mirror and engine-load polls.
+        "LLMGW_WORKERS": "1"}
 
 
 class Gateways:

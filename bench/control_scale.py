@@ -233,8 +233,13 @@ async def preload(endpoint: str, prefix: str, f: Fleet) -> None:
             puts.append(Put(s.MODELS + name, spec.model_dump_json().encode()))
         for name, info in f.nodes.items():
             # The nodes' own address: their statuses' URLs must be on it.
+            # Their agents' API on a closed port, as agents report one: each
+            # gateway asks each node for its engines' loads once a second
+            # (refused at once here), not each engine (2,000 reads a second
+            # per gateway, most of the edit figure's CPU before 2026-12-02).
             puts.append(Put(s.NODES + name, info.model_copy(
-                update={"address": "127.0.0.1"}).model_dump_json().encode()))
+                update={"address": "127.0.0.1", "api_url": "http://127.0.0.1:9"}
+            ).model_dump_json().encode()))
         for rid, r in f.replicas.items():
             puts.append(Put(s.REPLICAS + rid, r.model_dump_json().encode()))
             # A closed loopback port: an engine load poll is refused at once
