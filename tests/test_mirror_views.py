@@ -4,6 +4,7 @@ poll wakes only for its own replicas (docs/architecture.md, Scale)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -64,6 +65,87 @@ def test_a_view_is_built_once_until_its_prefix_changes() -> None:
     assert after["r1"] is replicas["r1"]
     feed.delete(s.REPLICAS + "r1")
     assert sorted(mirror.replicas()) == ["r2"]
+
+
+def test_a_changed_view_is_the_old_one_patched_as_a_full_parse_would_build_it() -> None:
+    """A change patches the views it touches (a copy with those keys parsed
+    again) rather than parsing the prefix anew: through random batches of
+    puts, deletes and unreadable values, each view holds what `parsed()`
+    builds, in its order, and values not changed are the same objects."""
+    import random
+
+    rng = random.Random(11)
+    mirror, feed = _mirror()
+    rids = [f"r{i:02d}" for i in range(30)]
+    for rid in rids[:10]:
+        feed.put(s.REPLICAS + rid, _replica(rid, "a"))
+        feed.put(s.STATUS + rid, _status(rid, "ready"))
+    for step in range(200):
+        before = dict(mirror.replicas()), dict(mirror.statuses())
+        events = []
+        touched = set()
+        for _ in range(rng.choice([1, 1, 2, 5])):
+            rid = rng.choice(rids)
+            key = rng.choice([s.REPLICAS, s.STATUS]) + rid
+            touched.add(key)
+            feed.revision += 1
+            roll = rng.random()
+            if roll < 0.5:
+                value = (_replica(rid, rng.choice("abc")) if key.startswith(s.REPLICAS)
+                         else _status(rid, rng.choice(["ready", "starting"])))
+                events.append(Event("put", key, value, feed.revision,
+                                    create_revision=feed.revision))
+            elif roll < 0.6:
+                events.append(Event("put", key, b"{not json", feed.revision,
+                                    create_revision=feed.revision))
+            else:
+                events.append(Event("delete", key, b"", feed.revision))
+        assert mirror.apply(WatchBatch(events, feed.revision))
+        for view, prefix, cls, old in ((mirror.replicas(), s.REPLICAS, s.Replica, before[0]),
+                                       (mirror.statuses(), s.STATUS, s.ReplicaStatus,
+                                        before[1])):
+            full = mirror.parsed(prefix, cls)
+            assert list(view.items()) == list(full.items()), step
+            for name, value in view.items():
+                if prefix + name not in touched and name in old:
+                    assert value is old[name], (step, name)
+
+
+def _calls(fn: Callable[[], object]) -> int:
+    """Python and C function calls `fn()` makes: work, counted the same way
+    every run (no clock)."""
+    import sys
+
+    count = 0
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_a_status_report_costs_the_views_the_same_whatever_the_fleet_s_size() -> None:
+    """One status changed: the statuses' view is patched, not parsed anew
+    (at 10,000 nodes each report cost ~200 ms of the event loop)."""
+    work = []
+    for size in (100, 400):
+        mirror, feed = _mirror()
+        for i in range(size):
+            feed.put(s.STATUS + f"r{i:04d}", _status(f"r{i:04d}", "ready"))
+        assert len(mirror.statuses()) == size  # built once
+
+        def report(m: Mirror = mirror, f: Feed = feed) -> None:
+            f.put(s.STATUS + "r0007", _status("r0007", "starting"))
+            assert m.statuses()["r0007"].phase == "starting"
+
+        work.append(_calls(report))
+    assert work[1] < 1.3 * work[0], work
 
 
 def test_views_are_read_only() -> None:
