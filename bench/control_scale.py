@@ -8,7 +8,8 @@
    the replicas missing (the pass places them). Wall and CPU time (the
    thread's): on a shared machine the wall time measures the others too.
    And a full fleet (bench/control_full.py): models waiting for room, and
-   every model rolling at once.
+   every model rolling at once; and a gateway's publish after one change
+   (bench/control_publish.py).
 2. A catalog edit on one of three `llmgw serve` processes on a real etcd
    holding 2,000 models (one replica each, on 250 nodes), timed from the
    PUT's answer until both others list the new alias on /v1/models
@@ -54,8 +55,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import sections  # noqa: E402
+from control_edits import preload  # noqa: E402
 from control_etcd import inventory  # noqa: E402
 from control_full import full_passes  # noqa: E402
+from control_publish import publish_times  # noqa: E402
 
 from app.control import state as s  # noqa: E402
 from app.control.plan import Plan, plan, wanted  # noqa: E402
@@ -221,39 +224,6 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-async def preload(endpoint: str, prefix: str, f: Fleet) -> None:
-    """The fleet's state in etcd, 100 keys per transaction."""
-    from app.store.base import Put
-    from app.store.etcd import EtcdStore
-
-    store = await EtcdStore.open([endpoint], prefix)
-    try:
-        puts: list[Put] = []
-        for name, spec in f.models.items():
-            puts.append(Put(s.MODELS + name, spec.model_dump_json().encode()))
-        for name, info in f.nodes.items():
-            # The nodes' own address: their statuses' URLs must be on it.
-            # Their agents' API on a closed port, as agents report one: each
-            # gateway asks each node for its engines' loads once a second
-            # (refused at once here), not each engine (2,000 reads a second
-            # per gateway, most of the edit figure's CPU before 2026-12-02).
-            puts.append(Put(s.NODES + name, info.model_copy(
-                update={"address": "127.0.0.1", "api_url": "http://127.0.0.1:9"}
-            ).model_dump_json().encode()))
-        for rid, r in f.replicas.items():
-            puts.append(Put(s.REPLICAS + rid, r.model_dump_json().encode()))
-            # A closed loopback port: an engine load poll is refused at once
-            # rather than waiting out a connect to an address nobody has.
-            st = f.statuses[rid].model_copy(update={"url": "http://127.0.0.1:9"})
-            puts.append(Put(s.STATUS + rid, st.model_dump_json().encode()))
-        for i in range(0, len(puts), 100):
-            res = await store.txn([], puts[i:i + 100])
-            if not res.succeeded:
-                raise SystemExit("preloading the fleet failed")
-    finally:
-        await store.close()
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
@@ -345,6 +315,11 @@ def main() -> None:
     for line in full_passes(fleet, top, NOW):
         lines.append(line)
         print(f"{line}  load {load()}", flush=True)
+    pub = publish_times(fleet(top, args.models))
+    lines.append(f"publish on a gateway's event loop, {top:,} nodes: after a status report "
+                 f"{pub['status']:.0f} ms, a node's inventory {pub['node']:.0f} ms, a catalog "
+                 f"edit {pub['catalog edit']:.0f} ms (bench/control_publish.py; medians of 5)")
+    print(lines[-1], flush=True)
     stall_inline, stall_thread = loop_stalls(fleet(top, args.models))
     lines.append(f"event loop stall behind one pass (10% missing, {top:,} nodes): on the loop "
                  f"{stall_inline:.0f} ms, in a worker thread (the reconciler's way) "
@@ -373,6 +348,7 @@ def main() -> None:
     w, c, mw, mc = figures[top]
     summary = (f"control_scale: pass_ms_{top}={max(w, mw):.1f} pass_cpu_ms_{top}="
                f"{max(c, mc):.1f} loop_stall_ms_{top}={stall_thread:.1f} "
+               f"publish_ms_{top}={max(pub.values()):.1f} "
                f"edit_p99_ms_{args.edit_models}={p99:.1f} "
                f"etcd_writes_per_s_10000={e.get('agent_writes', nan) * 10_000:.1f} "
                f"etcd_sustained_puts_per_s={e.get('puts', nan):.0f} "
