@@ -41,11 +41,11 @@ logger = logging.getLogger(__name__)
 
 # Keys whose change can alter what the router serves.
 # The gateway count too: a limiter's equal shares before its claims loop runs.
+_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAPTERS)
+
 # A routed replica's endpoint, what it was made of (the mirror's parsed
 # values: the same objects while their keys do not change), its model, node.
 _Made = tuple[s.Replica, s.ReplicaStatus, s.StoredModel, Endpoint, str, str]
-
-_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAPTERS)
 
 
 class Publisher:
