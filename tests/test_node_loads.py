@@ -21,7 +21,7 @@ from app.agent.nodeapi import NodeApi, NodeApiConfig
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.gateway.publish import NodeAgents
+from app.gateway.node_agents import NodeAgents
 from app.router.choice import EngineLoad
 from app.router.engine_load import LEGACY_RECHECK, EngineLoadPoller, NodeAgent
 from app.router.entries import Endpoint
@@ -298,3 +298,34 @@ async def test_the_gateway_sends_the_node_token_only_to_the_nodes_own_address(
     # Another host's URL, or none (an older agent): its engines are read directly.
     assert agents["m-n2"] == NodeAgent("n2", "", ())
     assert agents["m-n3"] == NodeAgent("n3", "", ())
+
+
+async def test_node_agents_are_worked_out_again_only_for_what_changed(
+    parts: tuple[EmbeddedStore, Mirror],
+) -> None:
+    """Asked once a second: with the mirror's views unchanged the answer is
+    the same one, and a node's changed record derives only that node's
+    agent again (its tokens are an HMAC each)."""
+    store, mirror = parts
+    rev = 0
+    for name in ("n1", "n2"):
+        rev = await store.put(s.NODES + name, s.NodeInfo(
+            name=name, address="10.0.0.1", api_url="http://10.0.0.1:7001"
+        ).model_dump_json().encode())
+        rev = await store.put(s.REPLICAS + f"m-{name}", s.Replica(
+            id=f"m-{name}", model="m", node=name, weights="acme/m").model_dump_json().encode())
+    assert await mirror.wait_for(rev, 5)
+    directory = NodeAgents(mirror, SecretRing("s" * 32))
+    first = directory.agents()
+    assert directory.agents() is first
+    # n2's agent moves port: n1's agent is the same object, n2's is new.
+    rev = await store.put(s.NODES + "n2", s.NodeInfo(
+        name="n2", address="10.0.0.1", api_url="http://10.0.0.1:7002").model_dump_json().encode())
+    assert await mirror.wait_for(rev, 5)
+    after = directory.agents()
+    assert after is not first and after["m-n1"] is first["m-n1"]
+    assert after["m-n2"].api_url == "http://10.0.0.1:7002"
+    # A node gone: its replicas have no agent.
+    assert await store.delete(s.NODES + "n1")
+    assert await mirror.wait_for(rev + 1, 5)
+    assert set(directory.agents()) == {"m-n2"}

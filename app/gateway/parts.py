@@ -39,7 +39,8 @@ from app.control.reconciler import Reconciler
 from app.control.usage import UsagePublisher
 from app.gateway.key_shares import KeyShares
 from app.gateway.metrics import GatewayMetrics
-from app.gateway.publish import LastUse, NodeAgents, Publisher, RouterUsage
+from app.gateway.node_agents import NodeAgents
+from app.gateway.publish import LastUse, Publisher, RouterUsage
 from app.gateway.request_series import RequestSeries
 from app.gateway.settings import Settings
 from app.gateway.stopping import ended

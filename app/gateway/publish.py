@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from app.api.agent import check_engine_url
 from app.control import state as s
 from app.control.agentversion import Window
 from app.control.keyfiles import ProviderKeys
@@ -32,7 +31,6 @@ from app.control.mirror import Mirror
 from app.control.placement import NoFit, Placer
 from app.control.usage import Queue
 from app.gateway.node_grace import NodeGrace
-from app.router.engine_load import NodeAgent
 from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
 from app.router.proxy import RequestObserver
 from app.router.table import RouteTable
@@ -378,32 +376,3 @@ class RouterUsage:
 
     def adapter_inflight(self) -> dict[str, int]:
         return self._table.adapter_inflight()
-
-
-class NodeAgents:
-    """Each replica's node agent, for the router's engine load poll
-    (app/router/engine_load.py's `NodeDirectory`), read from the mirror at
-    each poll. The node token goes only to an `api_url` on the node's own
-    address (the check node operations make, app/api/nodes.py); a node
-    without one has its engines read one by one."""
-
-    def __init__(self, mirror: Mirror, secrets: SecretRing) -> None:
-        self._mirror = mirror
-        self._secrets = secrets
-
-    def agents(self) -> dict[str, NodeAgent]:
-        nodes = self._mirror.nodes()
-        by_node: dict[str, NodeAgent] = {}
-        out: dict[str, NodeAgent] = {}
-        for rid, rep in self._mirror.replicas().items():
-            agent = by_node.get(rep.node)
-            if agent is None:
-                info = nodes.get(rep.node)
-                if info is None:
-                    continue
-                usable = bool(info.api_url) and check_engine_url(info.api_url, info) is None
-                agent = by_node[rep.node] = NodeAgent(
-                    rep.node, info.api_url.rstrip("/") if usable else "",
-                    tuple(self._secrets.node_tokens(rep.node)) if usable else ())
-            out[rid] = agent
-        return out

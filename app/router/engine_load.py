@@ -71,7 +71,7 @@ class NodeAgent:
 
 class NodeDirectory(Protocol):
     """Each routable replica's node agent, by replica id. The wiring builds
-    it from the mirror (app/gateway/publish.py): the router never imports the
+    it from the mirror (app/gateway/node_agents.py): the router never imports the
     control plane."""
 
     def agents(self) -> Mapping[str, NodeAgent]: ...
