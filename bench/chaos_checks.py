@@ -46,7 +46,7 @@ def gpu_double_holds(events: Iterable[Event]) -> list[str]:
     """GPUs held by two replicas at one revision: `replicas/` replayed
     revision by revision, each (node, GPU) claimed by at most one replica.
     Seen to fail: two replicas put on node-1 GPU 0 by one history. Broken
-    llmgw: the placer seeing no GPU taken (`placement.used_gpus` reading no
+    llmgw: the placer seeing no GPU taken (its count of GPUs taken reading no
     replica): "revision 20: node-2 GPU 0 held by ['chat-6fee7407',
     'chat-a85084f6']" in a two-fault run."""
     held: dict[str, tuple[str, tuple[int, ...]]] = {}

@@ -40,7 +40,7 @@ def gpu_free_mib(gpu: s.GpuInfo) -> int | None:
 
 def gpu_holders(replicas: Mapping[str, s.Replica]) -> dict[str, dict[int, str]]:
     """Node -> GPU index -> the replica holding it. Draining replicas hold
-    theirs until stopped, as in placement (`placement.used_gpus`)."""
+    theirs until stopped, as in placement (`Placer._count`)."""
     held: dict[str, dict[int, str]] = {}
     for rid in sorted(replicas):
         rep = replicas[rid]

@@ -18,11 +18,16 @@ from collections.abc import Mapping
 from app.control import state as s
 
 
+def is_sick(gpu: s.GpuInfo, cleared: Mapping[int, str]) -> bool:
+    """Whether `gpu` is out: reported unhealthy, for a reason an admin has
+    not cleared (`cleared`: the node conf's GPU index -> reason cleared)."""
+    return gpu.health == "unhealthy" and cleared.get(gpu.index) != gpu.health_reason
+
+
 def sick_gpus(node: s.NodeInfo, conf: s.NodeConf | None) -> dict[int, str]:
     """GPU index -> why it is out, for the node's GPUs that are."""
     cleared = conf.gpu_cleared if conf is not None else {}
-    return {g.index: g.health_reason for g in node.gpus
-            if g.health == "unhealthy" and cleared.get(g.index) != g.health_reason}
+    return {g.index: g.health_reason for g in node.gpus if is_sick(g, cleared)}
 
 
 def sick_by_node(nodes: Mapping[str, s.NodeInfo], confs: Mapping[str, s.NodeConf]

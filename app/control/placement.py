@@ -11,21 +11,13 @@ reconcile plan that calls both lives in plan.py.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from app.control import agentversion, fleet, gpuhealth
 from app.control import state as s
 from app.control.nofit import Fit, NoFit
 
-__all__ = ["Fit", "NoFit", "Placer", "place", "used_gpus"]
-
-
-def used_gpus(replicas: Mapping[str, s.Replica]) -> dict[str, set[int]]:
-    """GPUs taken per node. Draining replicas still hold theirs until stopped."""
-    used: dict[str, set[int]] = {}
-    for r in replicas.values():
-        used.setdefault(r.node, set()).update(r.gpus)
-    return used
+__all__ = ["Fit", "NoFit", "Placer", "place"]
 
 
 def _gib(mib: int) -> str:
@@ -122,37 +114,26 @@ class Placer:
         self._nofits: dict[tuple[_Shape, str], NoFit] = {}
 
     def _count(self, r: s.Replica) -> None:
-        self._total[r.node] = self._total.get(r.node, 0) + 1
-        self._on_node.setdefault(r.node, []).append(r.id)
+        """Counts `r` on its node: its GPUs taken (draining replicas hold
+        theirs until stopped), one more replica there, of its model too."""
+        node = r.node
+        self._used.setdefault(node, set()).update(r.gpus)
+        self._total[node] = self._total.get(node, 0) + 1
+        self._on_node.setdefault(node, []).append(r.id)
         on = self._per_model.setdefault(r.model, {})
-        on[r.node] = on.get(r.node, 0) + 1
+        on[node] = on.get(node, 0) + 1
 
     def _index(self) -> None:
         if self._indexed:
             return
         self._indexed = True
-        # _count() and used_gpus() in one walk of the fleet, names bound once.
-        used, total, on_node, per_model = self._used, self._total, self._on_node, self._per_model
-        for rid, r in self._replicas.items():
-            node = r.node
-            total[node] = total.get(node, 0) + 1
-            if (ids := on_node.get(node)) is None:
-                on_node[node] = [rid]
-                used[node] = set(r.gpus)
-            else:
-                ids.append(rid)
-                used[node].update(r.gpus)
-            on = per_model.get(r.model)
-            if on is None:
-                per_model[r.model] = {node: 1}
-            else:
-                on[node] = on.get(node, 0) + 1
+        for r in self._replicas.values():
+            self._count(r)
 
     def add(self, r: s.Replica) -> None:
         if not self._indexed:
             return  # already in `replicas`, where _index() will count it
         self._count(r)
-        self._used.setdefault(r.node, set()).update(r.gpus)
         self._versions[r.node] = self._versions.get(r.node, 0) + 1
         for fits in self._fits.values():
             fits.pop(r.node, None)
@@ -310,20 +291,13 @@ class Placer:
             if rid != gone:
                 held.update(self._replicas[rid].gpus)
         need_mib = round(prof.gpu_memory_gib * 1024) if prof.gpu_memory_gib else None
-        kept = self._used.get(node)
-        self._used[node] = held
-        try:
-            return not isinstance(self._fit(info, prof, need_mib), str)
-        finally:
-            if kept is None:
-                del self._used[node]
-            else:
-                self._used[node] = kept
+        return not isinstance(self._fit(info, prof, need_mib, taken=held), str)
 
-    def _fit(self, node: s.NodeInfo, prof: s.Profile,
-             need_mib: int | None) -> tuple[list[int], int] | str:
+    def _fit(self, node: s.NodeInfo, prof: s.Profile, need_mib: int | None,
+             taken: Collection[int] | None = None) -> tuple[list[int], int] | str:
         """The GPUs a replica of `prof` would take on `node` and its free
-        GPUs, or why it cannot go there (quota aside)."""
+        GPUs, or why it cannot go there (quota aside). `taken`: its GPUs
+        held, if not those the placer counted."""
         conf = self._confs.get(node.name)
         # A fleet runs a few agent versions: each judged once per pass.
         if node.version in self._refusals:
@@ -356,10 +330,11 @@ class Placer:
             return [], 0
         # A sick GPU is out until an admin clears it (gpuhealth.py): one
         # walk of the node's GPUs (this runs for every node of the fleet).
-        taken = self._used.get(node.name, _NONE)
+        if taken is None:
+            taken = self._used.get(node.name, _NONE)
         cleared = conf.gpu_cleared if conf is not None else {}
-        free = [g for g in node.gpus if g.index not in taken and not (
-            g.health == "unhealthy" and cleared.get(g.index) != g.health_reason)]
+        free = [g for g in node.gpus
+                if g.index not in taken and not gpuhealth.is_sick(g, cleared)]
         if len(free) < prof.gpu_count:
             out = "".join(f"; GPU {i} unhealthy" for i in sorted(gpuhealth.sick_gpus(node, conf)))
             return (f"needs {prof.gpu_count} free GPUs, has {len(free)} of "
