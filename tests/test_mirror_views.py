@@ -4,13 +4,13 @@ poll wakes only for its own replicas (docs/architecture.md, Scale)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
 from app.control import state as s
 from app.control.mirror import Mirror
 from app.store.base import Event, KeyValue, RangeResult, WatchBatch
+from tests.support.work import calls
 
 
 def _replica(rid: str, node: str) -> bytes:
@@ -111,25 +111,6 @@ def test_a_changed_view_is_the_old_one_patched_as_a_full_parse_would_build_it() 
                     assert value is old[name], (step, name)
 
 
-def _calls(fn: Callable[[], object]) -> int:
-    """Python and C function calls `fn()` makes: work, counted the same way
-    every run (no clock)."""
-    import sys
-
-    count = 0
-
-    def profile(frame: object, event: str, arg: object) -> None:
-        nonlocal count
-        count += event in ("call", "c_call")
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def test_a_status_report_costs_the_views_the_same_whatever_the_fleet_s_size() -> None:
     """One status changed: the statuses' view is patched, not parsed anew
     (at 10,000 nodes each report cost ~200 ms of the event loop)."""
@@ -144,7 +125,7 @@ def test_a_status_report_costs_the_views_the_same_whatever_the_fleet_s_size() ->
             f.put(s.STATUS + "r0007", _status("r0007", "starting"))
             assert m.statuses()["r0007"].phase == "starting"
 
-        work.append(_calls(report))
+        work.append(calls(report)[0])
     assert work[1] < 1.3 * work[0], work
 
 

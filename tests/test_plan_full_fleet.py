@@ -14,10 +14,6 @@ answer (43 KB of text per model at 1,000 nodes).
 from __future__ import annotations
 
 import itertools
-import sys
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
 
 from app.control import state as s
 from app.control.keys import SecretRing
@@ -27,6 +23,7 @@ from app.control.plan import Plan, plan
 from app.gateway.publish import Publisher
 from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
+from tests.support.work import calls
 
 NOW = 1_800_000_000.0
 
@@ -55,23 +52,6 @@ def full_fleet(nodes: int, waiting: int = 0
         models[name] = s.StoredModel.model_validate(
             {"name": name, "model": f"org/{name}", "gpus": 2})
     return models, infos, replicas, statuses
-
-
-def calls(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """The Python and C function calls `fn()` makes, and its result."""
-    count = 0
-
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    return count, out
 
 
 def one_pass(nodes: int, waiting: int = 0, secret_id: str = "") -> tuple[int, Plan]:
