@@ -8,7 +8,6 @@ import itertools
 import random
 from collections.abc import AsyncIterator, Callable
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -24,6 +23,7 @@ from app.router.choice import (
 from app.router.engine_load import EngineLoadPoller
 from app.router.entries import Endpoint
 from app.router.table import RouteTable
+from app.router.upstream import UpstreamClient
 from app.wire.loads import Counts, parse_vllm_metrics
 
 NOW = 100.0
@@ -176,9 +176,11 @@ async def test_the_poller_reads_each_engines_load_into_the_table(
     table.set_endpoints({"m": [Endpoint("v", str(vllm.make_url("")).rstrip("/"), "k1"),
                                Endpoint("l", str(llama.make_url("")).rstrip("/"), "k2"),
                                Endpoint("gone", "http://127.0.0.1:9", "k3")]})
-    async with aiohttp.ClientSession() as session:
-        poller = EngineLoadPoller(table, lambda: session, clock=lambda: 42.0)
-        loads = await poller.poll()
+    client = UpstreamClient(0.25)
+    try:
+        loads = await EngineLoadPoller(table, lambda: client, clock=lambda: 42.0).poll()
+    finally:
+        await client.close()
     # The one with vLLM's gauges has a load; no /metrics or no answer: unknown.
     assert loads == {"v": EngineLoad(5.0, 4.0, 0.5, 42.0)}
 

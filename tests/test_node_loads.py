@@ -26,6 +26,7 @@ from app.router.choice import EngineLoad
 from app.router.engine_load import LEGACY_RECHECK, EngineLoadPoller, NodeAgent
 from app.router.entries import Endpoint
 from app.router.table import RouteTable
+from app.router.upstream import UpstreamClient
 from app.store.embedded import EmbeddedStore
 from app.wire.loads import MAX_ANSWER, BadAnswer, Counts, read_loads_answer
 from tests.test_choice import METRICS  # vLLM's gauges: 5 running, 4 waiting, KV 0.5
@@ -156,13 +157,13 @@ def loads_body(figures: dict[str, dict[str, float]]) -> Callable[[], web.Respons
 
 
 async def rig(servers: Callable[[str, str], Any], clock: Clock,
-              ) -> tuple[Fake, Fake, RouteTable, EngineLoadPoller, aiohttp.ClientSession]:
+              ) -> tuple[Fake, Fake, RouteTable, EngineLoadPoller, UpstreamClient]:
     agent = await servers("/node/v1/loads", "tok")
     engine = await servers("/metrics", "ek1")
     table = RouteTable(clock=clock)
     table.set_endpoints({"m": [Endpoint("r1", engine.url, "ek1"),
                                Endpoint("external:x", "http://provider", "pk")]})
-    session = aiohttp.ClientSession()
+    session = UpstreamClient(0.25)
     poller = EngineLoadPoller(table, lambda: session, clock=clock, directory=Directory({
         "r1": NodeAgent("n1", agent.url, ("old-secret-token", "tok"))}))
     return agent, engine, table, poller, session
@@ -261,6 +262,49 @@ def test_the_answer_reader_refuses_nan_and_oversize() -> None:
     with pytest.raises(BadAnswer, match="more than"):
         read_loads_answer(b" " * (MAX_ANSWER + 1))
     assert read_loads_answer(b'{"node": "n", "loads": {}}') == {}
+
+
+async def test_a_fleet_larger_than_the_rate_is_asked_less_often_in_slices(
+    servers: Callable[[str, str], Any],
+) -> None:
+    """At most `rate` nodes asked a second: four nodes at two a second make
+    a round of 2 s, its asks spread over it in four slices, each slice's
+    figures routed on at once, and figures fresh for three such rounds."""
+    clock = Clock(100.0)
+    agent = await servers("/node/v1/loads", "tok")
+    fig = {"running": 1, "waiting": 0, "kv": 0.1, "age_s": 0.0}
+    agent.answer = loads_body({f"r{i}": fig for i in range(4)})
+    table = RouteTable(clock=clock)
+    table.set_endpoints({"m": [Endpoint(f"r{i}", DEAD, "ek") for i in range(4)]})
+    client = UpstreamClient(0.25)
+    poller = EngineLoadPoller(table, lambda: client, clock=clock, rate=2.0, directory=Directory(
+        {f"r{i}": NodeAgent(f"n{i}", agent.url, ("tok",)) for i in range(4)}))
+    seen: list[tuple[float, int, int]] = []
+
+    async def sleep(seconds: float) -> None:
+        seen.append((seconds, agent.hits, len(table.fresh_loads())))
+        clock.now += seconds
+
+    try:
+        loads = await poller.poll(sleep)
+        assert sorted(loads) == ["r0", "r1", "r2", "r3"]
+        assert seen == [(0.5, 1, 1), (0.5, 2, 2), (0.5, 3, 3)]
+        assert poller.period == 2.0 and table.stale_after == 6.0
+        clock.now = 100.0 + 6.0  # r0, read at 100.0: fresh for three rounds
+        assert "r0" in table.fresh_loads()
+        clock.now += 0.01
+        assert "r0" not in table.fresh_loads() and "r3" in table.fresh_loads()
+        # Without a sleep (a test's round), every ask at once.
+        seen.clear()
+        await poller.poll()
+        assert agent.hits == 8 and seen == []
+        # A fleet within the rate: a round a second, as ever.
+        poller.directory = Directory({"r0": NodeAgent("n0", agent.url, ("tok",))})
+        table.set_endpoints({"m": [Endpoint("r0", DEAD, "ek")]})
+        await poller.poll(sleep)
+        assert poller.period == 1.0 and table.stale_after == 3.0 and seen == []
+    finally:
+        await client.close()
 
 
 async def test_a_large_answer_under_the_cap_is_read_whole(

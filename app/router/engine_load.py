@@ -27,15 +27,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, Protocol
-
-import aiohttp
 
 from app.router.choice import EngineLoad
 from app.router.entries import Endpoint
 from app.router.table import RouteTable
+from app.router.upstream import UpstreamClient, UpstreamError
 from app.wire.loads import (
     LOADS_PATH,
     MAX_ANSWER,
@@ -53,6 +53,13 @@ logger = logging.getLogger(__name__)
 # of nodes (or engines of older agents) within the 1 s interval; more only
 # opens more sockets at once.
 _AT_ONCE = 64
+# The most nodes (or engines of older agents) a gateway process asks a
+# second: at ~50 us of CPU an ask (bench/load_poll.py), a tenth of a core.
+RATE = 2000.0
+# A round's asks go out in slices this long apart, not in one burst.
+SLICE = 0.1
+# Figures older than this many rounds are unknown (choice.fresh).
+STALE_ROUNDS = 3.0
 # How long an agent found without the loads route is read around (its
 # engines one by one) before it is asked again: an upgraded agent is used
 # within this long (at once if its API URL changed).
@@ -91,38 +98,60 @@ class _Round:
 
 class EngineLoadPoller:
     """Reads each routable engine's load into the route table. `poll()` is
-    one round (tests drive it); `run()` repeats it every `interval`."""
+    one round (tests drive it); `run()` repeats it, a round every `interval`
+    while the fleet is small.
+
+    The reads go through the router's own HTTP client (upstream.py), not
+    aiohttp's: measured with bench/load_poll.py, an ask cost about 300 us of
+    CPU through aiohttp, so 2,000 nodes took 65% of a core and a round
+    longer than the interval. `client` gives the client to use (None: not
+    started); its connect timeout is the poll's own.
+
+    A gateway asks at most `rate` nodes (or engines of older agents) a
+    second: a larger fleet is asked less often, never faster than that
+    (10,000 nodes at the default: every 5 s), so the poll's share of the
+    event loop is bounded whatever the fleet. A round's asks are spread
+    over it in slices (`run()`), not sent at once; each slice's figures are
+    routed on as they come. Figures stay fresh for `STALE_ROUNDS` rounds
+    (the table's `stale_after`), so a slow round never makes them unknown.
+    docs/architecture.md, "Choosing a replica"."""
 
     def __init__(
         self,
         table: RouteTable,
-        session: Callable[[], aiohttp.ClientSession | None],
+        client: Callable[[], UpstreamClient | None],
         *,
         directory: NodeDirectory | None = None,
         interval: float = 1.0,
+        rate: float = RATE,
         timeout: float = 0.5,
-        connect_timeout: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._table = table
-        self._session = session
+        self._client = client
         self.directory = directory
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self._rate = rate
+        self._timeout = timeout
         self._clock = clock
         self._legacy: dict[tuple[str, str], float] = {}  # (node, api_url) -> recheck at
         self._failing: set[str] = set()  # nodes whose last ask failed (logged once)
         self._last: dict[str, EngineLoad] = {}
+        # The last round's length: `interval`, or longer for a large fleet.
+        self.period = interval
 
-    async def poll(self) -> dict[str, EngineLoad]:
-        session = self._session()
-        if session is None:
+    async def poll(self, sleep: Callable[[float], Awaitable[None]] | None = None,
+                   ) -> dict[str, EngineLoad]:
+        """One round. With `sleep`, its asks are spread over the round in
+        slices of about `SLICE` s; without, sent at once (tests)."""
+        client = self._client()
+        if client is None:
             return {}
         eps = [ep for ep in self._table.all_endpoints() if not ep.replica_id.startswith(
             "external:")]  # a provider's load is not ours to read
         agents = self.directory.agents() if self.directory is not None else {}
-        now = self._clock()
-        self._legacy = {k: t for k, t in self._legacy.items() if t > now}
+        start = self._clock()
+        self._legacy = {k: t for k, t in self._legacy.items() if t > start}
         by_node: dict[NodeAgent, list[Endpoint]] = {}
         direct: list[Endpoint] = []
         for ep in eps:
@@ -132,29 +161,41 @@ class EngineLoadPoller:
                 by_node.setdefault(agent, []).append(ep)
             else:
                 direct.append(ep)
+        jobs: list[Callable[[UpstreamClient, asyncio.Semaphore, _Round], Awaitable[None]]] = [
+            *(partial(self._read_node, agent=a, eps=node_eps) for a, node_eps in by_node.items()),
+            *(partial(self._read_engine, ep=ep) for ep in direct)]
+        self.period = max(self._interval, len(jobs) / self._rate)
+        self._table.stale_after = STALE_ROUNDS * self.period
+        slices = max(1, min(len(jobs), round(self.period / SLICE))) if sleep else 1
         # At most `_AT_ONCE` reads in flight: a fleet of thousands must not
-        # open thousands of connections at once, every second.
+        # open thousands of connections at once.
         gate = asyncio.Semaphore(_AT_ONCE)
         found = _Round()
-        await asyncio.gather(
-            *(self._read_node(session, gate, agent, node_eps, found)
-              for agent, node_eps in by_node.items()),
-            *(self._read_engine(session, gate, ep, found) for ep in direct))
+        for i in range(slices):
+            part = _Round()
+            await asyncio.gather(*(job(client, gate, part)
+                                   for job in jobs[i * len(jobs) // slices:
+                                                   (i + 1) * len(jobs) // slices]))
+            self._table.add_loads(part.found)
+            found.found.update(part.found)
+            found.unanswered.update(part.unanswered)
+            if sleep is not None and i + 1 < slices:
+                await sleep(max(0.0, start + (i + 1) * self.period / slices - self._clock()))
         kept = self._last
         loads = found.found | {rid: kept[rid] for rid in found.unanswered if rid in kept}
         self._last = loads
         self._table.set_loads(loads)
         return loads
 
-    async def _read_node(self, session: aiohttp.ClientSession, gate: asyncio.Semaphore,
-                         agent: NodeAgent, eps: Sequence[Endpoint], out: _Round) -> None:
+    async def _read_node(self, client: UpstreamClient, gate: asyncio.Semaphore, out: _Round,
+                         *, agent: NodeAgent, eps: Sequence[Endpoint]) -> None:
         async with gate:
-            answer = await self._ask_agent(session, agent)
+            answer = await self._ask_agent(client, agent)
         if isinstance(answer, str):  # "legacy"
             self._legacy[(agent.node, agent.api_url)] = self._clock() + LEGACY_RECHECK
             logger.info("node %s: its agent serves no loads (older than this gateway); "
                         "reading its engines' /metrics from here", agent.node)
-            await asyncio.gather(*(self._read_engine(session, gate, ep, out) for ep in eps))
+            await asyncio.gather(*(self._read_engine(client, gate, out, ep=ep) for ep in eps))
             return
         if answer is None:
             out.unanswered.update(ep.replica_id for ep in eps)
@@ -165,17 +206,15 @@ class EngineLoadPoller:
             if fig is not None:
                 out.found[ep.replica_id] = engine_load(fig[0], now - fig[1])
 
-    async def _ask_agent(self, session: aiohttp.ClientSession, agent: NodeAgent,
+    async def _ask_agent(self, client: UpstreamClient, agent: NodeAgent,
                          ) -> dict[str, tuple[Counts, float]] | Literal["legacy"] | None:
         """The agent's figures; "legacy" when it has no loads route; None
         when it did not answer usably (logged once per streak)."""
         why = ""
         try:
             for i, token in enumerate(agent.tokens):
-                async with session.get(agent.api_url + LOADS_PATH, timeout=self._timeout,
-                                       headers={"Authorization": f"Bearer {token}"}) as resp:
-                    status = resp.status
-                    body = await read_capped(resp.content, MAX_ANSWER) if status == 200 else b""
+                status, body = await self._get(client, agent.api_url, LOADS_PATH, token,
+                                               MAX_ANSWER)
                 # During a rotation an agent may hold the previous secret's token.
                 if status != 401 or i == len(agent.tokens) - 1:
                     break
@@ -191,7 +230,7 @@ class EngineLoadPoller:
                 return figures
         except BadAnswer as exc:
             why = f"a bad answer ({exc})"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             why = f"no answer ({exc or type(exc).__name__})"
         if agent.node not in self._failing:
             self._failing.add(agent.node)
@@ -199,29 +238,41 @@ class EngineLoadPoller:
                            "its figures go unknown once stale", agent.node, agent.api_url, why)
         return None
 
-    async def _read_engine(self, session: aiohttp.ClientSession, gate: asyncio.Semaphore,
-                           ep: Endpoint, out: _Round) -> None:
+    async def _read_engine(self, client: UpstreamClient, gate: asyncio.Semaphore, out: _Round,
+                           *, ep: Endpoint) -> None:
         try:
-            async with gate, session.get(
-                    ep.url + "/metrics", timeout=self._timeout,
-                    headers={"Authorization": f"Bearer {ep.key}"}) as resp:
-                if resp.status != 200:
-                    return  # no /metrics (llama.cpp): no load
-                raw = await read_capped(resp.content, MAX_METRICS)
-        except (aiohttp.ClientError, TimeoutError):
+            async with gate:
+                status, raw = await self._get(client, ep.url, "/metrics", ep.key,
+                                              MAX_METRICS)
+        except (UpstreamError, TimeoutError):
             out.unanswered.add(ep.replica_id)
             return
+        if status != 200:
+            return  # no /metrics (llama.cpp): no load
         counts = parse_vllm_metrics(raw.decode("utf-8", "replace")) if len(
             raw) <= MAX_METRICS else None
         if counts is not None:
             out.found[ep.replica_id] = engine_load(counts, self._clock())
 
+    async def _get(self, client: UpstreamClient, base_url: str, path: str, token: str,
+                   cap: int) -> tuple[int, bytes]:
+        """A GET's status and body (up to `cap` + 1 bytes, read only when 200),
+        within the poll's timeout."""
+        async with asyncio.timeout(self._timeout):
+            resp = await client.post(base_url, path, b"", [
+                (b"authorization", b"Bearer " + token.encode())], method=b"GET")
+            try:
+                body = await read_capped(resp, cap) if resp.status == 200 else b""
+            finally:
+                resp.close()
+        return resp.status, body
+
     async def run(self) -> None:
         while True:
             started = self._clock()
             try:
-                await self.poll()
+                await self.poll(asyncio.sleep)
             except Exception:
                 logger.exception("engine load poll crashed")
             # On a steady cadence: a slow round does not stretch the figures' age.
-            await asyncio.sleep(max(0.0, self._interval - (self._clock() - started)))
+            await asyncio.sleep(max(0.0, self.period - (self._clock() - started)))

@@ -12,7 +12,8 @@ bare proxy. The admin API, where that does not matter, stays on FastAPI.
 
 Requests go to engines through the router's own HTTP client
 (`upstream.py`, on httptools), which costs a third of aiohttp's CPU per
-request; aiohttp still polls the engines' /metrics, off the request path.
+request; another of its clients polls the engines' loads, off the request
+path.
 
 What happens to a request once its model is known (attempts, timeouts,
 failures) is in `relay.py` and `timeouts.py`; docs/architecture.md
@@ -26,8 +27,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
-
-import aiohttp
 
 from app.router import passthrough
 from app.router.access import Exchange, Tracer
@@ -62,13 +61,9 @@ Send = Callable[[Message], Awaitable[None]]
 _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 
-SessionFactory = Callable[[aiohttp.ClientTimeout], aiohttp.ClientSession]
-
-
-def default_session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
-    """The session that polls engines' /metrics: its own pool, our timeouts."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout)
+# How long the load poll waits for a connection to an agent or engine: on a
+# network that answers in well under a millisecond, longer is a node down.
+_POLL_CONNECT = 0.25
 
 
 class RequestObserver(Protocol):
@@ -104,9 +99,8 @@ class Proxy:
     """The ASGI app mounted at /v1 (see `main.create_app`).
 
     `client` sends requests to engines (a test passes one whose
-    `on_request` records each attempt); `session_factory` builds, in
-    `start()`, the aiohttp session that polls the engines' load. The proxy
-    closes both in `stop()`.
+    `on_request` records each attempt); the engines' load is polled, from
+    `start()`, with a client of its own. The proxy closes both in `stop()`.
     """
 
     def __init__(
@@ -116,7 +110,6 @@ class Proxy:
         timeouts: Timeouts,
         observer: RequestObserver | None = None,
         limiter: Limiter | None = None,
-        session_factory: SessionFactory = default_session,
         affinity: bool = True,
         client: UpstreamClient | None = None,
         count_concurrency: int = 2,
@@ -128,7 +121,6 @@ class Proxy:
         self._table = table
         # Client keys' limits and usage, decided here with no I/O.
         self.limits = limiter or Limiter()
-        self._session_factory = session_factory
         self._hash_key = hash_key
         self._observer = observer
         self._timeouts = timeouts
@@ -139,9 +131,9 @@ class Proxy:
                                      count_concurrency, count_timeout,
                                      observer.prompt_counted if observer else None)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._session: aiohttp.ClientSession | None = None
-        # Engines' own load, read off the request path with our session.
-        self.loads = EngineLoadPoller(table, lambda: self._session)
+        self._polls: UpstreamClient | None = None
+        # Engines' own load, read off the request path with a client of its own.
+        self.loads = EngineLoadPoller(table, lambda: self._polls)
         self._polling: asyncio.Task[None] | None = None
         # The watches of requests being forwarded, for `cut_open()`.
         self._open: set[Watch] = set()
@@ -149,10 +141,7 @@ class Proxy:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        # No total and no read timeout here: `Watch` times each request as a
-        # whole, across its attempts, and a stream's reads by phase.
-        self._session = self._session_factory(
-            aiohttp.ClientTimeout(sock_connect=self._timeouts.connect))
+        self._polls = UpstreamClient(_POLL_CONNECT)
         self._polling = asyncio.create_task(self.loads.run(), name="engine-loads")
 
     async def stop(self) -> None:
@@ -162,9 +151,9 @@ class Proxy:
             self._polling = None
         await self.stop_counting()
         await self._upstreams.client.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._polls is not None:
+            await self._polls.close()
+            self._polls = None
 
     def cut_open(self) -> int:
         """Ends every request still being forwarded as its deadline would (a

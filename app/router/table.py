@@ -58,7 +58,9 @@ class RouteTable:
         # requests spilled per (model, reason), ever (a counter for the metrics).
         self._overflow: dict[str, str] = {}
         self.spills: dict[tuple[str, str], int] = {}
-        # Engine counts older than this are unknown (a poll every second).
+        # Engine counts older than this are unknown: three of the load
+        # poll's rounds (set by engine_load.py; a round a second, or longer
+        # for a large fleet).
         self.stale_after = 3.0
         self.rand: Callable[[], float] = random.random
 
@@ -148,8 +150,12 @@ class RouteTable:
         return True
 
     def set_loads(self, loads: Mapping[str, EngineLoad]) -> None:
-        """The engines' own counts, by replica id (engine_load.py)."""
+        """The engines' own counts, by replica id (engine_load.py): a round's."""
         self._loads = dict(loads)
+
+    def add_loads(self, loads: Mapping[str, EngineLoad]) -> None:
+        """Counts read during a round, routed on before it ends."""
+        self._loads.update(loads)
 
     def set_peer_inflight(self, counts: Mapping[str, int]) -> None:
         """Requests the other gateways have in flight, by replica id, as their
