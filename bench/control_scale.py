@@ -58,7 +58,7 @@ import sections  # noqa: E402
 from control_edits import preload  # noqa: E402
 from control_etcd import inventory  # noqa: E402
 from control_full import full_passes  # noqa: E402
-from control_publish import publish_times  # noqa: E402
+from control_publish import publish_stream, publish_times  # noqa: E402
 
 from app.control import state as s  # noqa: E402
 from app.control.plan import Plan, plan, wanted  # noqa: E402
@@ -319,6 +319,14 @@ def main() -> None:
     lines.append(f"publish on a gateway's event loop, {top:,} nodes: after a status report "
                  f"{pub['status']:.0f} ms, a node's inventory {pub['node']:.0f} ms, a catalog "
                  f"edit {pub['catalog edit']:.0f} ms (bench/control_publish.py; medians of 5)")
+    print(lines[-1], flush=True)
+    stream = publish_stream(fleet(top, args.models))
+    lines.append(f"publishing under 300 status reports a second, {top:,} nodes, 3 s: "
+                 + "; ".join(f"{name} {v['publishes_per_s']:.1f} publishes/s taking "
+                             f"{100 * v['loop_share']:.0f}% of the loop, a 10 ms timer late "
+                             f"by p99 {v['lag_p99_ms']:.0f} ms (max {v['lag_max_ms']:.0f})"
+                             for name, v in stream.items())
+                 + " (bench/control_publish.py)")
     print(lines[-1], flush=True)
     stall_inline, stall_thread = loop_stalls(fleet(top, args.models))
     lines.append(f"event loop stall behind one pass (10% missing, {top:,} nodes): on the loop "

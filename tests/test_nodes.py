@@ -23,7 +23,7 @@ async def test_replicas_of_an_absent_node_leave_the_router_and_come_back_with_it
     store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
     mirror = Mirror(store)
     table = RouteTable()
-    Publisher(mirror, table, SecretRing("nodes-test-secret-0123456789"))
+    Publisher(mirror, table, SecretRing("nodes-test-secret-0123456789"), timer=lambda: 0.0)
     mirror.start()
 
     async def write(key: str, value: s.BaseModel | None) -> None:
