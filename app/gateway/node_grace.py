@@ -28,6 +28,7 @@ class NodeGrace:
         self._clock = clock
         self._wake = wake  # asks for a publish: called once a grace ends
         self._present: frozenset[str] = frozenset()
+        self._seen: Collection[str] | None = None  # what `_present` was taken from
         self._missing_since: dict[str, float] = {}
         self._timer: asyncio.TimerHandle | None = None
 
@@ -35,11 +36,13 @@ class NodeGrace:
         """Of the nodes not in `nodes` (the keys there now), those still
         held: present at an earlier call and gone less than `grace` ago."""
         now = self._clock()
-        for name in self._present.difference(nodes):
-            self._missing_since.setdefault(name, now)
-        for name in nodes:
-            self._missing_since.pop(name, None)
-        self._present = frozenset(nodes)
+        if nodes is not self._seen:  # the mirror's view: a new one when a node changes
+            for name in self._present.difference(nodes):
+                self._missing_since.setdefault(name, now)
+            for name in [n for n in self._missing_since if n in nodes]:
+                del self._missing_since[name]
+            self._present = frozenset(nodes)
+            self._seen = nodes
         held = set()
         for name, since in list(self._missing_since.items()):
             if now - since < self._grace:
