@@ -79,6 +79,7 @@ class Publisher:
         self._routed = Routed(secrets.engine_key)
         # The catalog as last built, and the models view it was built from.
         self._catalog: tuple[object, tuple[CatalogEntry, ...]] = (None, ())
+        self._entries: dict[str, tuple[s.StoredModel, CatalogEntry]] = {}
         # Of that view, the external models and the adapters, in name order.
         self._externals: list[tuple[str, s.StoredModel]] = []
         self._adapters: list[tuple[str, s.StoredModel]] = []
@@ -169,13 +170,15 @@ class Publisher:
         revision = m.revision
         models = m.models()
         if self._catalog[0] is not models:  # the view is replaced when a model changes
-            self._catalog = (models, tuple(
-                CatalogEntry(name, tuple(spec.aliases), int(spec.created),
-                             spec.adapter.base if spec.adapter is not None else "")
-                for name, spec in sorted(models.items())))
-            self._externals = [(n, sp) for n, sp in sorted(models.items())
+            # An entry per model spec, kept while the spec is the same object.
+            was = self._entries
+            self._entries = {name: kept if (kept := was.get(name)) is not None
+                             and kept[0] is spec else (spec, _entry(name, spec))
+                             for name, spec in models.items()}
+            self._catalog = (models, tuple(e for _, e in self._entries.values()))
+            self._externals = [(n, sp) for n, sp in models.items()  # in key order
                                if sp.external is not None]
-            self._adapters = [(n, sp) for n, sp in sorted(models.items())
+            self._adapters = [(n, sp) for n, sp in models.items()
                               if sp.adapter is not None]
         catalog = self._catalog[1]
         nodes = m.nodes()
@@ -264,17 +267,32 @@ class Publisher:
         if fingerprint == self._last:
             self.published_revision = revision
             return False
+        # Only what changed is set again (a catalog edit rebuilt the
+        # endpoints' table at 10,000 nodes: ~6 ms).
+        last = self._last or (None,) * len(fingerprint)
         self._last = fingerprint
-        self._table.set_catalog(catalog)
-        self._table.set_endpoints(endpoints)
-        self._table.set_client_keys(grants)
-        self._table.set_unavailable(unavailable)
-        self._table.set_holdable(holdable)
-        self._table.set_overflow(dict(overflow))
+        t = self._table
+        if catalog != last[0]:
+            t.set_catalog(catalog)
+        if endpoints != last[1]:
+            t.set_endpoints(endpoints)
+        if grants != last[2]:
+            t.set_client_keys(grants)
+        if unavailable != last[3]:
+            t.set_unavailable(unavailable)
+        if holdable != last[4]:
+            t.set_holdable(holdable)
+        if overflow != last[5]:
+            t.set_overflow(dict(overflow))
         self.published_revision = revision
         logger.debug("published %d models, %d endpoints",
                      len(catalog), sum(len(v) for v in endpoints.values()))
         return True
+
+
+def _entry(name: str, spec: s.StoredModel) -> CatalogEntry:
+    return CatalogEntry(name, tuple(spec.aliases), int(spec.created),
+                        spec.adapter.base if spec.adapter is not None else "")
 
 
 def _adapter_endpoints(models: Mapping[str, s.StoredModel],
