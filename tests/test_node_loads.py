@@ -307,6 +307,27 @@ async def test_a_fleet_larger_than_the_rate_is_asked_less_often_in_slices(
         await client.close()
 
 
+async def test_a_silent_node_is_warned_of_once_and_forgotten_once_gone(
+    servers: Callable[[str, str], Any], caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock(100.0)
+    table = RouteTable(clock=clock)
+    table.set_endpoints({"m": [Endpoint("r1", DEAD, "ek")]})
+    client = UpstreamClient(0.25)
+    poller = EngineLoadPoller(table, lambda: client, clock=clock, directory=Directory(
+        {"r1": NodeAgent("n1", DEAD, ("tok",))}))
+    try:
+        for _ in range(3):
+            await poller.poll()
+        assert caplog.text.count("node n1: engine loads not read") == 1
+        # The node leaves the fleet: nothing of it is kept (months of churn).
+        table.set_endpoints({})
+        await poller.poll()
+        assert poller._failing == set()
+    finally:
+        await client.close()
+
+
 async def test_a_large_answer_under_the_cap_is_read_whole(
     servers: Callable[[str, str], Any],
 ) -> None:

@@ -161,6 +161,8 @@ class EngineLoadPoller:
                 by_node.setdefault(agent, []).append(ep)
             else:
                 direct.append(ep)
+        # A node gone from the fleet is forgotten (nodes come and go for months).
+        self._failing.intersection_update(a.node for a in by_node)
         jobs: list[Callable[[UpstreamClient, asyncio.Semaphore, _Round], Awaitable[None]]] = [
             *(partial(self._read_node, agent=a, eps=node_eps) for a, node_eps in by_node.items()),
             *(partial(self._read_engine, ep=ep) for ep in direct)]
