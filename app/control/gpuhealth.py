@@ -35,6 +35,13 @@ def sick_by_node(nodes: Mapping[str, s.NodeInfo], confs: Mapping[str, s.NodeConf
     """Node -> its sick GPUs, for the nodes that have some."""
     out = {}
     for name, node in nodes.items():
+        # Most nodes have no GPU reported unhealthy: a look at each, no
+        # dict built (10,000 nodes: ~35 ms of a pass went to building them).
+        for g in node.gpus:
+            if g.health == "unhealthy":
+                break
+        else:
+            continue
         sick = sick_gpus(node, confs.get(name))
         if sick:
             out[name] = sick
