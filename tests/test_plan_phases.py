@@ -9,9 +9,7 @@ from app.control.plan_phases import (
     Mine,
     Plan,
     Trimmed,
-    orphans,
     placing_order,
-    ready_replicas,
     sort_out,
     sweep,
     trim,
@@ -56,14 +54,20 @@ def test_ready_means_reported_ready_on_a_node_heard_from() -> None:
     statuses = {"a": s.ReplicaStatus(id="a", node="n1", phase="ready"),
                 "b": s.ReplicaStatus(id="b", node="n1", phase="starting"),
                 "c": s.ReplicaStatus(id="c", node="away", phase="ready")}
-    assert ready_replicas(live, {"n1": gpu_node("n1", 2)}, statuses) == {"a"}
+    swept = sweep(live, {"n1": gpu_node("n1", 2)}, absent_for={}, node_grace=60.0,
+                  inflight={}, now=0.0, drain_seconds=10.0, statuses=statuses)
+    assert swept.ready == {"a"} and sorted(swept.live) == ["a", "b", "c", "d"]
 
 
 def test_orphans_are_the_replicas_of_a_deleted_or_external_model_not_yet_draining() -> None:
     live = {"z": rep("z", model="deleted"), "x": rep("x", model="ext"),
             "m": rep("m"), "d": rep("d", model="deleted", draining_since=1.0)}
     models = {"m": model("m"), "ext": s.StoredModel(name="ext")}
-    assert orphans(live, models) == ["x", "z"]
+    swept = sweep(live, {"n1": gpu_node("n1", 4)}, absent_for={}, node_grace=60.0,
+                  inflight={}, now=2.0, drain_seconds=10.0, models=models)
+    assert swept.orphans == ["x", "z"]
+    # Each model's replicas, draining ones included, in the order given.
+    assert swept.by_model == {"deleted": ["z", "d"], "ext": ["x"], "m": ["m"]}
 
 
 def test_models_are_placed_by_their_first_profile_s_priority_then_name_external_ones_not() -> None:

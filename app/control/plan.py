@@ -20,10 +20,7 @@ from app.control.gpuhealth import on_sick_gpu, sick_by_node
 from app.control.placement import Placer
 from app.control.plan_phases import (
     Plan,
-    orphans,
     placing_order,
-    ready_replicas,
-    replicas_by_model,
     sort_out,
     sweep,
     trim,
@@ -139,18 +136,19 @@ def plan(
                                "agent_versions": agent_window}
     out = Plan()
     swept = sweep(replicas, nodes, absent_for=absent_for or {}, node_grace=node_grace,
-                  inflight=inflight or {}, now=now, drain_seconds=drain_seconds)
+                  inflight=inflight or {}, now=now, drain_seconds=drain_seconds,
+                  statuses=statuses or {}, models=models)
     out.delete += swept.delete
     live = swept.live
-    ready = ready_replicas(live, nodes, statuses or {})
-    out.drain += orphans(live, models)
+    ready = swept.ready
+    out.drain += swept.orphans
     sick = sick_by_node(nodes, confs)
 
     # Indexes built once, not per model (docs/architecture.md, Scale): the
     # replicas by model (a model's own are added to `live` only while it is
     # planned; others' only change their draining_since), and the fleet's
     # fits, kept up to date as replicas are placed.
-    by_model = replicas_by_model(live)
+    by_model = swept.by_model
     bases = lora_bases(models)  # once a pass: adapters_of() per replica scanned the catalog
     fleet = Fleet(models, nodes, live, Placer(nodes, live, **fitting), fitting, now, bases,
                   by_model=by_model)

@@ -38,74 +38,75 @@ class Plan:
 
 @dataclass
 class Swept:
-    """The replicas the rest of the pass counts (`live`), and those to
-    delete (`delete`, in the order of the replicas given)."""
+    """What a pass's one walk of the replicas found: those the rest of the
+    pass counts (`live`), those to delete (`delete`, in the order of the
+    replicas given), the live ones ready as the router sees them (`ready`),
+    those to drain as their model went (`orphans`, by id), and each model's
+    live replicas (`by_model`, draining ones included, in `live`'s order).
+    One walk, not four: at 10,000 nodes each walk of 20,000 replicas was
+    10-25 ms of the pass."""
 
     live: dict[str, s.Replica]
     delete: list[str]
+    ready: set[str] = field(default_factory=set)
+    orphans: list[str] = field(default_factory=list)
+    by_model: dict[str, list[str]] = field(default_factory=dict)
 
 
 def sweep(replicas: Mapping[str, s.Replica], nodes: Mapping[str, s.NodeInfo], *,
           absent_for: Mapping[str, float], node_grace: float, inflight: Mapping[str, int],
-          now: float, drain_seconds: float) -> Swept:
+          now: float, drain_seconds: float,
+          statuses: Mapping[str, s.ReplicaStatus] | None = None,
+          models: Mapping[str, s.StoredModel] | None = None) -> Swept:
     """Deletes the replicas of a node absent (`absent_for`) past `node_grace`,
     left out of `live`, and the draining replicas whose drain is over: none
     in flight by `inflight`, or `drain_seconds` since it began. Those stay in
-    `live` for the rest of the pass, their GPUs still counted as taken."""
+    `live` for the rest of the pass, their GPUs still counted as taken.
+
+    Ready: reported ready (`statuses`), on a node heard from. Orphans: not
+    draining yet, their model deleted from `models` or turned external."""
     out = Swept({}, [])
+    live, delete, ready, by_model = out.live, out.delete, out.ready, out.by_model
+    sts = statuses or {}
+    gone: dict[str, bool] = {}  # per model, not per replica
+    orphaned_ids = []
     for rid, r in replicas.items():
-        if r.node not in nodes and absent_for.get(r.node, 0.0) >= node_grace:
+        node = r.node
+        heard = node in nodes
+        if not heard and absent_for.get(node, 0.0) >= node_grace:
             # Gone past its grace: nothing there to drain, nothing routes to it.
-            out.delete.append(rid)
+            delete.append(rid)
             continue
-        out.live[rid] = r
-        if r.draining_since is not None and (
-                inflight.get(rid) == 0 or now - r.draining_since >= drain_seconds):
-            out.delete.append(rid)
+        live[rid] = r
+        model = r.model
+        ids = by_model.get(model)
+        if ids is None:
+            by_model[model] = [rid]
+        else:
+            ids.append(rid)
+        if heard and (st := sts.get(rid)) is not None and st.phase == "ready":
+            ready.add(rid)
+        if r.draining_since is not None:
+            if inflight.get(rid) == 0 or now - r.draining_since >= drain_seconds:
+                delete.append(rid)
+        elif models is not None:
+            orphaned = gone.get(model)
+            if orphaned is None:
+                spec = models.get(model)
+                orphaned = gone[model] = spec is None or not _placed(spec)
+            if orphaned:
+                orphaned_ids.append(rid)
+    out.orphans = sorted(orphaned_ids)
     return out
 
 
-def ready_replicas(live: Mapping[str, s.Replica], nodes: Mapping[str, s.NodeInfo],
-                   statuses: Mapping[str, s.ReplicaStatus]) -> set[str]:
-    """The replicas ready as the router sees them: reported ready, on a node
-    heard from."""
-    return {rid for rid, r in live.items()
-            if (st := statuses.get(rid)) is not None and st.phase == "ready"
-            and r.node in nodes}
-
-
-# --- 2. orphans: replicas whose model went ----------------------------------------
+# --- 2. orphans (found by the sweep): replicas whose model went --------------------
 
 
 def _placed(spec: s.StoredModel) -> bool:
     """Whether the model runs on the fleet's engines (else it is external:
     served by its provider, nothing to place)."""
     return spec.model is not None and bool(spec.profile_list)
-
-
-def orphans(live: Mapping[str, s.Replica], models: Mapping[str, s.StoredModel]) -> list[str]:
-    """The replicas not draining yet whose model was deleted or turned
-    external, by id: each drains."""
-    gone: dict[str, bool] = {}  # per model, not per replica
-    out = []
-    for rid, r in live.items():
-        if r.draining_since is not None:
-            continue
-        orphaned = gone.get(r.model)
-        if orphaned is None:
-            spec = models.get(r.model)
-            orphaned = gone[r.model] = spec is None or not _placed(spec)
-        if orphaned:
-            out.append(rid)
-    return sorted(out)
-
-
-def replicas_by_model(live: Mapping[str, s.Replica]) -> dict[str, list[str]]:
-    """Each model's replicas, draining ones included, in `live`'s order."""
-    out: dict[str, list[str]] = {}
-    for rid, r in live.items():
-        out.setdefault(r.model, []).append(rid)
-    return out
 
 
 # --- 3. the models in the order they are served -----------------------------------
