@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 # opens more sockets at once.
 _AT_ONCE = 64
 # The most nodes (or engines of older agents) a gateway process asks a
-# second: at ~50 us of CPU an ask (bench/load_poll.py), a tenth of a core.
+# second: at ~130-150 us of CPU an ask (bench/load_poll.py; ~220-360 through
+# aiohttp), about 0.3 of a core at this bound.
 RATE = 2000.0
 # A round's asks go out in slices this long apart, not in one burst.
 SLICE = 0.1
