@@ -44,6 +44,9 @@ _RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAP
 
 # The most of the event loop publishing takes while changes stream in.
 SHARE = 0.2
+# Keys an operator writes (the catalog, client keys): published
+# at once, never paced.
+_EDITS = (s.MODELS, s.KEYS)
 
 
 class Publisher:
@@ -72,6 +75,7 @@ class Publisher:
         self.share = share
         self._timer = timer
         self._quiet_until = 0.0
+        self._urgent = False  # the publish scheduled is an edit's, not paced
         self._seen_others = False  # another gateway's registration was ever seen
         self._last: tuple[object, ...] = ()
         # Each replica's outcome, kept between publishes and worked out
@@ -116,20 +120,24 @@ class Publisher:
             self.publish_peer_inflight()
         if not any(k.startswith(_RELEVANT) for k in keys):
             return
-        self._schedule()
+        self._schedule(urgent=any(k.startswith(_EDITS) for k in keys))
 
-    def _schedule(self) -> None:
+    def _schedule(self, urgent: bool = False) -> None:
         """A publish soon: every change until it runs goes into it (a resync,
-        a transaction, a burst). At once after a quiet spell; under a stream
-        of changes, no sooner than the last publish's cost allows, so that
-        publishing takes at most `share` of the event loop: 10,000 agents
-        report about 300 changes a second, each publish there takes ~70 ms,
-        and publishing at each change would take the whole loop (the
-        router's requests waiting behind it). docs/architecture.md, Scale."""
+        a transaction, a burst). At once after a quiet spell, or for an
+        operator's edit (`urgent`: rare, and awaited by whoever made it);
+        under a stream of the fleet's changes, no sooner than the last
+        publish's cost allows, so that publishing takes at most `share` of
+        the event loop: 10,000 agents report about 300 changes a second,
+        and a publish at each would take most of the loop (the router's
+        requests waiting behind it). docs/architecture.md, Scale."""
         if self._scheduled is not None:
-            return
+            if not urgent or self._urgent:
+                return
+            self._scheduled.cancel()  # paced: sooner now
+        self._urgent = urgent
         loop = asyncio.get_running_loop()
-        wait = self._quiet_until - self._timer()
+        wait = 0.0 if urgent else self._quiet_until - self._timer()
         self._scheduled = (loop.call_later(wait, self.publish) if wait > 0
                            else loop.call_soon(self.publish))
 
