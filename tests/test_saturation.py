@@ -19,7 +19,8 @@ from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.scaling import Scaler, wanted_now
 from app.control.usage import Queue, UsagePublisher, replica_loads, replica_queues
-from app.gateway.publish import LastUse, Publisher, RouterUsage
+from app.gateway.publish import Publisher
+from app.gateway.router_usage import LastUse, RouterUsage
 from app.router.choice import EngineLoad
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore

@@ -15,7 +15,8 @@ from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.scaling import Scaler, desired
 from app.control.usage import UsagePublisher, replica_loads
-from app.gateway.publish import LastUse, Publisher, RouterUsage
+from app.gateway.publish import Publisher
+from app.gateway.router_usage import LastUse, RouterUsage
 from app.router.choice import EngineLoad
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore

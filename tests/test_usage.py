@@ -6,7 +6,7 @@ from __future__ import annotations
 from app.control import state as s
 from app.control.mirror import Mirror
 from app.control.usage import Queue, UsagePublisher, drain_inflight, last_used
-from app.gateway.publish import LastUse
+from app.gateway.router_usage import LastUse
 from app.store.embedded import EmbeddedStore
 
 

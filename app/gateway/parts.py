@@ -40,8 +40,9 @@ from app.control.usage import UsagePublisher
 from app.gateway.key_shares import KeyShares
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.node_agents import NodeAgents
-from app.gateway.publish import LastUse, Publisher, RouterUsage
+from app.gateway.publish import Publisher
 from app.gateway.request_series import RequestSeries
+from app.gateway.router_usage import LastUse, RouterUsage
 from app.gateway.settings import Settings
 from app.gateway.stopping import ended
 from app.router.proxy import Proxy

@@ -29,11 +29,9 @@ from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.control.placement import NoFit, Placer
-from app.control.usage import Queue
 from app.gateway.node_grace import NodeGrace
 from app.gateway.routed import Routed
 from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
-from app.router.proxy import RequestObserver
 from app.router.table import RouteTable
 
 logger = logging.getLogger(__name__)
@@ -341,69 +339,3 @@ def _starts_on_use(spec: s.StoredModel) -> bool:
     rng = spec.replica_range
     return (spec.external is None and rng.min == 0 and rng.max > 0
             and spec.idle_timeout is not None)
-
-
-class LastUse:
-    """The proxy's request observer: notes when each model was last asked
-    for (at the request's end, so a long stream counts until it ends), then
-    passes the request on to `then` (the metrics). On the request path: one
-    dict write."""
-
-    def __init__(self, then: RequestObserver | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
-        self._then = then
-        self._wall = wall
-        self.by_model: dict[str, float] = {}
-
-    def observe(self, model: str, status: int, seconds: float,
-                first_byte: float | None = None, prompt: int = 0,
-                completion: int = 0) -> None:
-        # Every request that named a catalog model counts, a 503 for want of
-        # a replica included: it asked for the model (docs/architecture.md,
-        # Reconciler). An unknown model's label is dropped by the snapshot,
-        # which keeps catalog models only.
-        self.by_model[model] = self._wall()
-        if self._then is not None:
-            self._then.observe(model, status, seconds, first_byte, prompt, completion)
-
-    def prompt_counted(self, model: str, tokens: int) -> None:
-        if self._then is not None:
-            self._then.prompt_counted(model, tokens)
-
-    def continued(self, model: str, outcome: str) -> None:
-        if self._then is not None:
-            self._then.continued(model, outcome)
-
-
-class RouterUsage:
-    """The router as the usage publisher reads it (app/control/usage.py's
-    `UsageSource`)."""
-
-    def __init__(self, table: RouteTable, last_use: LastUse, publisher: Publisher) -> None:
-        self._table = table
-        self._last_use = last_use
-        self._publisher = publisher
-
-    def inflight_by_replica(self) -> dict[str, int]:
-        return self._table.inflight_by_replica()
-
-    def last_used_by_model(self) -> dict[str, float]:
-        return dict(self._last_use.by_model)
-
-    def held_by_model(self) -> dict[str, int]:
-        return self._table.held()
-
-    def routed_revision(self) -> int:
-        return self._publisher.published_revision
-
-    def engine_loads(self) -> dict[str, float]:
-        # Waiting requests count as load: they are what another replica would take.
-        return {rid: load.running + load.waiting
-                for rid, load in self._table.fresh_loads().items()}
-
-    def engine_queues(self) -> dict[str, Queue]:
-        return {rid: Queue(load.waiting, load.kv_cache)
-                for rid, load in self._table.fresh_loads().items()}
-
-    def adapter_inflight(self) -> dict[str, int]:
-        return self._table.adapter_inflight()
