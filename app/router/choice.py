@@ -33,6 +33,7 @@ import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # A replica is saturated when this many requests wait in its engine, or its
 # KV cache is this full: the engine admits nothing more, a new request only
@@ -53,9 +54,9 @@ SERIAL_SATURATED = 3
 RING_POINTS = 64
 
 
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """An engine's own counts, as last scraped from its /metrics."""
+class EngineLoad(NamedTuple):
+    """An engine's own counts, as last scraped from its /metrics (a named
+    tuple, made per replica at each poll: see app/wire/loads.py's Counts)."""
 
     running: float
     waiting: float

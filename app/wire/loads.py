@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 LOADS_PATH = "/node/v1/loads"
 # The most a gateway reads of an agent's answer: ~80 bytes a replica, so
@@ -33,9 +32,10 @@ _WAITING = "vllm:num_requests_waiting"
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second before 0.9
 
 
-@dataclass(frozen=True, slots=True)
-class Counts:
-    """One engine's own figures."""
+class Counts(NamedTuple):
+    """One engine's own figures. A named tuple: made for every replica of
+    every node a gateway asks, and a frozen dataclass costs three times as
+    much to make (bench/load_poll.py)."""
 
     running: float
     waiting: float
@@ -113,11 +113,11 @@ def read_loads_answer(body: bytes) -> dict[str, tuple[Counts, float]]:
     for rid, fig in loads.items():
         if type(fig) is not dict:
             raise BadAnswer(f"{rid[:64]!r}: not an object")
-        got = fig.get("running"), fig.get("waiting"), fig.get("kv"), fig.get("age_s")
-        if not (type(got[0]) in _NUMBER and type(got[1]) in _NUMBER
-                and type(got[2]) in _NUMBER and type(got[3]) in _NUMBER):
+        f: Any = fig  # each figure's type is checked below, as mypy cannot follow
+        r, w, kv, age = f.get("running"), f.get("waiting"), f.get("kv"), f.get("age_s")
+        if not (type(r) in _NUMBER and type(w) in _NUMBER and type(kv) in _NUMBER
+                and type(age) in _NUMBER):
             raise BadAnswer(f"{rid[:64]!r}: running, waiting, kv, age_s must be numbers >= 0")
-        r, w, kv, age = cast(tuple[float, float, float, float], got)
         if not (0 <= r < _INF and 0 <= w < _INF and 0 <= kv < _INF and 0 <= age < _INF):
             raise BadAnswer(f"{rid[:64]!r}: running, waiting, kv, age_s must be numbers >= 0")
         if kv > 1.0:
