@@ -121,9 +121,11 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
            ready_first: float = 0.0, worker: tuple[int, int] | None = None) -> None:
     import uvicorn
 
+    from app.gateway import fdlimit
     from app.gateway.main import create_app
     from app.gateway.slowclients import protocol
 
+    fdlimit.raise_soft()
     app = create_app(settings, campaign=campaign, ready_first=ready_first, worker=worker)
     gateway = app.state.gateway
 
