@@ -82,9 +82,10 @@ class Publisher:
         # The catalog as last built, and the models view it was built from.
         self._catalog: tuple[object, tuple[CatalogEntry, ...]] = (None, ())
         self._entries: dict[str, tuple[s.StoredModel, CatalogEntry]] = {}
-        # Of that view, the external models and the adapters, in name order.
-        self._externals: list[tuple[str, s.StoredModel]] = []
-        self._adapters: list[tuple[str, s.StoredModel]] = []
+        # Of that view, in name order: each external model's provider, and
+        # each adapter's base.
+        self._externals: list[tuple[str, s.External]] = []
+        self._adapters: list[tuple[str, str]] = []
         # The key grants as last built: the client keys' view and the
         # gateway count they were built from.
         self._grants: tuple[object, int, dict[str, KeyGrant]] = (None, 0, {})
@@ -182,9 +183,9 @@ class Publisher:
                              and kept[0] is spec else (spec, _entry(name, spec))
                              for name, spec in models.items()}
             self._catalog = (models, tuple(e for _, e in self._entries.values()))
-            self._externals = [(n, sp) for n, sp in models.items()  # in key order
+            self._externals = [(n, sp.external) for n, sp in models.items()  # key order
                                if sp.external is not None]
-            self._adapters = [(n, sp) for n, sp in models.items()
+            self._adapters = [(n, sp.adapter.base) for n, sp in models.items()
                               if sp.adapter is not None]
         catalog = self._catalog[1]
         nodes = m.nodes()
@@ -201,10 +202,7 @@ class Publisher:
         why = dict(self._routed.why)
         coming = set(self._routed.coming)  # models with a replica loading on a live node
         key_files: set[str] = set()
-        for name, spec in self._externals:
-            ext = spec.external
-            if ext is None:  # never: the list holds external models
-                continue
+        for name, ext in self._externals:
             key = ""
             if ext.api_key_file is not None:
                 key_files.add(ext.api_key_file)
@@ -302,17 +300,14 @@ def _entry(name: str, spec: s.StoredModel) -> CatalogEntry:
 
 
 def _adapter_endpoints(models: Mapping[str, s.StoredModel],
-                       adapters: list[tuple[str, s.StoredModel]],
+                       adapters: list[tuple[str, str]],
                        sets: Mapping[str, s.AdapterSet],
                        endpoints: dict[str, list[Endpoint]], why: dict[str, list[str]],
                        coming: set[str]) -> None:
     """Each LoRA adapter's endpoints: its base's ready replicas that the
     leader has loaded it on (`adapters/{name}`), asked for it by name
     (docs/architecture.md, LoRA adapters)."""
-    for name, spec in adapters:
-        if spec.adapter is None:  # never: the list holds adapters
-            continue
-        base = spec.adapter.base
+    for name, base in adapters:
         loaded = set(sets[name].replicas) if name in sets else set()
         eps = [replace(ep, upstream_model=name, adapter=name)
                for ep in endpoints.get(base, ()) if ep.replica_id in loaded]
