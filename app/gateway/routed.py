@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from app.control import state as s
 from app.router.entries import Endpoint
 
-# A routed replica's endpoint, what it was made of (the mirror's parsed
-# values: the same objects while their keys do not change), its model, node.
-_Made = tuple[s.Replica, s.ReplicaStatus, s.StoredModel, Endpoint, str, str]
+# A routed replica: what its endpoint was made of (the mirror's parsed
+# values: the same objects while their keys do not change), and the endpoint.
+_Made = tuple[s.Replica, s.ReplicaStatus, s.StoredModel, Endpoint]
 
 # Past this many keys changed since the last update, walk every replica: a
 # resync reports every key it found changed.
@@ -170,7 +170,7 @@ class Routed:
                  held: frozenset[str], was: _Made | None) -> _Outcome:
         out = _Outcome(rep.model, rep.node)
         if (was is not None and was[0] is rep and was[1] is st
-                and models.get(was[4]) is was[2] and (was[5] in nodes or was[5] in held)):
+                and models.get(rep.model) is was[2] and (rep.node in nodes or rep.node in held)):
             # Routed last time, and nothing it is made of changed (its node
             # still heard from): no field read again, no engine key derived.
             out.made = was
@@ -194,5 +194,5 @@ class Routed:
                 rid, st.url, self._engine_key(rid, rep.secret),
                 priority=prof.priority if prof else 0,
                 weight=prof.weight if prof else 1.0, engine=rep.engine)
-            out.made = (rep, st, spec, ep, rep.model, rep.node)
+            out.made = (rep, st, spec, ep)
         return out
