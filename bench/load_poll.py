@@ -38,8 +38,11 @@ import aiohttp
 import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import peers  # noqa: E402
 
 from app.router.engine_load import EngineLoadPoller, NodeAgent  # noqa: E402
 from app.router.entries import Endpoint  # noqa: E402
@@ -97,17 +100,6 @@ class Directory:
         return self._agents
 
 
-def free_ports(n: int) -> list[int]:
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 async def measure(nodes: int, ports: list[int], rounds: int, baseline: bool,
                   ) -> tuple[float, float]:
     """(CPU us per node asked, wall s of the slowest round); `baseline`:
@@ -148,7 +140,10 @@ def main() -> None:
     p.add_argument("--ports", type=int, default=8)
     args = p.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
-    ports = free_ports(args.ports)
+    found: set[int] = set()
+    while len(found) < args.ports:  # one stand-in process listens on them all
+        found.add(peers.free_port())
+    ports = sorted(found)
     figures = {f"r-0-{g}": {"running": 1.0, "waiting": 0.0, "kv": 0.1, "age_s": 0.2}
                for g in range(GPUS)}
     body = json.dumps(loads_answer("node", {}) | {"loads": figures})
