@@ -106,10 +106,7 @@ async def _feed(mirror: Mirror, f: Any, ids: list[str], rate: float, began: floa
     async def feed() -> int:
         i, rev = 0, revision
         while loop.time() < end:
-            rid = ids[i % len(ids)]
-            v = f.statuses[rid].model_copy(update={"detail": f"report {i}"})
-            mirror.apply(WatchBatch([Event("put", s.STATUS + rid, v.model_dump_json().encode(),
-                                           rev, create_revision=1)], rev))
+            mirror.apply(put(*report(f, ids[i % len(ids)], i), rev))
             rev += 1
             i += 1
             await asyncio.sleep(max(0.0, began + i / rate - loop.time()))
@@ -119,6 +116,17 @@ async def _feed(mirror: Mirror, f: Any, ids: list[str], rate: float, began: floa
     return rev
 
 
+def report(f: Any, rid: str, i: int) -> tuple[str, bytes]:
+    """Replica `rid`'s status, its detail changed (its agent's `i`th report)."""
+    v = f.statuses[rid].model_copy(update={"detail": f"report {i}"})
+    return s.STATUS + rid, v.model_dump_json().encode()
+
+
+def put(key: str, value: bytes, revision: int) -> WatchBatch:
+    """One put, a watch batch of its own."""
+    return WatchBatch([Event("put", key, value, revision, create_revision=1)], revision)
+
+
 def publish_times(f: Any, repeat: int = 5) -> dict[str, float]:
     """Median ms of apply + publish per kind of change; `f`: a control_scale.Fleet."""
     mirror = loaded(f)
@@ -126,10 +134,9 @@ def publish_times(f: Any, repeat: int = 5) -> dict[str, float]:
 
     def changed(kind: str, i: int) -> tuple[str, bytes]:
         if kind == "status":
-            v: Any = f.statuses[status_id].model_copy(update={"detail": f"report {i}"})
-            return s.STATUS + status_id, v.model_dump_json().encode()
+            return report(f, status_id, i)
         if kind == "node":
-            v = f.nodes[node].model_copy(update={"memory_mib": 1000 + i})
+            v: Any = f.nodes[node].model_copy(update={"memory_mib": 1000 + i})
             return s.NODES + node, v.model_dump_json().encode()
         v = f.models[model].model_copy(update={"aliases": [f"edit-{i}"]})
         return s.MODELS + model, v.model_dump_json().encode()
@@ -146,8 +153,7 @@ def publish_times(f: Any, repeat: int = 5) -> dict[str, float]:
             for i in range(repeat):
                 key, value = changed(kind, i)
                 start = time.perf_counter()
-                mirror.apply(WatchBatch([Event("put", key, value, revision,
-                                               create_revision=1)], revision))
+                mirror.apply(put(key, value, revision))
                 publisher.publish()
                 times.append((time.perf_counter() - start) * 1000)
                 revision += 1
