@@ -34,8 +34,8 @@ _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second be
 
 class Counts(NamedTuple):
     """One engine's own figures. A named tuple: made for every replica of
-    every node a gateway asks, and a frozen dataclass costs three times as
-    much to make (bench/load_poll.py)."""
+    every node a gateway asks, and a frozen dataclass cost twice as much to
+    make (timeit: 1.4 us against 0.7)."""
 
     running: float
     waiting: float
