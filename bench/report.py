@@ -128,8 +128,12 @@ def render(figures: list[Figures], args: argparse.Namespace, load_before: tuple[
                 "`gc.freeze()` after setup (bench/gcprobe, `--gc-tune`); app/ unchanged.", ""]
     llmgw = views.get("llmgw")
     if llmgw is not None and floor is not None:
-        out += ["## The issue's goal, checked on this run", "", *goal(llmgw, floor, args)]
+        out += ["## The floor's goal, checked on this run", "", *goal(llmgw, floor, args)]
         out.append("")
+    rust = views.get("vllm-router")
+    if llmgw is not None and rust is not None:
+        out += ["## Rust-class goal: against vllm-router, checked on this run", "",
+                *rust_goal(llmgw, rust), ""]
     if prof:
         out += ["## Profile: llmgw's gateway under wrk at c=256 (py-spy)", "", "```", prof,
                 "```", ""]
@@ -157,6 +161,22 @@ def goal(g: View, fl: View, args: argparse.Namespace) -> list[str]:
     return [f"- [{'x' if ok else ' '}] {what}" for what, ok in checks]
 
 
+def rust_goal(g: View, r: View) -> list[str]:
+    """The goal set against the Rust router: its requests per second on one
+    core, its p99 at c=256, and its added p50 at c=1 within 0.05 ms."""
+    checks: list[tuple[str, bool]] = [
+        (f"req/s at c=64 >= vllm-router's: {g.rps64:,.0f} vs {r.rps64:,.0f} "
+         f"({g.rps64 / r.rps64:.2f}x)", g.rps64 >= r.rps64),
+        (f"req/s at c=256 >= vllm-router's: {g.rps256:,.0f} vs {r.rps256:,.0f} "
+         f"({g.rps256 / r.rps256:.2f}x)", g.rps256 >= r.rps256),
+        (f"p99 at c=256 <= vllm-router's: {g.p99_256:.1f} vs {r.p99_256:.1f} ms",
+         g.p99_256 <= r.p99_256),
+        (f"added p50 at c=1 within 0.05 ms of vllm-router's: {g.add_p50:.2f} vs "
+         f"{r.add_p50:.2f} ms", g.add_p50 <= r.add_p50 + 0.05),
+    ]
+    return [f"- [{'x' if ok else ' '}] {what}" for what, ok in checks]
+
+
 def summary_line(views: dict[str, Any]) -> str:
     nan = float("nan")
 
@@ -180,4 +200,8 @@ def summary_line(views: dict[str, Any]) -> str:
             f"floor_added_p50_ms={x(get('floor', 'add_p50'))} "
             f"ttft_added_p99_ms={x(get('llmgw', 'ttft_add99'))} "
             f"clean_streams={n(get('llmgw', 'clean'))} "
+            f"vllmrouter_rps_c64={n(get('vllm-router', 'rps64'))} "
+            f"vllmrouter_rps_c256={n(get('vllm-router', 'rps256'))} "
+            f"vllmrouter_p99_c256_ms={x(get('vllm-router', 'p99_256'))} "
+            f"vllmrouter_added_p50_ms={x(get('vllm-router', 'add_p50'))} "
             f"litellm_rps_c64={n(get('litellm', 'rps64'))}")
