@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from app.router.answer_usage import answer_usage
 from app.router.budget import ExternalBudget
 from app.router.entries import NO_LIMITS, Limits
 from app.router.estimates import ask_for_usage as ask_for_usage
@@ -323,8 +324,7 @@ class Ticket:
             self._limiter._finish(self)
 
     def note(self, usage: Any) -> None:
-        """Takes OpenAI's `usage` object, if it is one. A later one replaces an
-        earlier one: with vLLM's continuous usage stats each is cumulative."""
+        """Takes OpenAI's `usage` object, if one; a later one replaces an earlier (cumulative)."""
         if not isinstance(usage, dict):
             return
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # or the Responses API's
@@ -346,15 +346,15 @@ class Ticket:
                 body = zlib.decompress(body, wbits=47)  # gzip or zlib, by its header
             except zlib.error:
                 return raw
+        if self.rename is None or encoding is not None:
+            self.note(answer_usage(body))  # the usage alone decoded, not the answer
+            return raw
         try:
             answer = json.loads(body)
         except (ValueError, UnicodeDecodeError):
             return raw
-        if isinstance(answer, dict):
-            self.note(answer.get("usage"))
-        if self.rename is not None and encoding is None:
-            return renamed_answer(answer, raw, self.rename)
-        return raw
+        self.note(answer.get("usage") if isinstance(answer, dict) else None)
+        return renamed_answer(answer, raw, self.rename)
 
     def read_events(self, chunk: bytes) -> bytes:
         """Notes the usage in `chunk` (whole SSE events) and returns what the
