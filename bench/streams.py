@@ -28,7 +28,8 @@ share of its core, the stand-in's and the client's, over the step's wall
 time; when the load side's two (on one core) pass 0.9, the step measures the
 load side, and the row says so.
 
-Writes bench/RESULTS-streams.md; the last line (also printed last):
+Writes its section of bench/RESULTS.md (bench/sections.py); the last line
+(also printed last):
 `streams: llmgw_clean=N vllmrouter_clean=N nginx_clean=N floor_clean=N direct_clean=N`.
 """
 
@@ -57,6 +58,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
 
 import load  # noqa: E402
 import peers  # noqa: E402
+import sections  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 from router_overhead import cpu_seconds, group  # noqa: E402
 
@@ -252,8 +254,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit-ms", type=float, default=10.0, help="most added p99 delay")
     p.add_argument("--vllm-router-venv", type=Path, default=Path("/tmp/bench-vrouter"))
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="py-spy llmgw's gateway during its step of N streams")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS-streams.md")
+                   help="py-spy llmgw's gateway in a repeat of its step of N streams")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     args = p.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
     args.steps = [int(n) for n in args.steps.split(",") if n]
@@ -267,7 +269,7 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
            prof: str) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        "# Streams per core: llmgw beside other proxies, one run", "",
+        "## Streams per core: llmgw beside other proxies, one run (bench/streams.py)", "",
         f"Written by `python bench/streams.py` on {now}: nproc {os.cpu_count()}, load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after, {wall:.0f} s in all; a chunk "
         f"every {args.chunk_ms:g} ms, starts spread over {args.ramp:g} s, delays counted over "
@@ -291,7 +293,7 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
             f"{s.per_core(args.chunk_ms / 1e3):.0f} | {s.first_error or '-'} |")
     out += ["", "Targets: " + "; ".join(f"{k}: {v}" for k, v in notes.items()), ""]
     if prof:
-        out += ["## Profile of llmgw's gateway (py-spy)", "", "```", prof.rstrip(), "```", ""]
+        out += ["### Profile of llmgw's gateway (py-spy)", "", "```", prof.rstrip(), "```", ""]
     out.append(summary(steps, args))
     return "\n".join(out) + "\n"
 
@@ -368,17 +370,21 @@ def main(argv: list[str] | None = None) -> int:
                         peer = live[name]
                         pids = ([gw.gateway.pid] if name == "llmgw" else
                                 group(peer.proc.pid) if peer.proc is not None else [])
-                        rec = None
+                        s = measure(runner, peer, n, pids, gw.engine_pid, args)
                         if name == "llmgw" and n == args.profile:
+                            # The step again, under py-spy, its figures not kept:
+                            # py-spy stops the process for each sample.
+                            time.sleep(1.0)
                             rec = profile_llmgw(gw, args.ramp + args.steady,
                                                 tmp / "profile.txt", tmp)
-                        s = measure(runner, peer, n, pids, gw.engine_pid, args)
-                        if rec is not None and rec.popen is not None:
-                            rec.popen.wait(30)
+                            measure(runner, peer, n, pids, gw.engine_pid, args)
+                            if rec.popen is not None:
+                                rec.popen.wait(30)
                             import flame
                             text = (tmp / "profile.txt").read_text() \
                                 if (tmp / "profile.txt").exists() else ""
-                            prof = (f"llmgw at {n} streams\n\n" + flame.summarize(text)
+                            prof = (f"llmgw at {n} streams (a repeat of the step, under "
+                                    "py-spy; its figures not kept)\n\n" + flame.summarize(text)
                                     if text else "py-spy wrote nothing:\n" + rec.tail())
                         if name == "direct":
                             base = s
@@ -409,9 +415,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     text = render(steps, args, notes, load_before, os.getloadavg(),
                   time.monotonic() - started, prof)
-    args.results.write_text(text)
+    sections.replace_section(args.results, "streams", text)
     print()
-    print(text.split("\n## Profile")[0].rstrip() if prof else text.rstrip())
+    print(text.split("\n### Profile")[0].rstrip() if prof else text.rstrip())
     if prof:
         print(text.rstrip().splitlines()[-1])
     return 0
