@@ -58,6 +58,7 @@ import sections  # noqa: E402
 from control_edits import preload  # noqa: E402
 from control_etcd import inventory  # noqa: E402
 from control_full import full_passes  # noqa: E402
+from control_profile import pass_profile  # noqa: E402
 from control_publish import publish_stream, publish_times  # noqa: E402
 
 from app.control import state as s  # noqa: E402
@@ -153,6 +154,14 @@ def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, float, Pla
                          f"{len(result.drain)} drains, {len(result.delete)} deletes, "
                          f"unplaced {dict(list(result.unplaced.items())[:3])}")
     return statistics.median(walls), statistics.median(cpus), result
+
+
+def profile_missing(nodes: int, models: int) -> str:
+    """bench/control_profile.py's profile of a pass with every 10th replica gone."""
+    f = fleet(nodes, models)
+    short = {rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
+    suffixes = itertools.count()
+    return pass_profile(lambda: one_pass(f, short, lambda: f"p{next(suffixes):05d}"))
 
 
 # Per size: (steady wall, steady CPU, 10% missing wall, 10% missing CPU), ms.
@@ -312,6 +321,8 @@ def main() -> None:
              f"{REPLICAS_PER_MODEL} replicas: steady {w:.0f} ms (CPU {c:.0f}), 10% missing "
              f"{mw:.0f} ms (CPU {mc:.0f}); medians of {args.repeat}"
              for n, (w, c, mw, mc) in figures.items()]
+    profile = profile_missing(top, args.models)
+    print(profile, flush=True)
     for line in full_passes(fleet, top, NOW):
         lines.append(line)
         print(f"{line}  load {load()}", flush=True)
@@ -361,19 +372,21 @@ def main() -> None:
                f"etcd_writes_per_s_10000={e.get('agent_writes', nan) * 10_000:.1f} "
                f"etcd_sustained_puts_per_s={e.get('puts', nan):.0f} "
                f"mirror_mib_{top}={e.get('mirror_mib', nan):.1f}")
-    write_results(args.results, began, before, load(), lines, summary)
+    write_results(args.results, began, before, load(), lines, summary, profile, top)
     print(summary)
 
 
 def write_results(path: Path, began: str, before: str, after: str, lines: list[str],
-                  summary: str) -> None:
+                  summary: str, profile: str, top: int) -> None:
     """Replaces this benchmark's section of `path`, leaving the others."""
     sections.replace_section(path, "control_scale", "\n".join([
         "## Control plane at fleet scale (bench/control_scale.py)", "",
         f"Written on {began}: nproc {os.cpu_count()}, load average {before} before, "
         f"{after} after (1, 5, 15 min). Wall times on a shared machine count the "
         "other sessions' work too; CPU times are the pass's own.", "",
-        *[f"- {line}" for line in lines], "", summary]))
+        *[f"- {line}" for line in lines], "",
+        f"### Where the pass's time goes: 10% missing, {top:,} nodes (bench/control_profile.py)",
+        "", "```", profile, "```", "", summary]))
 
 if __name__ == "__main__":
     main()
