@@ -74,20 +74,24 @@ class Gateway:
         http(f"{self.url}/admin/models/{MODEL}", admin,
              {"model": str(weights), "engine": "llamacpp"}, "PUT")
         key = http(f"{self.url}/admin/keys", admin, {"name": "bench-serve"}, "POST")["key"]
+        # The engine's own key: what the agent gives it (app/control/keys.py).
+        sys.path.insert(0, str(ROOT))
+        from app.control.keys import engine_key
+        secret = (self.data_dir / "secret").read_text().strip()
         deadline = time.monotonic() + 300
         while True:
+            # Ready, and answering at its URL: a data dir kept from an earlier
+            # run holds that run's status (its engine's old port) until the
+            # agent's first report.
             ready = [r for r in http(f"{self.url}/admin/replicas", admin)
-                     if r["model"] == MODEL and r["phase"] == "ready"]
+                     if r["model"] == MODEL and r["phase"] == "ready"
+                     and _answers(r["url"], engine_key(secret, r["id"]))]
             if ready:
                 break
             if time.monotonic() > deadline:
                 sys.exit(f"serve: no ready replica after 300 s; see {self.data_dir}/serve.log")
             time.sleep(1)
         replica = ready[0]
-        # The engine's own key: what the agent gives it (app/control/keys.py).
-        sys.path.insert(0, str(ROOT))
-        from app.control.keys import engine_key
-        secret = (self.data_dir / "secret").read_text().strip()
         return (Target("llmgw", self.url, key),
                 Target("direct", replica["url"], engine_key(secret, replica["id"]),
                        health="v1/models"))
@@ -111,6 +115,14 @@ class Gateway:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def _answers(url: str, key: str) -> bool:
+    try:
+        http(f"{url}/v1/models", key)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def load() -> str:
