@@ -56,3 +56,30 @@ def test_engines_are_scraped_once_a_second_whatever_the_gateways(cluster: Cluste
     assert all(0.5 <= r <= 1.5 for r in rates.values()), rates
     for gw in gws:
         assert engine_figures(gw) == want, gw.name
+
+
+def test_a_gateways_workers_split_the_poll_and_each_routes_by_every_engine(
+    cluster: Cluster,
+) -> None:
+    """`llmgw serve --workers 2`: each node is asked by one worker, whose
+    figures reach the other through the data dir (app/gateway/worker_loads.py),
+    so whichever worker a connection reaches shows every engine's figures."""
+    import json
+    import zlib
+
+    gw = cluster.gateway("gw", ready_within=60, workers="2")
+    cluster.agent("node-1", [gw], "--gpus", "1", env_extra={"FAKE_VLLM_BASE_LOAD": "2,1"})
+    cluster.agent("node-2", [gw], "--gpus", "1", env_extra={"FAKE_VLLM_BASE_LOAD": "5,0"})
+    put_model(gw, "m", {"model": "acme/m", "gpus": 1, "replicas": {"min": 2, "max": 2}})
+    ready = wait_for(lambda: (lambda rs: rs if len(rs) == 2 else None)(
+        [r for r in replicas(gw) if r["phase"] == "ready"]), 60, "two ready replicas")
+    want = {r["id"]: {"running": 2.0, "waiting": 1.0, "kv_cache": 0.0} if r["node"] == "node-1"
+            else {"running": 5.0, "waiting": 0.0, "kv_cache": 0.0} for r in ready}
+    # Each admin() is a new connection: the kernel hands it to either worker.
+    wait_for(lambda: all(engine_figures(gw) == want for _ in range(8)), 30,
+             "both workers showing both engines' figures")
+    # Each replica's figures were asked by the worker its node hashes to.
+    folder = cluster.tmp / "gw" / "worker-loads"
+    files = {i: set(json.loads((folder / f"{i}.json").read_text())["loads"]) for i in (0, 1)}
+    assert files == {i: {r["id"] for r in ready
+                         if zlib.crc32(r["node"].encode()) % 2 == i} for i in (0, 1)}, files

@@ -30,6 +30,7 @@ from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
 from app.gateway.parts import Gateway
 from app.gateway.settings import Settings
+from app.gateway.worker_loads import WorkerLoads
 from app.gateway.worker_metrics import WorkerMetrics
 from app.router import openapi as v1_openapi
 from app.router.passthrough import ROOT_PATHS
@@ -90,6 +91,8 @@ def create_app(settings: Settings, campaign: bool = True,
     if worker is not None and worker[1] > 1:
         index, count = worker
         summed = WorkerMetrics(gw.metrics.requests, settings.data_dir, index, count)
+        # The engine-load poll split among the workers, not repeated by each.
+        gw.proxy.loads.share = WorkerLoads(settings.data_dir, index, count)
         gw.metrics.gateway_id = (settings.gateway_id.removesuffix(f"-w{index}")
                                  if index else settings.gateway_id)
 

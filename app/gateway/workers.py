@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.gateway import worker_metrics
+from app.gateway import worker_loads, worker_metrics
 from app.gateway.settings import Settings
 from app.logs import stop as stop_logging
 
@@ -237,6 +237,7 @@ def supervise(level: str, fmt: str, settings: Settings, n: int,
     log = ["--log-level", level, "--log-format", fmt]
     sup = Supervisor(settings, n, lambda i, fd, again: worker_argv(log, i, fd, again, n))
     worker_metrics.clear(settings.data_dir)  # an earlier run's figures are not summed
+    worker_loads.clear(settings.data_dir)  # nor its engine loads read
     logger.info("gateway %s: %d workers on port %d", settings.gateway_id, n, settings.port)
     try:
         sig = sup.run()

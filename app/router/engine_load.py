@@ -85,6 +85,20 @@ class NodeDirectory(Protocol):
     def agents(self) -> Mapping[str, NodeAgent]: ...
 
 
+class LoadShare(Protocol):
+    """Under `llmgw serve --workers N` the poll is split among a gateway's
+    workers (app/gateway/worker_loads.py): each asks the nodes that are
+    `mine()`, publishes its figures once a round and reads the others' as
+    they come (each slice)."""
+
+    def mine(self, node: str) -> bool: ...
+
+    async def publish(self, own: Mapping[str, EngineLoad]) -> None: ...
+
+    async def others(self) -> Mapping[str, EngineLoad] | None:
+        """The other workers' figures; None when none changed since the last call."""
+
+
 def engine_load(counts: Counts, at: float) -> EngineLoad:
     return EngineLoad(counts.running, counts.waiting, counts.kv, at)
 
@@ -140,6 +154,10 @@ class EngineLoadPoller:
         self._last: dict[str, EngineLoad] = {}
         # The last round's length: `interval`, or longer for a large fleet.
         self.period = interval
+        # Set by the wiring under --workers: this worker's part of the fleet,
+        # and the other workers' figures as last read.
+        self.share: LoadShare | None = None
+        self._theirs: dict[str, EngineLoad] = {}
 
     async def poll(self, sleep: Callable[[float], Awaitable[None]] | None = None,
                    ) -> dict[str, EngineLoad]:
@@ -155,12 +173,14 @@ class EngineLoadPoller:
         self._legacy = {k: t for k, t in self._legacy.items() if t > start}
         by_node: dict[NodeAgent, list[Endpoint]] = {}
         direct: list[Endpoint] = []
+        share = self.share
         for ep in eps:
             agent = agents.get(ep.replica_id)
             if (agent is not None and agent.api_url
                     and (agent.node, agent.api_url) not in self._legacy):
-                by_node.setdefault(agent, []).append(ep)
-            else:
+                if share is None or share.mine(agent.node):
+                    by_node.setdefault(agent, []).append(ep)
+            elif share is None or share.mine(agent.node if agent else ep.replica_id):
                 direct.append(ep)
         # A node gone from the fleet is forgotten (nodes come and go for months).
         self._failing.intersection_update(a.node for a in by_node)
@@ -180,6 +200,9 @@ class EngineLoadPoller:
                                    for job in jobs[i * len(jobs) // slices:
                                                    (i + 1) * len(jobs) // slices]))
             self._table.add_loads(part.found)
+            if share is not None and (theirs := await share.others()) is not None:
+                self._theirs = dict(theirs)
+                self._table.add_loads(theirs)
             found.found.update(part.found)
             found.unanswered.update(part.unanswered)
             if sleep is not None and i + 1 < slices:
@@ -187,6 +210,10 @@ class EngineLoadPoller:
         kept = self._last
         loads = found.found | {rid: kept[rid] for rid in found.unanswered if rid in kept}
         self._last = loads
+        if share is not None:  # the other workers' parts, as they last wrote them
+            await share.publish(loads)
+            self._table.set_loads({**self._theirs, **loads})
+            return loads
         self._table.set_loads(loads)
         return loads
 
