@@ -198,9 +198,11 @@ def write_results(path: Path, args: argparse.Namespace, runs: list[Run],
         if len(s["ttft_added"]) > 1 and not abs(added) > spread:
             body += ["", f"{tool}: the TTFT added ({added:+.1f} ms, median of the pairs) is "
                      f"within the engine's own noise: its direct runs' TTFT p50s lie "
-                     f"{spread:.1f} ms apart. At concurrency {args.concurrency} a request "
-                     "mostly waits behind the others in the engine's queue, so this run "
-                     "cannot judge the gateway's milliseconds (the goal: 0.5 ms)."]
+                     f"{spread:.1f} ms apart. "
+                     + (f"At concurrency {args.concurrency} a request mostly waits behind "
+                        "the others in the engine's queue, so this"
+                        if args.concurrency > 1 else "This")
+                     + " run cannot judge the gateway's milliseconds (the goal: 0.5 ms)."]
     for tool, why in failed.items():
         last = why.strip().splitlines()[-1] if why.strip() else "?"
         body += ["", f"{tool} did not finish: `{last}` (its log in the cache's runs/)"]
