@@ -157,7 +157,7 @@ class EngineLoadPoller:
         # Set by the wiring under --workers: this worker's part of the fleet,
         # and the other workers' figures as last read.
         self.share: LoadShare | None = None
-        self._theirs: dict[str, EngineLoad] = {}
+        self._theirs: Mapping[str, EngineLoad] = {}
 
     async def poll(self, sleep: Callable[[float], Awaitable[None]] | None = None,
                    ) -> dict[str, EngineLoad]:
@@ -201,7 +201,7 @@ class EngineLoadPoller:
                                                    (i + 1) * len(jobs) // slices]))
             self._table.add_loads(part.found)
             if share is not None and (theirs := await share.others()) is not None:
-                self._theirs = dict(theirs)
+                self._theirs = theirs
                 self._table.add_loads(theirs)
             found.found.update(part.found)
             found.unanswered.update(part.unanswered)
@@ -213,8 +213,8 @@ class EngineLoadPoller:
         if share is not None:  # the other workers' parts, as they last wrote them
             await share.publish(loads)
             self._table.set_loads({**self._theirs, **loads})
-            return loads
-        self._table.set_loads(loads)
+        else:
+            self._table.set_loads(loads)
         return loads
 
     async def _read_node(self, client: UpstreamClient, gate: asyncio.Semaphore, out: _Round,
