@@ -37,11 +37,11 @@ def _tail_usage(body: bytes) -> tuple[bool, Any]:
     if not rest.startswith(b":") or len(rest) * 2 > len(body):
         return False, None
     try:
-        text = rest[1:].decode()
-        usage, end = _DECODER.raw_decode(text.lstrip())
+        text = rest[1:].decode().lstrip()
+        usage, end = _DECODER.raw_decode(text)
     except (ValueError, UnicodeDecodeError):
         return False, None
-    after = text.lstrip()[end:].strip()
+    after = text[end:].strip()
     if after == "}":
         return True, usage
     if not after.startswith(",") or not after[1:].lstrip().startswith('"'):
