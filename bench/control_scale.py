@@ -129,11 +129,15 @@ def one_pass(f: Fleet, replicas: Mapping[str, s.Replica], suffix: Callable[[], s
         targets=targets, loads=f.loads)
 
 
+def tenth_gone(f: Fleet) -> dict[str, s.Replica]:
+    """The fleet's replicas less every 10th (by id): the 10%-missing pass's."""
+    return {rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
+
+
 def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, float, Plan]:
     """Median wall and CPU ms of `repeat` passes; with `missing`, every 10th
     replica is gone."""
-    replicas = ({rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
-                if missing else f.replicas)
+    replicas = tenth_gone(f) if missing else f.replicas
     walls: list[float] = []
     cpus: list[float] = []
     result = Plan()
@@ -159,7 +163,7 @@ def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, float, Pla
 def profile_missing(nodes: int, models: int) -> str:
     """bench/control_profile.py's profile of a pass with every 10th replica gone."""
     f = fleet(nodes, models)
-    short = {rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
+    short = tenth_gone(f)
     suffixes = itertools.count()
     return pass_profile(lambda: one_pass(f, short, lambda: f"p{next(suffixes):05d}"))
 
@@ -188,8 +192,7 @@ def loop_stalls(f: Fleet, missing: bool = True) -> tuple[float, float]:
     it does now, asyncio.to_thread): what a request on the leader gateway
     waits behind a pass, in ms. With the fleet not frozen, the thread's
     figure was ~300 ms here: collections walking the fleet, GIL held."""
-    replicas = ({rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
-                if missing else f.replicas)
+    replicas = tenth_gone(f) if missing else f.replicas
     counter = itertools.count()
 
     def suffix() -> str:

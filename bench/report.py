@@ -158,7 +158,7 @@ def goal(g: View, fl: View, args: argparse.Namespace) -> list[str]:
         (f"{max(args.streams)} concurrent streams, every chunk on time: {g.streams_cell()}",
          g.tried == max(args.streams) and g.clean == g.tried),
     ]
-    return [f"- [{'x' if ok else ' '}] {what}" for what, ok in checks]
+    return checklist(checks)
 
 
 def rust_goal(g: View, r: View) -> list[str]:
@@ -174,6 +174,11 @@ def rust_goal(g: View, r: View) -> list[str]:
         (f"added p50 at c=1 within 0.05 ms of vllm-router's: {g.add_p50:.2f} vs "
          f"{r.add_p50:.2f} ms", g.add_p50 <= r.add_p50 + 0.05),
     ]
+    return checklist(checks)
+
+
+def checklist(checks: list[tuple[str, bool]]) -> list[str]:
+    """Markdown task lines: each goal, ticked when met."""
     return [f"- [{'x' if ok else ' '}] {what}" for what, ok in checks]
 
 
