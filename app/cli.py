@@ -142,6 +142,9 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
         loop: asyncio.AbstractEventLoop | None = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn looks at should_exit every 0.1 s; /readyz must say 503
+            # from the next request on, and the lead pass on now.
+            gateway.signalled()
             if self.should_exit:
                 self.force_exit = True  # a second SIGTERM or SIGINT: stop at once
                 if self.loop is not None:  # a signal handler: only this is safe

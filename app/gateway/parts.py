@@ -132,6 +132,7 @@ class Gateway:
         # Set when the server starts stopping: long polls answer at once,
         # /readyz says 503.
         self.closing = asyncio.Event()
+        self._signalled = False  # a stop signal came (signalled())
         # The loops that lead, stopped at the start of a stop (`begin_shutdown`).
         self._leading: list[asyncio.Task[Any]] = []
         self.adapters: AdapterLoop | None = None
@@ -331,7 +332,17 @@ class Gateway:
 
     @property
     def stopping(self) -> bool:
-        return self.closing.is_set()
+        return self._signalled or self.closing.is_set()
+
+    def signalled(self) -> None:
+        """From a signal handler, which may interrupt the loop anywhere: a
+        flag, and begin_shutdown() at the loop's next turn."""
+        self._signalled = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet: shutdown() begins it
+            return
+        loop.call_soon_threadsafe(self.begin_shutdown)
 
     def begin_shutdown(self) -> None:
         """First step of a clean stop, at the signal, while requests still
