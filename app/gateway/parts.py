@@ -10,6 +10,7 @@ revokes the lease (docs/architecture.md, "Stopping").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -129,10 +130,9 @@ class Gateway:
         self.agent: Agent | None = None
         self._agent_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        # Set when the server starts stopping: long polls answer at once,
-        # /readyz says 503.
-        self.closing = asyncio.Event()
-        self._signalled = False  # a stop signal came (signalled())
+        # Set when the server starts stopping (or a signal came: signalled()):
+        # long polls answer at once, /readyz says 503.
+        self.closing, self._signalled = asyncio.Event(), False
         # The loops that lead, stopped at the start of a stop (`begin_shutdown`).
         self._leading: list[asyncio.Task[Any]] = []
         self.adapters: AdapterLoop | None = None
@@ -338,11 +338,8 @@ class Gateway:
         """From a signal handler, which may interrupt the loop anywhere: a
         flag, and begin_shutdown() at the loop's next turn."""
         self._signalled = True
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not serving yet: shutdown() begins it
-            return
-        loop.call_soon_threadsafe(self.begin_shutdown)
+        with contextlib.suppress(RuntimeError):  # not serving yet: shutdown() begins it
+            asyncio.get_running_loop().call_soon_threadsafe(self.begin_shutdown)
 
     def begin_shutdown(self) -> None:
         """First step of a clean stop, at the signal, while requests still
