@@ -45,6 +45,11 @@ def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:
     assert m[("llmgw_node_gpus", (("node", "gpu-1"), ("state", "free")))] == 1
     (inflight,) = [v for (name, _), v in m.items() if name == "llmgw_replica_inflight"]
     assert inflight == 0
+    # The loop's timer has ticked (every 0.1 s) and the collector has run:
+    # the process's own health, beside the fleet's (app/gateway/loop_lag.py).
+    assert m[("llmgw_event_loop_lag_seconds_count", ())] > 10
+    assert sum(v for (name, labels), v in m.items()
+               if name == "llmgw_gc_pause_seconds_count") > 0
 
     # The engine's own counts, as polled from its /metrics (within a second or two).
     def engine_gauges() -> dict[str, float] | None:

@@ -123,9 +123,12 @@ def create_app(settings: Settings, campaign: bool = True,
         if summed is not None:
             background.append(asyncio.create_task(summed.run(WORKER_METRICS_INTERVAL),
                                                   name="worker-metrics"))
+        gw.metrics.loop.watch_gc()
+        background.append(asyncio.create_task(gw.metrics.loop.run(), name="loop-lag"))
         try:
             yield
         finally:
+            gw.metrics.loop.unwatch_gc()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

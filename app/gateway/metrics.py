@@ -25,6 +25,7 @@ from app.control import fleet, gpuhealth
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import LEADER, LeaderInfo, Replica, replica_phase
+from app.gateway.loop_lag import LoopLag
 from app.gateway.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
@@ -72,12 +73,15 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         # The proxy's `RequestObserver` (app/gateway/request_metrics.py).
         self.requests = RequestMetrics()
+        # This process's event loop and collector (app/gateway/loop_lag.py);
+        # under --workers, the scraped worker's own.
+        self.loop = LoopLag()
         self._fleet = _FleetCollector(gw, lambda: self.gateway_id)
         # Under --workers: the gateway's id (its first worker's, the one that
         # campaigns), so that every worker says whether the gateway leads.
         self.gateway_id: str | None = None
-        self.registry.register(self.requests)
-        self.registry.register(self._fleet)
+        for collector in (self.requests, self.loop, self._fleet):
+            self.registry.register(collector)
 
     def render(self, requests: RequestMetrics | None = None) -> bytes:
         """The exposition; `requests`: request figures to show instead of
@@ -85,8 +89,8 @@ class GatewayMetrics:
         if requests is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(requests)
-        registry.register(self._fleet)
+        for collector in (requests, self.loop, self._fleet):
+            registry.register(collector)
         return generate_latest(registry)
 
 

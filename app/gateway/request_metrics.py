@@ -41,7 +41,7 @@ def code_label(status: int) -> str:
     return str(status) if status in _CODES else f"{status // 100}xx"
 
 
-class _Histogram:
+class Histogram:
     """One label set's buckets (not cumulative; the last is +Inf) and sum."""
 
     __slots__ = ("bounds", "counts", "sum")
@@ -71,9 +71,9 @@ class _Model:
     __slots__ = ("completion", "prompt", "seconds", "tpot", "ttft")
 
     def __init__(self) -> None:
-        self.seconds = _Histogram(DURATION_BUCKETS)
-        self.ttft = _Histogram(TTFT_BUCKETS)
-        self.tpot = _Histogram(TPOT_BUCKETS)
+        self.seconds = Histogram(DURATION_BUCKETS)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
         self.prompt = 0
         self.completion = 0
 
@@ -90,7 +90,7 @@ class RequestMetrics(Collector):
 
     def snapshot(self) -> dict[str, Any]:
         """Everything counted, as JSON-ready values (`add` reads them back)."""
-        def hist(h: _Histogram) -> list[float]:
+        def hist(h: Histogram) -> list[float]:
             return [*h.counts, h.sum]
 
         return {
