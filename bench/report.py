@@ -123,6 +123,13 @@ def render(figures: list[Figures], args: argparse.Namespace, load_before: tuple[
             share = sum(v[1] for v in f.gc256.values()) / args.duration
             out.append(f"| {f.name} | {' | '.join(cells)} | {share:.0%} |")
         out.append("")
+    looped = [f for f in figures if f.loop256 is not None]
+    if looped:
+        out += ["## llmgw's event loop during the c=256 point (its /metrics)", "",
+                *(f"- {f.name}: {f.loop256.line()}" for f in looped if f.loop256), "",
+                "A tick late by as much as the p99 means the process stalled; ticks on time "
+                "beside a long p99 mean the requests waited elsewhere (accept queue, "
+                "connection setup, the client).", ""]
     if args.gc_tune:
         out += [f"**What-if run**: llmgw's gateway ran with gc thresholds {args.gc_tune} and "
                 "`gc.freeze()` after setup (bench/gcprobe, `--gc-tune`); app/ unchanged.", ""]

@@ -45,6 +45,7 @@ import load  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
 import sections  # noqa: E402
+from loop_seen import LoopSeen, between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 
 TARGETS = ("direct", "llmgw", "floor", "nginx", "litellm", "vllm-router")
@@ -85,6 +86,7 @@ class Figures:
     ttft: list[float] = field(default_factory=list)
     streams: list[load.StreamStats] = field(default_factory=list)
     gc256: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # see gc_window
+    loop256: LoopSeen | None = None  # llmgw's own /metrics over the c=256 point
 
 
 GC_PROBE = ROOT / "bench" / "gcprobe"
@@ -118,9 +120,13 @@ def measure(peer: Peer, pids: list[int], args: argparse.Namespace,
     for c in (1, 64, 256):
         probed = gc_out is not None and c == 256 and bool(pids)
         g0 = gc_stats(pids[0], gc_out) if probed and gc_out else {}
+        seen = scrape(peer.url) if peer.name == "llmgw" and c == 256 else None
         c0 = cpu_seconds(pids)
         r = load.run_wrk(peer.url, peer.token, MODEL, c, args.duration)
         used = cpu_seconds(pids) - c0
+        if seen is not None:
+            fig.loop256 = between(seen, scrape(peer.url))
+            print(f"  {peer.name:<12} c=256 event loop: {fig.loop256.line()}", flush=True)
         if probed and gc_out and g0:
             g1 = gc_stats(pids[0], gc_out)
             fig.gc256 = {g: (g1[g][0] - g0[g][0], g1[g][1] - g0[g][1], g1[g][2])

@@ -59,6 +59,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
 import load  # noqa: E402
 import peers  # noqa: E402
 import sections  # noqa: E402
+from loop_seen import LoopSeen, between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 from router_overhead import cpu_seconds, group  # noqa: E402
 
@@ -81,6 +82,7 @@ class Step:
     added_p99_ms: float = float("nan")
     limit_ms: float = 10.0
     chunks: int = 0  # chunks read, every stream and all its chunks
+    loop: LoopSeen | None = None  # llmgw's own /metrics over the step
 
     def cpu_per_chunk_us(self) -> float:
         """The proxy's CPU per chunk relayed, its streams' setup included:
@@ -292,6 +294,13 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
             f"{' (load side busy)' if busy else ''} | {s.cpu_per_chunk_us():.1f} | "
             f"{s.per_core(args.chunk_ms / 1e3):.0f} | {s.first_error or '-'} |")
     out += ["", "Targets: " + "; ".join(f"{k}: {v}" for k, v in notes.items()), ""]
+    seen = [s for s in steps if s.loop is not None]
+    if seen:
+        out += ["llmgw's event loop over each step, as its /metrics says "
+                "(`llmgw_event_loop_lag_seconds`, a tick every 0.1 s, and "
+                "`llmgw_gc_pause_seconds`):", ""]
+        out += [f"- {s.streams} streams: {s.loop.line()}" for s in seen if s.loop is not None]
+        out.append("")
     if prof:
         out += ["### Profile of llmgw's gateway (py-spy)", "", "```", prof.rstrip(), "```", ""]
     out.append(summary(steps, args))
@@ -370,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                         peer = live[name]
                         pids = ([gw.gateway.pid] if name == "llmgw" else
                                 group(peer.proc.pid) if peer.proc is not None else [])
+                        seen = scrape(gw.url) if name == "llmgw" else None
                         s = measure(runner, peer, n, pids, gw.engine_pid, args)
+                        if seen is not None:
+                            s.loop = between(seen, scrape(gw.url))
                         if name == "llmgw" and n == args.profile:
                             # The step again, under py-spy, its figures not kept:
                             # py-spy stops the process for each sample.
@@ -398,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{s.proxy_util:.2f} stand-in {s.standin_util:.2f} client "
                               f"{s.client_util:.2f}; {s.cpu_per_chunk_us():.1f} us a chunk"
                               + (f"; {s.first_error}" if s.first_error else ""), flush=True)
+                        if s.loop is not None:
+                            print(f"  {'':<12} loop: {s.loop.line()}", flush=True)
                         if not good and name != "direct":
                             live.pop(name).stop()
                         time.sleep(1.0)
