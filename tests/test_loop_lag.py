@@ -12,18 +12,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.gateway.loop_lag import LAG_BUCKETS, LoopLag
-
-
-def samples(lag: LoopLag) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(lag)
-    text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+from tests.support.scrape import collected
 
 
 def test_a_tick_is_counted_in_its_bucket_and_a_stall_is_logged_once_a_minute(
@@ -34,7 +25,7 @@ def test_a_tick_is_counted_in_its_bucket_and_a_stall_is_logged_once_a_minute(
     assert lag.step(due=10.0, now=10.0004) == pytest.approx(0.0004)
     assert lag.step(due=11.0, now=10.9) == 0.0  # early (clock granularity): no lag
     assert lag.step(due=12.0, now=12.03) == pytest.approx(0.03)
-    m = samples(lag)
+    m = collected(lag)
     assert m[("llmgw_event_loop_lag_seconds_bucket", (("le", "0.001"),))] == 2
     assert m[("llmgw_event_loop_lag_seconds_bucket", (("le", "0.025"),))] == 2
     assert m[("llmgw_event_loop_lag_seconds_bucket", (("le", "0.05"),))] == 3
@@ -50,7 +41,7 @@ def test_a_tick_is_counted_in_its_bucket_and_a_stall_is_logged_once_a_minute(
     assert len(said) == 2, said
     assert "stalled 1.50 s" in said[0] and "0.800 s" in said[0]
     assert "stalled 1.00 s" in said[1] and "0.000 s" in said[1]  # reset at each warning
-    assert samples(lag)[("llmgw_event_loop_lag_seconds_bucket", (("le", "+Inf"),))] == 6
+    assert collected(lag)[("llmgw_event_loop_lag_seconds_bucket", (("le", "+Inf"),))] == 6
 
 
 @contextlib.contextmanager
@@ -70,7 +61,7 @@ def test_each_collection_is_timed_by_generation_until_unwatched() -> None:
         assert gc.callbacks.count(lag._on_gc) == 1
         gc.collect(2)
         gc.collect(0)
-    m = samples(lag)
+    m = collected(lag)
     assert m[("llmgw_gc_pause_seconds_count", (("generation", "2"),))] >= 1
     assert m[("llmgw_gc_pause_seconds_count", (("generation", "0"),))] >= 1
     # 0.3 s each: above the 0.25 bound, within 0.5.
@@ -81,7 +72,7 @@ def test_each_collection_is_timed_by_generation_until_unwatched() -> None:
     counted = sum(v for (name, _), v in m.items() if name == "llmgw_gc_pause_seconds_count")
     gc.collect(2)
     assert lag._on_gc not in gc.callbacks
-    assert sum(v for (name, _), v in samples(lag).items()
+    assert sum(v for (name, _), v in collected(lag).items()
                if name == "llmgw_gc_pause_seconds_count") == counted
 
 
@@ -94,7 +85,7 @@ async def test_a_blocking_call_on_the_loop_shows_as_lag() -> None:
     ticking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await ticking
-    m = samples(lag)
+    m = collected(lag)
     over = m[("llmgw_event_loop_lag_seconds_count", ())] - m[
         ("llmgw_event_loop_lag_seconds_bucket", (("le", "0.25"),))]
     assert over == 1  # the one tick that waited behind it

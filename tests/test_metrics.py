@@ -4,16 +4,13 @@ from the mirror at scrape time."""
 from __future__ import annotations
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import FAKE_BIN, Cluster, make_key, put_model, routes, wait_for
+from tests.support.scrape import Samples, samples, scrape_text
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = httpx.get(url + "/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+def scrape(url: str) -> Samples:
+    return samples(scrape_text(url))
 
 
 def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:

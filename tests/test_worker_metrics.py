@@ -9,19 +9,14 @@ import logging
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.gateway.request_metrics import RequestMetrics
 from app.gateway.worker_metrics import FOLDER, MAX_BYTES, WorkerMetrics, clear
+from tests.support.scrape import Samples, collected
 
 
-def figures(m: RequestMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(m)
-    text = generate_latest(reg).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+def figures(m: RequestMetrics) -> Samples:
+    return collected(m)
 
 
 def test_every_workers_figures_are_summed_and_a_bad_file_left_out(

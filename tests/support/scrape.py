@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import httpx
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -18,6 +20,13 @@ def samples(text: str) -> Samples:
     """(sample name, sorted labels) -> value."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def collected(collector: Collector) -> Samples:
+    """What one collector of ours renders, on its own."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return samples(generate_latest(registry).decode())
 
 
 def served_names(text: str) -> set[str]:
