@@ -29,10 +29,13 @@ def test_serve_raises_its_open_files_soft_limit_to_the_hard_one(
     port = free_port()
     env = solo.base_env() | {"LLMGW_PORT": str(port), "LLMGW_DATA_DIR": str(tmp_path / "gw"),
                              "LLMGW_LOCAL_AGENT": "false"}
+    # The soft limit set by a shell that then execs the gateway, not by a
+    # preexec_fn: that runs in the forked child of this process, whose
+    # other threads (gRPC's, from earlier tests' etcd clients) may hold a
+    # lock at the fork, and the child then hangs before its exec (CI saw it).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+        ["sh", "-c", 'ulimit -Sn 256 && exec "$0" -m app.cli serve', sys.executable],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1
                                    ).status_code == 200, 30, "the gateway ready")
