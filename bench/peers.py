@@ -367,6 +367,17 @@ def start_vllm_router(tmp: Path, core: int | None, upstream: str, key: str,
     return peer
 
 
+def py_spy() -> str:
+    """py-spy: on PATH, beside this interpreter, or in /tmp/bench-spy (a
+    venv of its own: `python3 -m venv /tmp/bench-spy && /tmp/bench-spy/bin/pip
+    install py-spy`)."""
+    for spy in (shutil.which("py-spy"), str(Path(sys.executable).parent / "py-spy"),
+                "/tmp/bench-spy/bin/py-spy"):
+        if spy and Path(spy).exists():
+            return spy
+    raise Unavailable("py-spy not found: pip install py-spy (or into /tmp/bench-spy)")
+
+
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
     """SIGTERM behaves like Ctrl-C, so a benchmark's `finally` always cleans up

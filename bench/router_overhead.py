@@ -166,7 +166,7 @@ def profile(gw: peers.Llmgw, args: argparse.Namespace, tmp: Path) -> str:
     """py-spy on the gateway under wrk at c=256: a summary of the stacks, and dumps."""
     import flame
 
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    spy = peers.py_spy()
     seconds = max(3, round(args.duration))
     out = tmp / "profile-llmgw-c256.txt"  # collapsed stacks, for a flame graph (--keep)
     wrk = [sys.executable, "-c", "import sys, load; r = load.run_wrk(*sys.argv[1:4], 256, "

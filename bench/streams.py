@@ -236,12 +236,9 @@ def measure(runner: asyncio.Runner, peer: Peer, n: int, pids: list[int], standin
 
 
 def profile_llmgw(gw: peers.Llmgw, seconds: float, out: Path, tmp: Path) -> peers.Process:
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists() and Path("/tmp/bench-spy/bin/py-spy").exists():
-        spy = "/tmp/bench-spy/bin/py-spy"
-    return peers.Process("py-spy", [spy, "record", "--pid", str(gw.gateway.pid), "--duration",
-                                    str(max(1, round(seconds))), "--rate", "250", "--format",
-                                    "raw", "--output", str(out), "--threads"],
+    return peers.Process("py-spy", [peers.py_spy(), "record", "--pid", str(gw.gateway.pid),
+                                    "--duration", str(max(1, round(seconds))), "--rate", "250",
+                                    "--format", "raw", "--output", str(out), "--threads"],
                          tmp / "py-spy.log").start()
 
 
