@@ -198,6 +198,9 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
                             # httptools, cutting slow clients (app/gateway/slowclients.py).
                             http=protocol(settings.header_timeout, settings.body_timeout),
+                            # uvloop, taking a burst of connections in a turn
+                            # (app/gateway/accept.py).
+                            loop="app.gateway.accept:Loop",
                             timeout_keep_alive=settings.keep_alive_timeout,
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
