@@ -155,6 +155,7 @@ async def test_a_new_leader_with_a_lagging_mirror_never_places_on_a_taken_gpu(
         assert await b.mirror.wait_for(start + 1, 5)
         assert (await a.elector.tick()).is_leader
         assert not (await b.elector.tick()).is_leader
+        assert await a.mirror.wait_for(a.elector.lead_revision, 5)  # else its pass skips
 
         placed = await a.reconciler.tick()
         assert [(r.id, r.node, r.gpus) for r in placed.plan.create] == [("m-a1", "n1", [0])]
@@ -306,6 +307,9 @@ async def test_a_leader_killed_in_the_middle_of_a_scale_up_leaves_no_double_plac
         assert await a.mirror.wait_for(await store_a.put("sync", b""), 5)
         assert await b.mirror.wait_for(start + 2, 5)
         assert (await a.elector.tick()).is_leader
+        # Its pass plans only once its copy has reached its own lead (else it
+        # skips, writing nothing: a CI rehearsal saw "DID NOT RAISE" below).
+        assert await a.mirror.wait_for(a.elector.lead_revision, 5)
         # A plans six replicas and dies after writing two of them (its third
         # transaction was its campaign's): its lease lapses, never revoked.
         with pytest.raises(StoreUnavailable):
