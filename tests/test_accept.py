@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 import time
@@ -118,3 +119,35 @@ def test_a_closed_server_takes_nothing_more() -> None:
 
     with asyncio.Runner(loop_factory=Loop) as runner:
         runner.run(main())
+
+
+def test_out_of_descriptors_is_said_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    import resource
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(asyncio.Protocol, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        (drain,) = loop.drains  # type: ignore[attr-defined]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # No descriptor left for accept() (the lowest free one is past the
+        # limit): the connections stay queued.
+        lowest = os.dup(0)
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:
+            assert drain.sweep() == 0
+            assert drain.sweep() == 0
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert drain.sweep() == 3  # descriptors back: all three taken
+        for c in clients:
+            c.close()
+        server.close()
+        await server.wait_closed()
+
+    with asyncio.Runner(loop_factory=Loop) as runner:
+        runner.run(main())
+    said = [r for r in caplog.records if "accepting a connection failed" in r.getMessage()]
+    assert len(said) == 1, said

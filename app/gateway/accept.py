@@ -43,6 +43,7 @@ class _Drain:
         self._loop, self._sock, self._factory = loop, sock, factory
         self._ssl, self._handshake = ssl, handshake
         self._scheduled = False
+        self._warned = float("-inf")
         self.taken = 0  # connections taken here, not by libuv (tests read it)
 
     def factory(self) -> asyncio.BaseProtocol:
@@ -60,8 +61,11 @@ class _Drain:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 break
-            except OSError as exc:  # out of descriptors: libuv's own accept says so too
-                logger.warning("accepting a connection failed: %s", exc)
+            except OSError as exc:  # out of descriptors, most likely: once a minute
+                now = self._loop.time()
+                if now - self._warned >= 60.0:
+                    self._warned = now
+                    logger.warning("accepting a connection failed: %s", exc)
                 break
             conn.setblocking(False)
             taken += 1
