@@ -44,6 +44,7 @@ class _Drain:
         self._ssl, self._handshake = ssl, handshake
         self._scheduled = False
         self._warned = float("-inf")
+        self._opening: set[asyncio.Task[None]] = set()
         self.taken = 0  # connections taken here, not by libuv (tests read it)
 
     def factory(self) -> asyncio.BaseProtocol:
@@ -69,7 +70,9 @@ class _Drain:
                 break
             conn.setblocking(False)
             taken += 1
-            self._loop.create_task(self._serve(conn))
+            task = self._loop.create_task(self._serve(conn))
+            self._opening.add(task)  # held until open: the loop keeps only a weak reference
+            task.add_done_callback(self._opening.discard)
         self.taken += taken
         return taken
 
