@@ -88,18 +88,21 @@ class _Drain:
             conn.close()
 
 
-def listening(host: str | None, port: int, backlog: int) -> socket.socket:
-    """A listening socket on host:port, as asyncio binds one (SO_REUSEADDR;
-    an IPv6 one takes IPv4 too)."""
+def bound(host: str | None, port: int, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to host:port, not yet listening, as asyncio binds one
+    (SO_REUSEADDR; an IPv6 one takes IPv4 too). `reuse_port`: shared by the
+    workers of `llmgw serve --workers` (SO_REUSEPORT); OSError when the port
+    is taken by a process that did not set it."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(addr)
-        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
@@ -110,7 +113,9 @@ class Loop(uvloop.Loop):
     """uvloop whose TCP servers take every waiting connection in a turn
     (uvicorn: `loop="app.gateway.accept:Loop"`)."""
 
-    drains: list[_Drain]
+    def __init__(self) -> None:
+        super().__init__()
+        self.drains: list[_Drain] = []  # one per server (tests read them)
 
     async def create_server(  # type: ignore[override]  # uvicorn's call, not every overload
             self, protocol_factory: Callable[[], asyncio.BaseProtocol],
@@ -119,10 +124,8 @@ class Loop(uvloop.Loop):
             ssl: ssl_module.SSLContext | None = None, ssl_handshake_timeout: float | None = None,
             **kwargs: Any) -> asyncio.AbstractServer:
         if sock is None:
-            sock = listening(host, port or 0, backlog)
+            sock = bound(host, port or 0)
         drain = _Drain(self, sock, protocol_factory, ssl, ssl_handshake_timeout)
-        if not hasattr(self, "drains"):
-            self.drains = []
         self.drains.append(drain)
         return await super().create_server(
             drain.factory, sock=sock, backlog=backlog, ssl=ssl,

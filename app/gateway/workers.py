@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.gateway import worker_loads, worker_metrics
+from app.gateway.accept import bound
 from app.gateway.settings import Settings
 from app.logs import stop as stop_logging
 
@@ -72,25 +73,6 @@ def count(settings: Settings) -> int:
 def worker_id(gateway_id: str, index: int) -> str:
     """Worker 0 is the gateway (its records, its lead); the others add -wI."""
     return gateway_id if index == 0 else f"{gateway_id}-w{index}"
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port with SO_REUSEPORT, not yet listening (the
-    worker's server listens once it starts). OSError when the port is taken
-    by a process that did not set SO_REUSEPORT."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def die_with_parent(parent: int) -> None:
@@ -145,7 +127,7 @@ class Supervisor:
         restart = sock is None
         if sock is None:
             try:
-                sock = bind(st.host, st.port)
+                sock = bound(st.host, st.port, reuse_port=True)
             except OSError as exc:
                 self._later(slot, f"cannot bind {st.host}:{st.port}: {exc.strerror or exc}")
                 return
@@ -182,7 +164,8 @@ class Supervisor:
         (the caller ends the process with it), or 2 when a worker refused
         its settings."""
         # Bound before any worker starts: a taken port is said once, here.
-        socks = [bind(self.settings.host, self.settings.port) for _ in self.slots]
+        socks = [bound(self.settings.host, self.settings.port, reuse_port=True)
+                 for _ in self.slots]
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         for slot, sock in zip(self.slots, socks, strict=True):
