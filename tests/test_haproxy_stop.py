@@ -57,8 +57,11 @@ class Rig:
 
     def server_of(self, tag: str) -> str:
         """The haproxy server that last served the request tagged `tag`."""
-        found = re.findall(rf"gateways/(\S+) .*\?i={tag} HTTP", self.log.read_text())
-        assert found, f"no haproxy log line for {tag}"
+        # haproxy writes a request's line once the answer is sent: its client
+        # may have read it before (a rehearsal found no line for the last one).
+        found = wait_for(lambda: re.findall(rf"gateways/(\S+) .*\?i={tag} HTTP",
+                                            self.log.read_text()),
+                         5, f"haproxy's log line for {tag}")
         return str(found[-1])
 
 
