@@ -143,9 +143,14 @@ def test_a_key_is_made_shown_once_used_and_revoked(fleet: Fleet, page: Page) -> 
     expect(shown.locator("#shown-key-value")).to_have_text(re.compile(r"^sk-llmgw-\S{20,}$"))
     shot(shown, "key-shown", mask=[shown.locator("#shown-key-value")])
     key = shown.locator("#shown-key-value").inner_text()
-    page.locator("#shown-key-done").click()
+    # Shown once: gone from the page the moment it is dismissed (read in the
+    # click's own turn, before any queued event), and never listed.
+    still_there = page.evaluate(
+        "key => { document.getElementById('shown-key-done').click();"
+        " return [document.getElementById('shown-key').open,"
+        " document.documentElement.outerHTML.includes(key)]; }", key)
+    assert still_there == [False, False]
     expect(shown).to_be_hidden()
-    # Shown once: gone from the page once dismissed, and never listed.
     assert key not in page.content()
     row = page.locator("#keys tbody tr", has_text="page-key")
     expect(row).to_have_count(1)

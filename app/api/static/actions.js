@@ -164,9 +164,13 @@ document.addEventListener("DOMContentLoaded", () => {
   $("act-form").addEventListener("submit", confirmed);
   $("act-cancel").addEventListener("click", () => { pending = null; $("act").close(); });
   $("new-key").addEventListener("click", keyAct);
-  $("shown-key-done").addEventListener("click", () => $("shown-key").close());
-  // Dismissed however (the button, Escape): the key leaves the page.
-  $("shown-key").addEventListener("close", () => { $("shown-key-value").textContent = ""; });
+  // Dismissed however (the button, Escape): the key leaves the page in the
+  // same turn. The dialog's "close" event is queued for a later task, so it
+  // only backs up the other two.
+  const forgetKey = () => { $("shown-key-value").textContent = ""; };
+  $("shown-key-done").addEventListener("click", () => { forgetKey(); $("shown-key").close(); });
+  $("shown-key").addEventListener("cancel", forgetKey);
+  $("shown-key").addEventListener("close", forgetKey);
   document.addEventListener("click", (ev) => {
     const b = ev.target.closest("button[data-act]");
     if (!b || !view) return;
