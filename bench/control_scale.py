@@ -9,7 +9,8 @@
    thread's): on a shared machine the wall time measures the others too.
    And a full fleet (bench/control_full.py): models waiting for room, and
    every model rolling at once; and a gateway's publish after one change
-   (bench/control_publish.py).
+   (bench/control_publish.py); and the full collections of a gateway whose
+   mirror is replaced as agents report (bench/control_gc.py).
 2. A catalog edit on one of three `llmgw serve` processes on a real etcd
    holding 2,000 models (one replica each, on 250 nodes), timed from the
    PUT's answer until both others list the new alias on /v1/models
@@ -29,7 +30,7 @@ p99 <= 300 ms at 2,000 models, heartbeats within what etcd sustains.
 
 Writes its section of bench/RESULTS.md (between its markers) with the
 load average before and after. The last line is for scripts:
-`control_scale: pass_ms_10000= pass_cpu_ms_10000= edit_p99_ms_2000=
+`control_scale: pass_ms_10000= pass_cpu_ms_10000= gc_full_max_ms_10000= edit_p99_ms_2000=
 etcd_writes_per_s_10000= etcd_sustained_puts_per_s= mirror_mib_10000=`.
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -46,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,7 @@ import sections  # noqa: E402
 from control_edits import preload  # noqa: E402
 from control_etcd import inventory  # noqa: E402
 from control_full import full_passes  # noqa: E402
+from control_gc import churn_pauses  # noqa: E402
 from control_profile import pass_profile  # noqa: E402
 from control_publish import publish_stream, publish_times  # noqa: E402
 
@@ -134,6 +137,21 @@ def tenth_gone(f: Fleet) -> dict[str, s.Replica]:
     return {rid: r for i, (rid, r) in enumerate(sorted(f.replicas.items())) if i % 10}
 
 
+@contextlib.contextmanager
+def gateway_heap() -> Iterator[None]:
+    """As a gateway holds its mirror: frozen once loaded, at its GC threshold
+    (app/gateway/main.py); else each full collection walks the whole fleet."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(7000, 10, 10)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
 def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, float, Plan]:
     """Median wall and CPU ms of `repeat` passes; with `missing`, every 10th
     replica is gone."""
@@ -168,20 +186,25 @@ def profile_missing(nodes: int, models: int) -> str:
     return pass_profile(lambda: one_pass(f, short, lambda: f"p{next(suffixes):05d}"))
 
 
-# Per size: (steady wall, steady CPU, 10% missing wall, 10% missing CPU), ms.
-PassFigures = tuple[float, float, float, float]
+# Per size: (steady wall, steady CPU, 10% missing wall, 10% missing CPU), ms,
+# the fleet frozen as a gateway's mirror is; then the same with nothing frozen.
+PassFigures = tuple[float, float, float, float, float, float, float, float]
 
 
 def passes(sizes: list[int], models: int, repeat: int) -> dict[int, PassFigures]:
     out: dict[int, PassFigures] = {}
     for n in sizes:
         f = fleet(n, models)
-        steady, steady_cpu, _ = time_passes(f, False, repeat)
-        short, short_cpu, made = time_passes(f, True, repeat)
-        out[n] = (steady, steady_cpu, short, short_cpu)
+        with gateway_heap():
+            steady, steady_cpu, _ = time_passes(f, False, repeat)
+            short, short_cpu, made = time_passes(f, True, repeat)
+        # Nothing frozen: every full collection during a pass walks the fleet.
+        loose = time_passes(f, False, repeat)[:2] + time_passes(f, True, repeat)[:2]
+        out[n] = (steady, steady_cpu, short, short_cpu, *loose)
         print(f"pass  {n:5d} nodes x {GPUS_PER_NODE} GPUs, {len(f.models)} models, "
               f"{len(f.replicas)} replicas: steady {steady:.0f} ms (CPU {steady_cpu:.0f}), "
-              f"10% missing {short:.0f} ms (CPU {short_cpu:.0f}; {len(made.create)} placed)"
+              f"10% missing {short:.0f} ms (CPU {short_cpu:.0f}; {len(made.create)} placed); "
+              f"nothing frozen: steady {loose[0]:.0f} ms, 10% missing {loose[2]:.0f} ms"
               f"  load {load()}", flush=True)
     return out
 
@@ -219,17 +242,8 @@ def loop_stalls(f: Fleet, missing: bool = True) -> tuple[float, float]:
         await tick
         return worst * 1000
 
-    # As a gateway holds its mirror: frozen once loaded, at its GC threshold
-    # (app/gateway/main.py); else each collection walks the whole fleet.
-    thresholds = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(7000, 10, 10)
-    try:
+    with gateway_heap():
         return asyncio.run(measure(True)), asyncio.run(measure(False))
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
 
 
 def load() -> str:
@@ -321,9 +335,12 @@ def main() -> None:
     figures = passes(sizes, args.models, args.repeat)
     top = max(sizes)
     lines = [f"pass: {n:,} nodes x {GPUS_PER_NODE} GPUs, {args.models:,} models x "
-             f"{REPLICAS_PER_MODEL} replicas: steady {w:.0f} ms (CPU {c:.0f}), 10% missing "
-             f"{mw:.0f} ms (CPU {mc:.0f}); medians of {args.repeat}"
-             for n, (w, c, mw, mc) in figures.items()]
+             f"{REPLICAS_PER_MODEL} replicas, the fleet frozen as a gateway's mirror is: "
+             f"steady {w:.0f} ms (CPU {c:.0f}), 10% missing {mw:.0f} ms (CPU {mc:.0f}); "
+             f"with nothing frozen (full collections walking the fleet during the pass): "
+             f"steady {lw:.0f} ms (CPU {lc:.0f}), 10% missing {lmw:.0f} ms (CPU {lmc:.0f}); "
+             f"medians of {args.repeat}"
+             for n, (w, c, mw, mc, lw, lc, lmw, lmc) in figures.items()]
     profile = profile_missing(top, args.models)
     print(profile, flush=True)
     for line in full_passes(fleet, top, NOW):
@@ -342,6 +359,16 @@ def main() -> None:
                              for name, v in stream.items())
                  + " (bench/control_publish.py)")
     print(lines[-1], flush=True)
+    churned = churn_pauses(top)
+    plain, kept = churned["plain"], churned["kept"]
+    lines.append(
+        f"full collections while the mirror is replaced, {top:,} nodes, 300 simulated s of "
+        f"290 writes/s and a loaded gateway's young collections (bench/control_gc.py): "
+        f"frozen once only {plain['full']} of up to {plain['max_ms']:.0f} ms, "
+        f"{plain['sum_ms']:.0f} ms in all; frozen again after each (app/gateway/"
+        f"gc_keeper.py) {kept['full']} of up to {kept['max_ms']:.1f} ms, "
+        f"{kept['sum_ms']:.0f} ms in all, {kept['reclaims']} reclaims")
+    print(f"{lines[-1]}  load {load()}", flush=True)
     stall_inline, stall_thread = loop_stalls(fleet(top, args.models))
     lines.append(f"event loop stall behind one pass (10% missing, {top:,} nodes): on the loop "
                  f"{stall_inline:.0f} ms, in a worker thread (the reconciler's way) "
@@ -367,9 +394,11 @@ def main() -> None:
             f"renewals/s; etcd sustains {e['puts']:.0f} puts/s, {e['renewals']:.0f} "
             f"renewals/s; mirror of {top:,} nodes {e['mirror_mib']:.0f} MiB")
     nan = float("nan")
-    w, c, mw, mc = figures[top]
+    w, c, mw, mc, *_ = figures[top]
     summary = (f"control_scale: pass_ms_{top}={max(w, mw):.1f} pass_cpu_ms_{top}="
                f"{max(c, mc):.1f} loop_stall_ms_{top}={stall_thread:.1f} "
+               f"gc_full_max_ms_{top}={kept['max_ms']:.1f} "
+               f"gc_full_max_ms_{top}_frozen_once={plain['max_ms']:.1f} "
                f"publish_ms_{top}={max(pub.values()):.1f} "
                f"edit_p99_ms_{args.edit_models}={p99:.1f} "
                f"etcd_writes_per_s_10000={e.get('agent_writes', nan) * 10_000:.1f} "

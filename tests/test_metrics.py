@@ -44,9 +44,14 @@ def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:
     assert inflight == 0
     # The loop's timer has ticked (every 0.1 s) and the collector has run:
     # the process's own health, beside the fleet's (app/gateway/loop_lag.py).
-    assert m[("llmgw_event_loop_lag_seconds_count", ())] > 10
+    # (a gateway may route within its first second: its ticks are waited for)
+    wait_for(lambda: scrape(gw.url)[("llmgw_event_loop_lag_seconds_count", ())] > 10, 10,
+             "ten ticks of the loop's timer")
     assert sum(v for (name, labels), v in m.items()
                if name == "llmgw_gc_pause_seconds_count") > 0
+    # Start-up's objects frozen out of collections (app/gateway/gc_keeper.py).
+    assert m[("llmgw_gc_frozen_objects", ())] > 10_000
+    assert ("llmgw_gc_reclaims_total", ()) in m
 
     # The engine's own counts, as polled from its /metrics (within a second or two).
     def engine_gauges() -> dict[str, float] | None:

@@ -74,8 +74,7 @@ async def _freeze_after_load(gw: Gateway) -> None:
     alive frozen (the collector never walks it again)."""
     while not await gw.mirror.wait_past(0, 60.0):
         pass
-    gc.collect()
-    gc.freeze()
+    gw.metrics.gc.freeze_all()
 
 
 def create_app(settings: Settings, campaign: bool = True,
@@ -105,15 +104,18 @@ def create_app(settings: Settings, campaign: bool = True,
         if settings.gc_threshold:
             # Everything built so far lives as long as the gateway: frozen,
             # the collector never walks it again (settings.gc_threshold).
-            gc.collect()
-            gc.freeze()
+            gw.metrics.gc.freeze_all()
             gc.set_threshold(settings.gc_threshold, 10, 10)
             # The mirror's first load, in the background, is most of what a
             # gateway keeps for good (10,000 nodes: ~200 MiB parsed): frozen
             # too, once, or every full collection walks it, GIL held, the
-            # router stalled behind it (~300 ms at 10,000 nodes,
-            # bench/control_scale.py).
+            # router stalled behind it (~270 ms at 10,000 nodes,
+            # bench/control_scale.py). And frozen again after each full
+            # collection, as the mirror's values are replaced
+            # (app/gateway/gc_keeper.py).
             background.append(asyncio.create_task(_freeze_after_load(gw), name="gc-freeze"))
+            gw.metrics.gc.watch()
+            background.append(asyncio.create_task(gw.metrics.gc.run(), name="gc-keeper"))
         # Client key usage: counted by the router, written in batches here,
         # where control and router meet (DESIGN invariant 8).
         usage = KeyUsageWriter(gw.store, gw.mirror, settings.gateway_id, gw.proxy.limits)
@@ -129,6 +131,7 @@ def create_app(settings: Settings, campaign: bool = True,
             yield
         finally:
             gw.metrics.loop.unwatch_gc()
+            gw.metrics.gc.unwatch()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

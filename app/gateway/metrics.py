@@ -25,6 +25,7 @@ from app.control import fleet, gpuhealth
 from app.control.placement import NoFit, place
 from app.control.scaling import wanted_now
 from app.control.state import LEADER, LeaderInfo, Replica, replica_phase
+from app.gateway.gc_keeper import GcKeeper
 from app.gateway.loop_lag import LoopLag
 from app.gateway.request_metrics import RequestMetrics
 
@@ -76,11 +77,13 @@ class GatewayMetrics:
         # This process's event loop and collector (app/gateway/loop_lag.py);
         # under --workers, the scraped worker's own.
         self.loop = LoopLag()
+        # Full collections kept off the mirror (app/gateway/gc_keeper.py).
+        self.gc = GcKeeper()
         self._fleet = _FleetCollector(gw, lambda: self.gateway_id)
         # Under --workers: the gateway's id (its first worker's, the one that
         # campaigns), so that every worker says whether the gateway leads.
         self.gateway_id: str | None = None
-        for collector in (self.requests, self.loop, self._fleet):
+        for collector in (self.requests, self.loop, self.gc, self._fleet):
             self.registry.register(collector)
 
     def render(self, requests: RequestMetrics | None = None) -> bytes:
@@ -89,7 +92,7 @@ class GatewayMetrics:
         if requests is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry(auto_describe=False)
-        for collector in (requests, self.loop, self._fleet):
+        for collector in (requests, self.loop, self.gc, self._fleet):
             registry.register(collector)
         return generate_latest(registry)
 

@@ -1,0 +1,87 @@
+"""Scenarios of app/gateway/gc_keeper.py run in a process of their own
+(freezing and collecting act on the whole interpreter), each printing one
+JSON line for tests/test_gc_keeper.py.
+
+    python -m tests.support.gc_scenarios churn plain|keep
+    python -m tests.support.gc_scenarios leak
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import weakref
+
+from app.gateway.gc_keeper import GcKeeper
+
+MIRROR = 20_000  # values, two tracked objects each
+
+
+class Value:
+    """A parsed mirror value: an object holding a list, both tracked."""
+
+    def __init__(self, n: int) -> None:
+        self.gpus = [n]
+
+
+def churn(keep: bool) -> dict[str, object]:
+    """A mirror frozen once loaded, then every value replaced three times
+    over while requests come and go: how many objects a full collection
+    would walk (those not frozen), at most, measured before each step."""
+    gc.set_threshold(7000, 10, 10)
+    mirror = {i: Value(i) for i in range(MIRROR)}
+    keeper = GcKeeper()
+    keeper.freeze_all()
+    if keep:
+        keeper.watch()
+    walked = 0
+    for round_ in range(3 * MIRROR // 500):
+        for i in range(500):
+            key = (round_ * 500 + i) % MIRROR
+            mirror[key] = Value(key)  # the old one, frozen, is freed all the same
+        inflight = [[] for _ in range(8000)]  # a loaded gateway's requests in flight
+        gc.collect(1)  # they age into the oldest generation, as under load
+        del inflight
+        walked = max(walked, len(gc.get_objects()))
+        if keep:
+            keeper.step()
+    full = gc.get_stats()[2]["collections"]
+    return {"walked_max": walked, "mirror_objects": 2 * MIRROR, "full_collections": full,
+            "freezes": keeper.freezes, "reclaims": keeper.reclaims}
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def leak() -> dict[str, object]:
+    """A cycle frozen while alive, then dropped: kept until the frozen
+    objects grow by a quarter, then reclaimed."""
+    keeper = GcKeeper()
+    keeper.freeze_all()
+    keeper.watch()
+    steps = [keeper.step()]  # nothing happened: nothing to do
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    gc.collect()  # a full collection: the keeper freezes what survived it
+    steps.append(keeper.step())
+    del a, b
+    gc.collect()
+    steps.append(keeper.step())  # the frozen cycle is garbage: kept, not yet past the bound
+    kept_while_frozen = alive() is not None
+    grown = [[i] for i in range(keeper.baseline)]  # the frozen objects to grow by half
+    gc.collect()
+    steps.append(keeper.step())  # frozen: past the bound now, so reclaimed
+    steps.append(keeper.step())  # and the reclaim's own collection is not another
+    return {"steps": steps, "kept_while_frozen": kept_while_frozen,
+            "reclaimed": alive() is None, "reclaims": keeper.reclaims,
+            "still_frozen": len(grown) and gc.get_freeze_count() >= len(grown)}
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    out = churn(sys.argv[2] == "keep") if what == "churn" else leak()
+    print(json.dumps(out))

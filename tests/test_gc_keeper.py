@@ -1,0 +1,43 @@
+"""Full collections kept off the mirror (app/gateway/gc_keeper.py), each
+scenario in a process of its own (tests/support/gc_scenarios.py): freezing
+and collecting act on the whole interpreter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scenario(*args: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "tests.support.gc_scenarios", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
+def test_once_the_mirror_is_replaced_a_full_collection_walks_only_what_is_new() -> None:
+    # Without the keeper: the frozen first load, replaced value by value,
+    # is walked whole again by each full collection.
+    plain = scenario("churn", "plain")
+    assert plain["full_collections"] >= 3
+    assert plain["walked_max"] >= 0.9 * plain["mirror_objects"]
+    # With it: frozen again after each full collection, so the next walks
+    # what was replaced since, and nothing is unfrozen and walked whole.
+    kept = scenario("churn", "keep")
+    assert kept["full_collections"] >= 3 and kept["freezes"] >= 3
+    assert kept["walked_max"] <= 0.35 * kept["mirror_objects"]
+    assert kept["reclaims"] == 0  # the mirror did not grow: never walked whole
+
+
+def test_a_cycle_dropped_while_frozen_is_reclaimed_once_the_frozen_grow_by_a_quarter() -> None:
+    got = scenario("leak")
+    # Nothing yet; a freeze after each full collection; past the bound, the reclaim.
+    assert got["steps"] == [None, "freeze", "freeze", "reclaim", None]
+    assert got["kept_while_frozen"] is True
+    assert got["reclaimed"] is True and got["reclaims"] == 1
+    assert got["still_frozen"] is True  # what is alive is frozen again after the reclaim
