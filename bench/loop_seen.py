@@ -1,8 +1,10 @@
 """What llmgw's own /metrics says of its event loop over a step: two scrapes
 of `llmgw_event_loop_lag_seconds` and `llmgw_gc_pause_seconds`
-(app/gateway/loop_lag.py), and the difference, so that a step's delays can
-be told apart: the loop held (by a collection or anything else) or the
-process short of CPU."""
+(app/gateway/loop_lag.py), and of `llmgw_gc_frozen_objects` and
+`llmgw_gc_reclaims_total` (app/gateway/gc_keeper.py), and the difference,
+so that a step's delays can be told apart: the loop held (by a collection
+or anything else) or the process short of CPU; and whether the frozen
+objects grow under load (cycles frozen while alive, garbage since)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def scrape(url: str) -> Scrape:
     r.raise_for_status()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(r.text) for s in fam.samples
-            if s.name.startswith(("llmgw_event_loop_lag_seconds", "llmgw_gc_pause_seconds"))}
+            if s.name.startswith(("llmgw_event_loop_lag_seconds", "llmgw_gc_"))}
 
 
 @dataclass
@@ -30,13 +32,18 @@ class LoopSeen:
     worst_le: str = "-"  # the bound of the highest bucket a tick fell in
     gc_counts: tuple[int, int, int] = (0, 0, 0)
     gc_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # Frozen objects before and after (growing: cycles frozen while alive,
+    # garbage since, or the heap grown), and the reclaims over the step.
+    frozen: tuple[int, int] = (0, 0)
+    reclaims: int = 0
 
     def line(self) -> str:
         worst = "" if self.worst_le == "-" else f", the worst within {self.worst_le} s"
         gcs = ", ".join(f"gen{g} {n} ({ms:.0f} ms)"
                         for g, (n, ms) in enumerate(zip(self.gc_counts, self.gc_ms, strict=True)))
         return (f"{self.ticks} ticks, {self.over_10ms} over 10 ms, {self.over_50ms} over 50 ms"
-                f"{worst}; collections {gcs}")
+                f"{worst}; collections {gcs}; frozen objects {self.frozen[0]:,} -> "
+                f"{self.frozen[1]:,}, {self.reclaims} reclaims")
 
 
 def between(before: Scrape, after: Scrape) -> LoopSeen:
@@ -63,4 +70,7 @@ def between(before: Scrape, after: Scrape) -> LoopSeen:
         worst_le=worst,
         gc_counts=(counts[0], counts[1], counts[2]),
         gc_ms=(ms[0], ms[1], ms[2]),
+        frozen=(int(before.get(("llmgw_gc_frozen_objects", ()), 0)),
+                int(after.get(("llmgw_gc_frozen_objects", ()), 0))),
+        reclaims=int(d("llmgw_gc_reclaims_total")),
     )

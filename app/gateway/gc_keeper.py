@@ -88,8 +88,8 @@ class GcKeeper(Collector):
         self._full_ended = False
         gc.freeze()
         frozen = gc.get_freeze_count()
-        if not self.baseline:
-            self.baseline = frozen
+        if not self.baseline or frozen < self.baseline:
+            self.baseline = frozen  # the heap shrank (nodes gone): the bound follows
         if frozen <= self.baseline * (1 + self.growth):
             self.frozen = frozen
             self.freezes += 1

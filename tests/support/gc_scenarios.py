@@ -76,9 +76,16 @@ def leak() -> dict[str, object]:
     gc.collect()
     steps.append(keeper.step())  # frozen: past the bound now, so reclaimed
     steps.append(keeper.step())  # and the reclaim's own collection is not another
+    still_frozen = gc.get_freeze_count() >= len(grown)
+    # The heap shrinks (a fleet's nodes gone): the bound follows it down.
+    before = keeper.baseline
+    del grown
+    gc.collect()
+    steps.append(keeper.step())
     return {"steps": steps, "kept_while_frozen": kept_while_frozen,
             "reclaimed": alive() is None, "reclaims": keeper.reclaims,
-            "still_frozen": len(grown) and gc.get_freeze_count() >= len(grown)}
+            "still_frozen": still_frozen, "baseline_before_shrink": before,
+            "baseline_after_shrink": keeper.baseline}
 
 
 if __name__ == "__main__":
