@@ -63,8 +63,10 @@ class EdgeSettings(Group):
     # 256 requests in flight, CPython's default (700) ran a full collection
     # every 0.2 s, each walking the whole heap: 28% of the event loop's time,
     # pauses up to 115 ms (bench/RESULTS.md). 7000 (and freezing) cut that to
-    # 6% and 2.4 ms, for a few MiB more garbage between collections. 0 leaves
-    # CPython's defaults alone.
+    # 6% and 2.4 ms, for a few MiB more garbage between collections. The
+    # mirror's first load is frozen too, and what each full collection keeps
+    # (app/gateway/gc_keeper.py). 0 leaves CPython's defaults alone: nothing
+    # frozen, nothing kept.
     gc_threshold: int = Field(7000, ge=0)
 
     # --- before a client is authenticated (docs/architecture.md, Security) -------
