@@ -80,15 +80,44 @@ class Run:
     placed: int = 0  # nodes that know their replica
     revisions: int = 0
     seconds: float = 0.0
+    # The first gateway's heap (app/gateway/gc_keeper.py): t, RSS, frozen
+    # objects, reclaims, full collections (its one process's, at --workers 1).
+    heap: list[tuple[float, int, int, int, int]] = field(default_factory=list)
 
     def slope_mb_per_hour(self, speed: float) -> float:
         """dbSize's least-squares slope over the second half, per fleet hour."""
-        half = self.samples[len(self.samples) // 2:]
-        if len(half) < 2:
-            return float("nan")
-        xs = [t for t, _, _ in half]
-        ys = [size / MB for _, size, _ in half]
-        return statistics.linear_regression(xs, ys).slope * 3600 / speed
+        return _slope([(t, size / MB) for t, size, _ in self.samples], speed)
+
+    def rss_slope_mb_per_hour(self, speed: float) -> float:
+        """The first gateway's RSS, the same way."""
+        return _slope([(t, rss / MB) for t, rss, *_ in self.heap], speed)
+
+
+def heap_of(url: str, pid: int) -> tuple[int, int, int, int]:
+    """A gateway's RSS (bytes), frozen objects, reclaims and full
+    collections so far, from /proc and its /metrics."""
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    got = {"llmgw_gc_frozen_objects": 0.0, "llmgw_gc_reclaims_total": 0.0,
+           'llmgw_gc_pause_seconds_count{generation="2"}': 0.0}
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in got:
+                got[name] = float(value)
+    frozen, reclaims, fulls = (int(v) for v in got.values())
+    return rss, frozen, reclaims, fulls
+
+
+def _slope(points: list[tuple[float, float]], speed: float) -> float:
+    half = points[len(points) // 2:]
+    if len(half) < 2:
+        return float("nan")
+    return statistics.linear_regression([t for t, _ in half],
+                                        [y for _, y in half]).slope * 3600 / speed
 
 
 def etcd_status(client_url: str) -> dict[str, Any]:
@@ -152,9 +181,10 @@ async def node(i: int, urls: list[str], period: float, report_every: int,
 
 
 def gateway_env(i: int, port: int, etcd: str, speed: float, compaction: bool,
-                data: Path) -> dict[str, str]:
+                data: Path, workers: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
+        "LLMGW_WORKERS": str(workers),
         "LLMGW_ETCD_ENDPOINTS": etcd, "LLMGW_SECRET": SECRET, "LLMGW_ADMIN_TOKEN": ADMIN,
         "LLMGW_GATEWAY_ID": f"soak-gw{i}", "LLMGW_PORT": str(port),
         "LLMGW_DATA_DIR": str(data / f"gw{i}"), "LLMGW_LOCAL_AGENT": "false",
@@ -191,7 +221,7 @@ async def soak(args: argparse.Namespace, compaction: bool) -> Run:
                 procs.append(Process(f"gw{i}", [sys.executable, "-m", "app.cli", "serve"],
                                      tmp / f"gw{i}.log", env=gateway_env(
                                          i, port, f"127.0.0.1:{client_port}", args.speed,
-                                         compaction, tmp)).start())
+                                         compaction, tmp, args.workers)).start())
             for url, proc in zip(urls, procs[1:], strict=True):
                 wait_for(ready(url), 60, f"{proc.name} ready", proc.alive)
             for m in range(max(1, args.nodes // 10)):
@@ -200,7 +230,7 @@ async def soak(args: argparse.Namespace, compaction: bool) -> Run:
                     ADMIN)
                 if status >= 300:
                     raise SystemExit(f"PUT model failed: {status} {body}")
-            await measure(args, urls, client_url, run)
+            await measure(args, urls, client_url, run, procs[1].pid)
         finally:
             for proc in reversed(procs):
                 proc.stop()
@@ -212,7 +242,7 @@ def ready(url: str) -> Callable[[], bool]:
 
 
 async def measure(args: argparse.Namespace, urls: list[str], client_url: str,
-                  run: Run) -> None:
+                  run: Run, gw_pid: int) -> None:
     stop = asyncio.Event()
     period = HEARTBEAT_S / args.speed
     report_every = round(FULL_REPORT_S / HEARTBEAT_S)
@@ -237,11 +267,14 @@ async def measure(args: argparse.Namespace, urls: list[str], client_url: str,
             old = [r for at, r in revisions if at <= now - 2 * COMPACTION_S / args.speed]
             kept = "-" if not old else await asyncio.to_thread(readable, client_url, old[-1])
             run.samples.append((now, int(st["dbSize"]), int(st.get("dbSizeInUse", 0))))
+            rss, frozen, reclaims, fulls = await asyncio.to_thread(heap_of, urls[0], gw_pid)
+            run.heap.append((now, rss, frozen, reclaims, fulls))
             print(f"{run.label}: t={now:6.1f} s  dbSize {int(st['dbSize']) / MB:7.2f} MB  "
                   f"in use {int(st.get('dbSizeInUse', 0)) / MB:7.2f} MB  "
                   f"revision {st['header']['revision']}, 2 intervals ago {kept}  "
-                  f"beats {run.beats}  reports {run.reports}  failures {run.failures}",
-                  flush=True)
+                  f"beats {run.beats}  reports {run.reports}  failures {run.failures}  "
+                  f"gw0: RSS {rss / MB:.1f} MB, frozen {frozen:,}, full collections {fulls}, "
+                  f"reclaims {reclaims}", flush=True)
             await asyncio.sleep(args.sample)
     finally:
         stop.set()
@@ -258,13 +291,19 @@ def summary(run: Run, speed: float) -> str:
             f"{run.revisions / fleet_hours:,.0f} store revisions per fleet hour; dbSize "
             f"{run.samples[0][1] / MB:.2f} -> {run.samples[-1][1] / MB:.2f} MB (in use "
             f"{run.samples[-1][2] / MB:.2f} MB); slope {run.slope_mb_per_hour(speed):+.2f} "
-            f"MB per fleet hour")
+            f"MB per fleet hour; gw0's RSS {run.heap[0][1] / MB:.1f} -> "
+            f"{run.heap[-1][1] / MB:.1f} MB (slope {run.rss_slope_mb_per_hour(speed):+.2f} MB "
+            f"per fleet hour), frozen objects {run.heap[0][2]:,} -> {run.heap[-1][2]:,}, "
+            f"{run.heap[-1][4] - run.heap[0][4]} full collections and "
+            f"{run.heap[-1][3] - run.heap[0][3]} reclaims over the run")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--nodes", type=int, default=500)
     parser.add_argument("--gateways", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes per gateway (1: the heap figures are one process's)")
     parser.add_argument("--speed", type=float, default=12.0,
                         help="time compression: fleet seconds per wall second")
     parser.add_argument("--hours", type=float, default=1.0, help="fleet hours per run")
@@ -281,7 +320,10 @@ def main() -> None:
     print(f"soak: etcd_db_mb_start={compacted.samples[0][1] / MB:.2f} "
           f"etcd_db_mb_end={compacted.samples[-1][1] / MB:.2f} "
           f"slope_mb_per_hour={compacted.slope_mb_per_hour(args.speed):.2f} "
-          f"baseline_slope_mb_per_hour={base_slope:.2f}")
+          f"baseline_slope_mb_per_hour={base_slope:.2f} "
+          f"gw_rss_slope_mb_per_hour={compacted.rss_slope_mb_per_hour(args.speed):.2f} "
+          f"gw_frozen_end={compacted.heap[-1][2]} "
+          f"gw_reclaims={compacted.heap[-1][3] - compacted.heap[0][3]}")
 
 
 if __name__ == "__main__":
