@@ -47,8 +47,6 @@ def churn(nodes: int, seconds: int, writes_per_s: int, keep: bool) -> dict[str, 
     f = fleet(nodes)
     keeper = GcKeeper()
     keeper.freeze_all()
-    if keep:
-        keeper.watch()
     gc.callbacks.append(timed)
     node_names = itertools.cycle(list(f.nodes))
     status_ids = itertools.cycle(list(f.statuses))

@@ -22,9 +22,9 @@ stays bounded by that share, and a fleet that does not grow is walked whole
 only that rarely.
 
 `step()` is the one-step method; `run()` calls it every `every` s on the
-event loop. The collector's callback only notes that a full collection
-ended (it runs inside the collection, in whichever thread allocated); the
-freeze waits for the loop's step.
+event loop. Whether a full collection ended since is read from the
+collector's own count of them (`gc.get_stats()`): a collection may run in
+any thread, and freezing waits for the loop's step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -42,10 +41,13 @@ from prometheus_client.registry import Collector
 logger = logging.getLogger(__name__)
 
 
+def _full_collections() -> int:
+    return int(gc.get_stats()[2]["collections"])
+
+
 class GcKeeper(Collector):
     """`freeze_all()` once start-up or the mirror's first load is built;
-    `watch()` hooks the collector's callback (`unwatch()` unhooks: a process
-    holds one list of them); `step()` / `run()` as above."""
+    `step()` / `run()` as above."""
 
     def __init__(self, growth: float = 0.25, every: float = 1.0,
                  timer: Callable[[], float] = time.perf_counter) -> None:
@@ -55,7 +57,7 @@ class GcKeeper(Collector):
         self.freezes = 0
         self.reclaims = 0
         self.last_reclaim_s = 0.0
-        self._full_ended = False
+        self._fulls = _full_collections()  # full collections seen so far
 
     def freeze_all(self) -> None:
         """A collection, then everything alive frozen: start-up's objects,
@@ -64,18 +66,7 @@ class GcKeeper(Collector):
         gc.collect()
         gc.freeze()
         self.baseline = self.frozen = gc.get_freeze_count()
-
-    def watch(self) -> None:
-        if self._on_gc not in gc.callbacks:
-            gc.callbacks.append(self._on_gc)
-
-    def unwatch(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "stop" and info.get("generation") == 2:
-            self._full_ended = True
+        self._fulls = _full_collections()
 
     def step(self) -> str | None:
         """After a full collection: freezes, and reclaims when that took the
@@ -83,9 +74,10 @@ class GcKeeper(Collector):
         "reclaim"), None when no full collection ended since the last step.
         Counting the frozen objects walks them (~3 ms at 400,000), so it is
         done only here: only a freeze adds to them."""
-        if not self._full_ended:
+        fulls = _full_collections()
+        if fulls == self._fulls:
             return None
-        self._full_ended = False
+        self._fulls = fulls
         gc.freeze()
         frozen = gc.get_freeze_count()
         if not self.baseline or frozen < self.baseline:
@@ -98,7 +90,7 @@ class GcKeeper(Collector):
         gc.unfreeze()
         found = gc.collect()
         gc.freeze()
-        self._full_ended = False  # that collection's own callback
+        self._fulls = _full_collections()  # that collection is not another
         self.last_reclaim_s = self._timer() - began
         self.reclaims += 1
         self.frozen = gc.get_freeze_count()

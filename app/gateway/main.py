@@ -114,7 +114,6 @@ def create_app(settings: Settings, campaign: bool = True,
             # collection, as the mirror's values are replaced
             # (app/gateway/gc_keeper.py).
             background.append(asyncio.create_task(_freeze_after_load(gw), name="gc-freeze"))
-            gw.metrics.gc.watch()
             background.append(asyncio.create_task(gw.metrics.gc.run(), name="gc-keeper"))
         # Client key usage: counted by the router, written in batches here,
         # where control and router meet (DESIGN invariant 8).
@@ -131,7 +130,6 @@ def create_app(settings: Settings, campaign: bool = True,
             yield
         finally:
             gw.metrics.loop.unwatch_gc()
-            gw.metrics.gc.unwatch()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

@@ -33,8 +33,6 @@ def churn(keep: bool) -> dict[str, object]:
     mirror = {i: Value(i) for i in range(MIRROR)}
     keeper = GcKeeper()
     keeper.freeze_all()
-    if keep:
-        keeper.watch()
     walked = 0
     for round_ in range(3 * MIRROR // 500):
         for i in range(500):
@@ -61,7 +59,6 @@ def leak() -> dict[str, object]:
     objects grow by a quarter, then reclaimed."""
     keeper = GcKeeper()
     keeper.freeze_all()
-    keeper.watch()
     steps = [keeper.step()]  # nothing happened: nothing to do
     a, b = Node(), Node()
     a.other, b.other = b, a
