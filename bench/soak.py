@@ -55,6 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from loop_seen import scrape  # noqa: E402
 from peers import Process, free_port, http, wait_for  # noqa: E402
 
 from app import __version__  # noqa: E402
@@ -101,15 +102,10 @@ def heap_of(url: str, pid: int) -> tuple[int, int, int, int]:
         for line in f:
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1]) * 1024
-    got = {"llmgw_gc_frozen_objects": 0.0, "llmgw_gc_reclaims_total": 0.0,
-           'llmgw_gc_pause_seconds_count{generation="2"}': 0.0}
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            name, _, value = line.rpartition(" ")
-            if name in got:
-                got[name] = float(value)
-    frozen, reclaims, fulls = (int(v) for v in got.values())
-    return rss, frozen, reclaims, fulls
+    got = scrape(url)
+    return (rss, int(got.get(("llmgw_gc_frozen_objects", ()), 0)),
+            int(got.get(("llmgw_gc_reclaims_total", ()), 0)),
+            int(got.get(("llmgw_gc_pause_seconds_count", (("generation", "2"),)), 0)))
 
 
 def _slope(points: list[tuple[float, float]], speed: float) -> float:
