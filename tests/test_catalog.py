@@ -120,7 +120,8 @@ INVALID: list[tuple[dict[str, Any], list[str | int], str]] = [
      ["profiles", 0, "engine_args", 0], "set by llmgw"),
     ({"model": "w", "gpus": 2, "profiles": [{}]}, ["gpus"], "inside each profile"),
     ({"model": "w", "engine": "vllm", "profiles": [{}]}, ["engine"], "inside each profile"),
-    (profile(gpus=0), ["profiles", 0, "gpus"], "gpus >= 1"),
+    # vllm with gpus 0 runs on the CPU build: no GPU memory to ask for.
+    (profile(gpus=0, gpu_memory_gib=8), ["profiles", 0, "gpu_memory_gib"], "CPU build"),
     (profile(engine="llamacpp", gpus=1), ["profiles", 0, "gpus"], "CPU nodes"),
     (profile(engine="llamacpp", gpu_memory_gib=8), ["profiles", 0, "gpu_memory_gib"],
      "CPU nodes"),
@@ -136,7 +137,6 @@ INVALID: list[tuple[dict[str, Any], list[str | int], str]] = [
     ({"model": "w", "profiles": [{"name": "a"}, {"name": "a"}]}, ["profiles", 1, "name"],
      "repeats"),
     ({"model": "w", "profiles": []}, ["profiles"], "at least 1"),
-    ({"model": "w", "gpus": 0}, ["gpus"], "gpus >= 1"),
     ({"model": "w", "engine": "llamacpp", "gpus": 2}, ["gpus"], "CPU nodes"),
     ({"model": "w", "replicas": {"min": 0, "max": 2}}, ["idle_timeout"], "idle_timeout"),
     ({"model": "w", "idle_timeout": 0}, ["idle_timeout"], "greater than 0"),

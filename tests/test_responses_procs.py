@@ -111,7 +111,10 @@ def test_vllm_s_other_routes_answer_through_the_gateway_behind_the_key(
         assert r.status_code == 200 and r.json()["count"] == 3
         tokens = r.json()["tokens"]
         r = http.post("/detokenize", json={"model": "m", "tokens": tokens})
-        assert r.status_code == 200 and r.json()["prompt"].count("<") == 3
+        # The stand-in undoes only ids it gave itself (another replica's
+        # come back as `<id>`); the gateway may route the two apart.
+        assert r.status_code == 200
+        assert r.json()["prompt"] == "one two three" or r.json()["prompt"].count("<") == 3
         assert "x-llmgw-replica" in r.headers
         # Without a key, vLLM's own paths outside /v1 are the gateway's to refuse.
         assert httpx.post(gws[2].url + "/tokenize", json={"model": "m"}).status_code == 401

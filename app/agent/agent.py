@@ -39,7 +39,7 @@ from app.agent.gateway_client import (
 from app.agent.loads import LoadTarget
 from app.agent.nodeops import NodeOps
 from app.agent.running import Running
-from app.wire.names import Phase
+from app.wire.names import Engine, Phase
 from app.wire.nodes import DEFAULT_VLLM_VERSION, MAX_DETAIL, NodeInfo, ReplicaStatus, fit
 
 logger = logging.getLogger(__name__)
@@ -108,10 +108,18 @@ class Agent:
 
     def inventory(self) -> NodeInfo:
         return NodeInfo(
-            name=self.cfg.node, engines=self.cfg.engines, address=self.host,
+            name=self.cfg.node, engines=self.engines(), address=self.host,
             version=__version__, api_url=self.ops.api.url, **self.ops.node_fields(),
             **self.ops.build_fields(),
         )
+
+    def engines(self) -> list[Engine]:
+        """What this node can run: those found at start, and vLLM once a
+        build installed here passed its check (a CPU node's `cpu` build is
+        chosen by the operator after the agent started)."""
+        if "vllm" in self.cfg.engines or not self.ops.builds.usable:
+            return list(self.cfg.engines)
+        return ["vllm", *self.cfg.engines]
 
     def engine_specs(self) -> list[EngineSpec]:
         """Assigned or running engines (the node API's NodeView): their

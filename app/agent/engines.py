@@ -79,10 +79,19 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def vllm_start(vllm_bin: str, weights: str) -> list[str]:
+    """How vLLM starts: `vllm serve WEIGHTS`, or, given a Python interpreter
+    (the CPU build's: builds.entry; or an operator's LLMGW_VLLM_BIN), its
+    OpenAI server's module, which takes the same flags with `--model`."""
+    if Path(vllm_bin).name.startswith("python"):
+        return [vllm_bin, "-m", "vllm.entrypoints.openai.api_server", "--model", weights]
+    return [vllm_bin, "serve", weights]
+
+
 def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
     if spec.engine == "vllm":
         cmd = [
-            vllm_bin, "serve", spec.weights,
+            *vllm_start(vllm_bin, spec.weights),
             "--host", host, "--port", str(port),
             "--served-model-name", spec.model,
             # The key on every path, not /v1 alone (docs/architecture.md,

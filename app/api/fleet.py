@@ -124,10 +124,11 @@ def routes(state: MirrorState, ops: FleetOps, *, admin_token: str,
     @r.put("/nodes/{node}/engine-build", responses=problems(404, 409))
     async def put_engine_build(node: str, body: EngineBuildBody, request: Request,
                                response: Response) -> dict[str, Any]:
-        """auto (the newest build the driver runs), cu13, cu129, or none (no
-        vLLM replicas), and the vLLM version it installs (omitted: the
-        gateways' LLMGW_VLLM_VERSION). The node's agent is told within its
-        long poll."""
+        """auto (the newest build the driver runs), cu13, cu129, cpu (vLLM's
+        CPU build, for `gpus: 0` vLLM replicas), or none (no vLLM replicas),
+        and the vLLM version it installs (omitted: the gateways'
+        LLMGW_VLLM_VERSION, or LLMGW_VLLM_CPU_VERSION for cpu). The node's
+        agent is told within its long poll."""
         return await change(node, lambda c: c.model_copy(
             update={"engine_build": body.build, "vllm_version": body.vllm_version}),
             request, response)

@@ -148,14 +148,22 @@ def model_health(spec: s.ModelSpec, replicas: Iterable[s.Replica], nofit: NoFit 
     return Health(state, detail, reasons)
 
 
-def no_vllm_build(node: s.NodeInfo, conf: s.NodeConf | None) -> str:
-    """Why `node` has no vLLM build to run a replica with, or "". Agents
-    older than engine builds report none (None): not judged."""
+def no_vllm_build(node: s.NodeInfo, conf: s.NodeConf | None, cpu: bool = False) -> str:
+    """Why `node` has no vLLM build to run a replica with, or "": on its
+    GPUs, or with `cpu` (a profile of gpus 0) on its CPUs, which only the
+    `cpu` build (or an operator's own vLLM) does. Agents older than engine
+    builds report none (None): not judged."""
     if conf is not None and conf.engine_build == "none":
         return "engine build set to none"
     if node.vllm_build == "":
         first = (node.vllm_build_check.splitlines() or ["not reported yet"])[0]
         return f"no usable vLLM build ({first})"
+    if node.vllm_build is None:
+        return ""
+    if cpu and node.vllm_build not in ("cpu", "operator"):
+        return f"vLLM build {node.vllm_build} runs on GPUs: a gpus 0 replica needs the cpu build"
+    if not cpu and node.vllm_build == "cpu":
+        return "vLLM build cpu runs on CPUs: a GPU replica needs a CUDA build"
     return ""
 
 

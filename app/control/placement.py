@@ -335,8 +335,11 @@ class Placer:
                         + ",".join(f"{k}={v}" for k, v in unmatched))
         if prof.engine not in node.engines:
             return f"engine {prof.engine} not available"
-        if prof.engine == "vllm" and (why := fleet.no_vllm_build(node, conf)):
+        if prof.engine == "vllm" and (
+                why := fleet.no_vllm_build(node, conf, cpu=prof.gpu_count == 0)):
             return why
+        if prof.engine == "vllm" and prof.gpu_count == 0:
+            return [], 0
         if prof.engine == "llamacpp":
             if not node.cpu_only:
                 return "llamacpp replicas go to CPU nodes"

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # `state.X` names them.
 from app.wire.names import Engine, Phase, check_labels, check_name
 from app.wire.nodes import (
+    DEFAULT_VLLM_CPU_VERSION,
     DEFAULT_VLLM_VERSION,
     MAX_DETAIL,
     MAX_GPUS,
@@ -86,6 +87,7 @@ ADAPTERS = "adapters/"
 __all__ = [
     "ADAPTERS",
     "CATALOG_SERIAL",
+    "DEFAULT_VLLM_CPU_VERSION",
     "DEFAULT_VLLM_VERSION",
     "FABRIC",
     "GATEWAYS",
@@ -302,6 +304,9 @@ class KeyShare(_Stored):
     used: dict[str, int] = Field(default_factory=dict)
     asked: int = 0  # requests asked for (admitted or refused) lately
     refused: list[str] = Field(default_factory=list)  # limits it refused on lately
+    # Requests waiting now for its claim to be raised, by limit name: the
+    # part others leave idle goes to them first (app/router/shares.py).
+    waiting: dict[str, int] = Field(default_factory=dict)
 
 
 class KeyShares(_Stored):

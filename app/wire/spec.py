@@ -95,7 +95,8 @@ class Profile(BaseModel):
     engine: Engine = "vllm"
     gpus: int | None = Field(
         default=None, ge=0, le=16,
-        description="GPUs per replica; default 1 for vllm, 0 for llamacpp")
+        description="GPUs per replica; default 1 for vllm, 0 for llamacpp; vllm with 0 runs "
+                    "on nodes whose engine build is cpu (vLLM's CPU build)")
     gpu_memory_gib: float | None = Field(
         default=None, gt=0, le=4096, description="GPU memory a replica needs, GiB per GPU")
     engine_args: list[EngineArg] = Field(

@@ -396,6 +396,13 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
     return web.json_response(body, status=status)
 
 
+def _invalid(loc: str, kind: str, msg: str) -> web.Response:
+    """A 400 as FastAPI's request validation makes it under vLLM: the
+    error's location is the param, "Bad Request" its type."""
+    detail = {"type": kind, "loc": loc, "msg": msg}
+    return _error(400, f"1 validation error:\n  {detail}", "Bad Request", loc)
+
+
 def _count_tokens(text: str) -> int:
     return len(text.split())
 
@@ -472,8 +479,15 @@ class FakeVLLM:
                           "BadRequestError")
         name = body["lora_name"]
         if name in self.loras:
-            return _error(400, f"The lora adapter '{name}' has already been loaded.",
+            return _error(400, f"The lora adapter '{name}' has already been loaded. If you "
+                          "want to load the adapter in place, set 'load_inplace' to True.",
                           "InvalidUserInput")
+        path = body["lora_path"]
+        if path.startswith("/") and not await asyncio.to_thread(os.path.isdir, path):
+            # A local folder is read at once (a hub id would be downloaded:
+            # the stand-in takes it as found).
+            return _error(404, f"Loading lora {name} failed: No adapter found for "
+                          f"{body['lora_path']}", "NotFoundError")
         self.loras[name] = body["lora_path"]
         _log(f"Loaded new LoRA adapter: name '{name}', path '{body['lora_path']}'")
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -560,8 +574,12 @@ class FakeVLLM:
     ) -> tuple[dict[str, Any] | None, web.Response | None]:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None, _error(400, "Invalid JSON body.", "BadRequestError")
+        except json.JSONDecodeError as exc:
+            # FastAPI's request validation, as vLLM answers it
+            # (tests/test_vllm_contract.py).
+            return None, _invalid(f"body.{exc.pos}", "json_invalid", "JSON decode error")
+        except UnicodeDecodeError:
+            return None, _invalid("body", "json_invalid", "JSON decode error")
         if not isinstance(body, dict):
             return None, _error(400, "Request body must be a JSON object.", "BadRequestError")
         model = body.get("model") or self.names[0]
@@ -581,10 +599,14 @@ class FakeVLLM:
         return body, None
 
     def _reply_words(self, model: str, asked: str, limit: int | None,
-                     given: str = "") -> tuple[list[str], str]:
-        """The answer's words (after `given`, the start of it to continue)."""
+                     given: str = "", ignore_eos: bool = False) -> tuple[list[str], str]:
+        """The answer's words (after `given`, the start of it to continue);
+        with vLLM's `ignore_eos`, the echo repeated to `limit` words, as the
+        engine generates past its end-of-sequence token."""
         words = resume.words_after(f"fake-vllm {model} echo: {asked}".split(), given)
-        if limit is not None and limit < len(words):
+        if ignore_eos and limit is not None and words:
+            words = (words * (limit // len(words) + 1))[:limit]
+        if limit is not None and limit <= len(words) and (ignore_eos or limit < len(words)):
             return words[:limit], "length"
         return words, "stop"
 
@@ -665,9 +687,11 @@ class FakeVLLM:
             return err
         assert body is not None
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return _error(400, "messages must be a non-empty list.", "BadRequestError",
-                          "messages")
+        if not isinstance(messages, list):
+            return _invalid("body.messages", "list_type", "Input should be a valid list")
+        if not messages:
+            return _error(400, "Cannot apply chat template to an empty conversation. Provide "
+                          "at least one message.", "BadRequestError")
         given, bad = resume.continued(body, messages)
         if bad is not None:
             return _error(400, bad, "BadRequestError")
@@ -683,7 +707,8 @@ class FakeVLLM:
         ) - (given is not None)  # an open assistant message: no framing token
         await self._prefill(messages)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        words, reason = self._reply_words(model, asked, limit, given or "")
+        words, reason = self._reply_words(model, asked, limit, given or "",
+                                          body.get("ignore_eos") is True)
         lead = bool(given and given.split())
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -777,7 +802,8 @@ class FakeVLLM:
         req_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         splits = [resume.completion_split(p, model) for p in prompts]
-        plans = [(p, *self._reply_words(model, asked, limit, given))
+        plans = [(p, *self._reply_words(model, asked, limit, given,
+                                        body.get("ignore_eos") is True))
                  for p, (asked, given) in zip(prompts, splits, strict=True)]
         prompt_total = sum(_count_tokens(p) for p in prompts)
 

@@ -44,8 +44,12 @@ from aiohttp import web
 _PASSED = b"x-fake-vllm-passed"
 
 
+FRAMING = 0  # the stand-in's one token around each chat message (no word hashes to it)
+
+
 def _token_ids(text: str) -> list[int]:
-    return [int.from_bytes(hashlib.sha256(w.encode()).digest()[:2], "big") for w in text.split()]
+    return [int.from_bytes(hashlib.sha256(w.encode()).digest()[:2], "big") or 1
+            for w in text.split()]
 
 
 def add_unguarded_routes(app: web.Application, fake: Any,
@@ -72,19 +76,35 @@ def add_unguarded_routes(app: web.Application, fake: Any,
                                             "type": "BadRequestError", "param": None,
                                             "code": 400}}, status=400)
 
+    words: dict[int, str] = {}  # token id -> the word it was made from
+
     async def tokenize(request: web.Request) -> web.Response:
         body = await body_of(request) or {}
-        text = body.get("prompt") if isinstance(body.get("prompt"), str) else " ".join(
-            str(m.get("content", "")) for m in body.get("messages") or []
-            if isinstance(m, dict))
-        tokens = _token_ids(text)
+        if isinstance(body.get("prompt"), str):
+            texts, framing = [body["prompt"]], 0
+        else:
+            # A chat is counted as the stand-in's chat completions count its
+            # prompt: each message's words and one token framing it.
+            texts = [str(m.get("content", "")) for m in body.get("messages") or []
+                     if isinstance(m, dict)]
+            framing = 1
+        tokens = []
+        for text in texts:
+            ids = _token_ids(text)
+            tokens += ids + [FRAMING] * framing
+            if len(words) < 100_000:
+                words.update(zip(ids, text.split(), strict=True))
         return web.json_response({"count": len(tokens), "tokens": tokens, "token_strs": None,
                                   "max_model_len": fake.args.max_model_len})
 
     async def detokenize(request: web.Request) -> web.Response:
         body = await body_of(request) or {}
         tokens = body.get("tokens") or []
-        return web.json_response({"prompt": " ".join(f"<{t}>" for t in tokens)})
+        # The words it tokenized come back (vLLM's round trip,
+        # tests/test_vllm_contract.py); an id it never gave, as `<id>`.
+        return web.json_response({"prompt": " ".join(
+            words.get(t, f"<{t}>") if isinstance(t, int) else f"<{t}>" for t in tokens
+            if t != FRAMING)})
 
     async def pooled(request: web.Request) -> web.Response:
         body = await body_of(request) or {}

