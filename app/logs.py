@@ -3,7 +3,12 @@
 
 * `LLMGW_LOG_FORMAT=text` (the default): `TIME LEVEL LOGGER: MESSAGE`, then
   the record's extra fields as ` name=value` (the request id, the access
-  line's fields).
+  line's fields). A client writes into lines (the access line's path is
+  uvicorn's decoding of `%0a` and the like), so nothing unprintable is
+  written as it is: in the message, a character Python does not call
+  printable (a line end, an escape) is written as in a Python string
+  (`\n`, `\x1b`, `\u2028`); a field's value holding one, or a space, is
+  written as a JSON string. A traceback stays below its line, as written.
 * `LLMGW_LOG_FORMAT=json`: one JSON object a line, `time` (ISO 8601 UTC,
   milliseconds), `level`, `logger`, `message`, the extra fields, and an
   exception's traceback as `exc_info`: what a log shipper (Vector, Fluent
@@ -65,6 +70,10 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        return line if line.isprintable() else _escaped(line)
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         extras = _extras(record)
@@ -75,13 +84,18 @@ class TextFormatter(logging.Formatter):
         return f"{head} {fields}{sep}{rest}"
 
 
+def _escaped(s: str) -> str:
+    """`s`, its unprintable characters written as in a Python string."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
 def _text(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.4f}"
     s = str(value)
-    return json.dumps(s) if (" " in s or not s) else s
+    return json.dumps(s) if (" " in s or not s or not s.isprintable()) else s
 
 
 class JsonFormatter(logging.Formatter):
@@ -100,7 +114,13 @@ class JsonFormatter(logging.Formatter):
             out["exc_info"] = self.formatException(record.exc_info)
         if record.stack_info:
             out["stack_info"] = self.formatStack(record.stack_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
+        line = json.dumps(out, default=str, ensure_ascii=False)
+        # JSON leaves these three as they are; Python's splitlines() (and
+        # some readers) end a line at each.
+        return line if line.isascii() else line.translate(_LINE_ENDS)
+
+
+_LINE_ENDS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
 
 
 def _iso(created: float) -> str:

@@ -153,3 +153,21 @@ def test_the_gateway_unit_gives_the_whole_stop() -> None:
     assert stop_takes() < seconds(found[0]) <= stop_takes() + 60, (found, stop_takes())
     # SIGTERM to the gateway; a second one would stop it at once.
     assert re.search(r"^KillSignal=SIGTERM$", unit, re.M)
+
+
+def test_the_balancer_times_a_request_as_the_gateways_do() -> None:
+    """compose/haproxy.cfg's request timeout (headers, and the body it
+    buffers) is the gateways' header and body timeouts, and its keep-alive
+    theirs, by default (tests/test_haproxy.py runs them shortened)."""
+    cfg = SHIPPED_CONFIG.read_text()
+    fields = Settings.model_fields
+    request = re.findall(r'^\s*timeout http-request "\$\{LLMGW_LB_REQUEST_TIMEOUT-(\w+)\}"',
+                         cfg, re.M)
+    assert len(request) == 1, request
+    assert (seconds(request[0]) == fields["header_timeout"].default
+            == fields["body_timeout"].default), request
+    keep_alive = re.findall(r"^\s*timeout http-keep-alive (\w+)\s*$", cfg, re.M)
+    assert len(keep_alive) == 1, keep_alive
+    assert seconds(keep_alive[0]) == fields["keep_alive_timeout"].default, keep_alive
+    per_source = re.findall(r'sc0_conn_cur gt "\$\{LLMGW_LB_CONNS_PER_SOURCE-(\d+)\}"', cfg)
+    assert len(per_source) == 1, per_source

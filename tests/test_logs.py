@@ -4,13 +4,18 @@ when off. Through real processes: tests/test_operator_seat.py."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
+import socket
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import pytest
+import uvicorn
 
+from app.gateway.slowclients import protocol
 from app.logs import handler, request_id
 from tests.support.proxy_rig import MESSAGES, Rig
 
@@ -111,3 +116,63 @@ async def test_no_access_record_is_made_while_its_logger_is_off(rig: Rig) -> Non
     finally:
         logging.setLogRecordFactory(factory)
         access.setLevel(logging.NOTSET)
+
+
+# What a client would like the log to show after its own request's line.
+FORGED = "2030-01-01 00:00:00,000 INFO app.access: GET /v1/models 200 request_id=forged"
+
+
+async def test_a_path_cannot_forge_a_line_in_either_format(
+        rig: Rig, captured: tuple[io.StringIO, io.StringIO]) -> None:
+    """`GET /v1/models%0a<a line>` with no key, through uvicorn as `llmgw
+    serve` runs it (httptools, the slow-client protocol): uvicorn decodes the
+    path, control characters and all, and the access line prints it."""
+    text, js = captured
+    # Each kind of line end (\n, \r, NEL, U+2028), a terminal escape, a tab.
+    tail = "\n" + FORGED + "\r" + FORGED + "\x85\u2028\x1b[2J\tend"
+    target = "/v1/models" + quote(tail, safe="/:,")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(
+        rig.proxy, log_config=None, access_log=False, lifespan="off",
+        http=protocol(30.0, 30.0)))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:  # noqa: ASYNC110 (a flag uvicorn sets, no event)
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        writer.write(f"GET {target} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n".encode())
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await serving
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:80]
+
+    lines = text.getvalue().split("\n")
+    assert not [x for x in lines if x.startswith(FORGED[:10])], "a forged line was written"
+    (access,) = [x for x in lines if " app.access: " in x]
+    # Every character as it came, the unprintable ones escaped as in a
+    # Python string: readable, and nothing of it starts a line.
+    assert (f"INFO app.access: GET /v1/models\\n{FORGED}\\r{FORGED}\\x85\\u2028\\x1b[2J\\tend 401 "
+            "request_id=") in access, access
+    assert all(x.isprintable() for x in lines), [x for x in lines if not x.isprintable()]
+
+    # JSON: one valid object a line, however the log is cut into lines
+    # (at \n, or at every line end Python knows), the path as it came.
+    for cut in (js.getvalue().split("\n")[:-1], js.getvalue().splitlines()):
+        records = [json.loads(x) for x in cut]
+        (record,) = [x for x in records if x["logger"] == "app.access"]
+        assert record["message"] == f"GET /v1/models{tail} 401"
+
+
+def test_a_field_cannot_forge_a_line(captured: tuple[io.StringIO, io.StringIO]) -> None:
+    """A field's value (the access line's model, replica...) is quoted as
+    JSON when it holds a space or anything unprintable."""
+    text, js = captured
+    value = "small\rERROR\x1b[2J\u2028"  # no space in it
+    logging.getLogger("tests.logs").info("said", extra={"model": value, "plain": "a-b"})
+    (line,) = text.getvalue().split("\n")[:-1]
+    assert line.endswith(' said model="small\\rERROR\\u001b[2J\\u2028" plain=a-b'), line
+    (record,) = _records(js)
+    assert record["model"] == value

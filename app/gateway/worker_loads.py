@@ -15,24 +15,25 @@ stops changing and its figures go stale, then unknown, until it is back.
 
 A file is read up to `MAX_BYTES`, and taken only in its shape (each figure
 four finite numbers, counts not negative, the KV cache's use within 0..1,
-read no later than now); one that is not is left out and said once.
-Blocking: each call runs in a thread.
+read no later than now); one that is not is left out and said once. The
+folder is the gateway user's own, 0700, and a link in it is neither written
+through nor read (app/gateway/private_files.py). Blocking: each call runs
+in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
-import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from app.gateway import private_files
 from app.router.choice import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,11 @@ MAX_BYTES = 64 << 20
 
 
 def clear(data_dir: Path) -> None:
-    """The supervisor, before it starts workers: no figure of an earlier run
-    is read (after a reboot its times could even look fresh)."""
-    for f in (data_dir / FOLDER).glob("*.json"):
-        with contextlib.suppress(OSError):
-            f.unlink()
+    """The supervisor, before it starts workers: the folder made (or
+    checked: `private_files.Refused`), no figure of an earlier run is read
+    (after a reboot its times could even look fresh)."""
+    with private_files.opened(data_dir / FOLDER) as folder:
+        folder.clear()
 
 
 def _figure(v: Any, now: float) -> EngineLoad | None:
@@ -60,6 +61,10 @@ def _figure(v: Any, now: float) -> EngineLoad | None:
     if running < 0 or waiting < 0 or not 0 <= kv <= 1 or at > now + 1.0:
         return None
     return EngineLoad(float(running), float(waiting), float(kv), float(at))
+
+
+def _name(i: int) -> str:
+    return f"{i}.json"
 
 
 class WorkerLoads:
@@ -77,7 +82,7 @@ class WorkerLoads:
         self._unreadable: set[int] = set()
 
     def _path(self, i: int) -> Path:
-        return self._folder / f"{i}.json"
+        return self._folder / _name(i)
 
     def mine(self, node: str) -> bool:
         return zlib.crc32(node.encode()) % self._count == self._index
@@ -95,32 +100,25 @@ class WorkerLoads:
     def write(self, own: Mapping[str, EngineLoad]) -> None:
         data = json.dumps({"loads": {rid: list(f) for rid, f in own.items()}},
                           separators=(",", ":")).encode()
-        self._folder.mkdir(parents=True, exist_ok=True)
-        tmp = self._path(self._index).with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        tmp.replace(self._path(self._index))
+        with private_files.opened(self._folder) as folder:
+            folder.write(_name(self._index), data)
 
     def read(self) -> dict[str, EngineLoad] | None:
         """Every other worker's figures, its file read again only if it
         changed; None when none did."""
         changed = False
-        for i in range(self._count):
-            if i == self._index:
-                continue
-            try:
-                st = self._path(i).stat()
-            except FileNotFoundError:
+        try:
+            with private_files.opened(self._folder, create=False) as folder:
+                for i in range(self._count):
+                    if i != self._index:
+                        changed |= self._read_one(folder, i)
+        except OSError as exc:  # no folder yet, or one refused: no figure of theirs
+            for i in range(self._count):
+                if i == self._index:
+                    continue
+                if not isinstance(exc, FileNotFoundError):
+                    self._said(i, f"cannot be read: {exc.strerror or exc}")
                 changed |= self._read.pop(i, None) is not None
-                continue
-            except OSError as exc:
-                self._said(i, f"cannot be read: {exc.strerror or exc}")
-                continue
-            seen = (st.st_mtime_ns, st.st_size)
-            if i in self._read and self._read[i][0] == seen:
-                continue
-            changed = True
-            figures = self._load(i)
-            self._read[i] = (seen, figures if figures is not None else {})
         if not changed:
             return None
         out: dict[str, EngineLoad] = {}
@@ -128,10 +126,25 @@ class WorkerLoads:
             out.update(figures)
         return out
 
-    def _load(self, i: int) -> dict[str, EngineLoad] | None:
+    def _read_one(self, folder: private_files.Folder, i: int) -> bool:
+        """Worker i's figures read again if its file changed: whether they did."""
         try:
-            with self._path(i).open("rb") as f:
-                raw = f.read(MAX_BYTES + 1)
+            st = folder.lstat(_name(i))
+        except FileNotFoundError:
+            return self._read.pop(i, None) is not None
+        except OSError as exc:
+            self._said(i, f"cannot be read: {exc.strerror or exc}")
+            return False
+        seen = (st.st_mtime_ns, st.st_size)
+        if i in self._read and self._read[i][0] == seen:
+            return False
+        figures = self._load(folder, i)
+        self._read[i] = (seen, figures if figures is not None else {})
+        return True
+
+    def _load(self, folder: private_files.Folder, i: int) -> dict[str, EngineLoad] | None:
+        try:
+            raw = folder.read(_name(i), MAX_BYTES)
         except OSError as exc:
             self._said(i, f"cannot be read: {exc.strerror or exc}")
             return None

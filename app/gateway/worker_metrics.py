@@ -11,8 +11,9 @@ before. Each file only grows (until its worker restarts, which Prometheus
 reads as a counter reset), and a later scrape reads files at least as new,
 so the sums never go back. Files are replaced by rename (never half
 written), read with a size cap and their shape checked (`add`); one that
-cannot be read is left out of that scrape and said once.
-docs/architecture.md, "Workers".
+cannot be read is left out of that scrape and said once. The folder is the
+gateway user's own, 0700, and a link in it is neither written through nor
+read (app/gateway/private_files.py). docs/architecture.md, "Workers".
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from app.gateway import private_files
 from app.gateway.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -34,12 +35,15 @@ FOLDER = "worker-metrics"
 
 
 def clear(data_dir: Path) -> None:
-    """The supervisor, before it starts workers: no snapshot of an earlier run
-    (with more workers, or counts since gone) is summed."""
-    folder = data_dir / FOLDER
-    for f in folder.glob("*.json"):
-        with contextlib.suppress(OSError):
-            f.unlink()
+    """The supervisor, before it starts workers: the folder made (or
+    checked: `private_files.Refused`), no snapshot of an earlier run (with
+    more workers, or counts since gone) is summed."""
+    with private_files.opened(data_dir / FOLDER) as folder:
+        folder.clear()
+
+
+def _name(i: int) -> str:
+    return f"{i}.json"
 
 
 class WorkerMetrics:
@@ -55,7 +59,7 @@ class WorkerMetrics:
         self._last = b""
 
     def _path(self, i: int) -> Path:
-        return self._folder / f"{i}.json"
+        return self._folder / _name(i)
 
     def write(self, snap: dict[str, Any]) -> None:
         """This worker's snapshot (taken on the event loop, where it is
@@ -63,35 +67,48 @@ class WorkerMetrics:
         data = json.dumps(snap, separators=(",", ":")).encode()
         if data == self._last:
             return
-        self._folder.mkdir(parents=True, exist_ok=True)
-        tmp = self._path(self._index).with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        tmp.replace(self._path(self._index))
+        with private_files.opened(self._folder) as folder:
+            folder.write(_name(self._index), data)
         self._last = data
 
     def totals(self, snap: dict[str, Any]) -> RequestMetrics:
         """Every worker's snapshot summed, this one's (`snap`) written first
-        (blocking: in a thread)."""
-        self.write(snap)
+        (blocking: in a thread). Its own figures are `snap`'s, whether or not
+        its file could be written."""
+        with contextlib.suppress(OSError):  # said by `run`, every interval
+            self.write(snap)
         total = RequestMetrics()
-        for i in range(self._count):
-            try:
-                with self._path(i).open("rb") as f:
-                    raw = f.read(MAX_BYTES + 1)
-            except FileNotFoundError:
-                continue  # not started yet, or nothing counted
-            except OSError as exc:
-                self._said(i, f"cannot be read: {exc.strerror or exc}")
-                continue
-            try:
-                ok = len(raw) <= MAX_BYTES and total.add(json.loads(raw))
-            except ValueError:
-                ok = False
-            if not ok:
-                self._said(i, "is not a snapshot of request figures")
-                continue
-            self._unreadable.discard(i)
+        total.add(snap)
+        try:
+            with private_files.opened(self._folder, create=False) as folder:
+                for i in range(self._count):
+                    if i != self._index:
+                        self._add(total, folder, i)
+        except FileNotFoundError:
+            pass  # no worker has written yet
+        except OSError as exc:  # the folder refused: the others left out
+            for i in range(self._count):
+                if i != self._index:
+                    self._said(i, f"cannot be read: {exc.strerror or exc}")
         return total
+
+    def _add(self, total: RequestMetrics, folder: private_files.Folder, i: int) -> None:
+        """Worker i's snapshot added to `total`, if it is one."""
+        try:
+            raw = folder.read(_name(i), MAX_BYTES)
+        except FileNotFoundError:
+            return  # not started yet, or nothing counted
+        except OSError as exc:
+            self._said(i, f"cannot be read: {exc.strerror or exc}")
+            return
+        try:
+            ok = len(raw) <= MAX_BYTES and total.add(json.loads(raw))
+        except ValueError:
+            ok = False
+        if not ok:
+            self._said(i, "is not a snapshot of request figures")
+            return
+        self._unreadable.discard(i)
 
     def _said(self, i: int, why: str) -> None:
         if i not in self._unreadable:

@@ -219,8 +219,16 @@ def supervise(level: str, fmt: str, settings: Settings, n: int,
     (`stopped()` first: the pid file goes with a clean stop)."""
     log = ["--log-level", level, "--log-format", fmt]
     sup = Supervisor(settings, n, lambda i, fd, again: worker_argv(log, i, fd, again, n))
-    worker_metrics.clear(settings.data_dir)  # an earlier run's figures are not summed
-    worker_loads.clear(settings.data_dir)  # nor its engine loads read
+    try:
+        # The workers' folders made 0700, or checked: one that is a link or
+        # another user's is refused here, before any worker starts
+        # (app/gateway/private_files.py). Emptied: an earlier run's figures
+        # are not summed, nor its engine loads read.
+        worker_metrics.clear(settings.data_dir)
+        worker_loads.clear(settings.data_dir)
+    except OSError as exc:  # Refused says its path; others name theirs
+        print(f"llmgw serve: {exc}", file=sys.stderr)
+        raise SystemExit(REFUSED) from None
     logger.info("gateway %s: %d workers on port %d", settings.gateway_id, n, settings.port)
     try:
         sig = sup.run()
