@@ -28,7 +28,8 @@ pooling/score/protocol.py, speech_to_text protocol):
 * Transcriptions and translations: a multipart form, ``file`` and ``model``
   (``response_format`` json or text, ``stream``) -> ``{text, usage: {type:
   duration, seconds}}``; a stream is ``transcription.chunk`` events and
-  ``data: [DONE]``.
+  ``data: [DONE]``. The form is read by Starlette's ``Request.form()``, as
+  vLLM's FastAPI ``Form()`` model reads it (a name given twice: its last value).
 
 The text is deterministic: a response echoes its input (``fake-vllm <model>
 echo: <text>``, one word per delta), and says how many earlier turns its
@@ -38,16 +39,17 @@ its state.
 
 from __future__ import annotations
 
-import email.policy
 import hashlib
 import json
 import os
 import time
 import uuid
-from email.parser import BytesParser
 from typing import Any
 
 from aiohttp import web
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
 
 
 def _err(status: int, message: str, param: str | None = None) -> web.Response:
@@ -67,23 +69,32 @@ def _text_of(item: Any) -> str:
     return ""
 
 
-def _form(raw: bytes, content_type: str) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
-    """A multipart form's fields and files, by the standard library's parser (the
-    middleware stack has read the body already, so aiohttp's `post()` cannot)."""
-    msg = BytesParser(policy=email.policy.HTTP).parsebytes(
-        f"Content-Type: {content_type}\r\n\r\n".encode("latin-1") + raw)
+async def _form(raw: bytes, content_type: str
+                ) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]] | web.Response:
+    """A multipart form read as vLLM reads it: Starlette's `Request.form()`
+    (python-multipart underneath), a name given twice taking its last value
+    (`FormData.get`, which FastAPI's `Form()` model reads); a form it cannot
+    parse is a 400, as FastAPI answers. (The middleware stack has read the
+    body already, so aiohttp's `post()` cannot.)"""
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-type", content_type.encode("latin-1"))]}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    try:
+        form = await Request(scope, receive).form()
+    except MultiPartException as e:
+        return _err(400, e.message)
     fields: dict[str, str] = {}
     files: dict[str, tuple[str, bytes]] = {}
-    for part in msg.iter_parts() if msg.is_multipart() else []:
-        name = part.get_param("name", header="content-disposition")
-        payload = part.get_payload(decode=True)
-        if not isinstance(name, str) or not isinstance(payload, bytes):
-            continue
-        filename = part.get_filename()
-        if filename is not None:
-            files[name] = (filename, payload)
+    for name in form:
+        value = form[name]  # the last of its name, as FastAPI reads it
+        if isinstance(value, UploadFile):
+            files[name] = (value.filename or "", await value.read())
         else:
-            fields[name] = payload.decode()
+            fields[name] = value
+    await form.close()
     return fields, files
 
 
@@ -264,7 +275,10 @@ class Responses:
                       "prompt_tokens_details": None}})
 
     async def transcribe(self, request: web.Request) -> web.StreamResponse:
-        form, files = _form(await request.read(), request.headers.get("Content-Type", ""))
+        parsed = await _form(await request.read(), request.headers.get("Content-Type", ""))
+        if isinstance(parsed, web.Response):
+            return parsed
+        form, files = parsed
         model = form.get("model") or self.fake.names[0]
         if model not in self.fake.names:
             return _err(404, f"The model `{model}` does not exist.", "model")
