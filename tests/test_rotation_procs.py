@@ -28,28 +28,12 @@ from tests.support.procs import (
     make_key,
     put_model,
     replicas,
+    restart_gateway,
     routes,
     wait_for,
 )
 
 NEW = "rotated-secret-0123456789abcdef"
-
-
-def restart(cluster: Cluster, gw: GatewayProc, key: str, **env: str | None) -> GatewayProc:
-    """Stops `gw` cleanly and starts it again on its port with `env` changed
-    (None: unset), as an operator's rolling restart does; returns once it
-    routes `key`'s requests."""
-    gw.signal(signal.SIGTERM)
-    gw.wait(30)
-    changed = {k: v for k, v in gw.env.items() if env.get(k, "") is not None}
-    changed.update({k: v for k, v in env.items() if v is not None})
-    new = dataclasses.replace(gw, env=changed, popen=None)
-    new.start()
-    cluster.procs.append(new)
-    wait_for(lambda: httpx.get(new.url + "/readyz", timeout=1).status_code == 200,
-             20, f"gateway {new.name} ready again")
-    wait_for(lambda: routes(new, key, "chat"), 10, f"{new.name} routing again")
-    return new
 
 
 def restart_agent(cluster: Cluster, agent: Proc, token: str) -> Proc:
@@ -106,9 +90,11 @@ def test_rotating_the_secret_fails_no_request_and_replaces_every_replica(
     asker.start()
     try:
         # 1. Every gateway gets the new secret, the old one as the previous.
-        gws[1] = restart(cluster, gws[1], key, LLMGW_SECRET=NEW, LLMGW_PREVIOUS_SECRET=SECRET)
+        gws[1] = restart_gateway(cluster, gws[1], key, LLMGW_SECRET=NEW,
+                                 LLMGW_PREVIOUS_SECRET=SECRET)
         use(gws[1])
-        gws[0] = restart(cluster, gws[0], key, LLMGW_SECRET=NEW, LLMGW_PREVIOUS_SECRET=SECRET)
+        gws[0] = restart_gateway(cluster, gws[0], key, LLMGW_SECRET=NEW,
+                                 LLMGW_PREVIOUS_SECRET=SECRET)
 
         # 2. The leader replaces every replica, new before old.
         def rotated() -> list[dict[str, Any]] | None:
@@ -131,9 +117,9 @@ def test_rotating_the_secret_fails_no_request_and_replaces_every_replica(
         agent = restart_agent(cluster, agent, node_token(NEW, "node-1"))
         wait_for(lambda: agent.output().count("adopted engine") == 2, 20, "engines adopted")
         use(gws[0])
-        gws[1] = restart(cluster, gws[1], key, LLMGW_PREVIOUS_SECRET=None)
+        gws[1] = restart_gateway(cluster, gws[1], key, LLMGW_PREVIOUS_SECRET=None)
         use(gws[1])
-        gws[0] = restart(cluster, gws[0], key, LLMGW_PREVIOUS_SECRET=None)
+        gws[0] = restart_gateway(cluster, gws[0], key, LLMGW_PREVIOUS_SECRET=None)
         use(gws[0])
         time.sleep(3)  # heartbeats and polls of the new token, requests on both
         assert [r["phase"] for r in replicas(gws[0])] == ["ready"] * 2

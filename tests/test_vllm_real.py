@@ -17,8 +17,19 @@ import httpx
 import openai
 import pytest
 
-from tests.support.procs import engine_pid, kill_engine, make_key, wait_for
-from tests.support.real_vllm import LORA, MODEL, RealFleet, metric
+from app.control.keys import engine_key, secret_id
+from tests.support.procs import (
+    SECRET,
+    engine_pid,
+    kill_engine,
+    make_key,
+    replicas,
+    restart_gateway,
+    wait_for,
+)
+from tests.support.real_vllm import LORA, MODEL, START_TIMEOUT, RealFleet, metric
+
+ROTATED = "rotated-real-vllm-secret-0123456789"
 
 # The fleet's start (two vLLM engines compiling on two cores) counts in the
 # first test's time.
@@ -257,7 +268,7 @@ def test_a_lora_adapter_is_loaded_listed_routed_and_unloaded_when_idle(
 
     def loaded_on() -> list[str]:
         with fleet.gw.admin() as admin:
-            return list(admin.get("/admin/models/m-lora").json().get("loaded_on") or [])
+            return list(admin.get("/admin/models/m-lora").json()["status"]["loaded_on"])
     wait_for(loaded_on, 120, "the adapter loaded on a replica", 0.5)
     c = client(fleet)
     listed = {m.id: m for m in c.models.list().data}
@@ -346,3 +357,49 @@ def test_a_stream_whose_engine_is_killed_is_continued_on_the_other_real_replica(
     assert got[-1].usage.completion_tokens >= whole[-1].usage.completion_tokens
     # The killed replica comes back (the agent restarts its engine).
     fleet.whole()
+
+
+def test_a_rotated_secret_restarts_the_engines_new_before_old(fleet: RealFleet) -> None:
+    """Docs: Security, *Rotating the shared secret*, against real engines:
+    the gateways restarted one at a time with the new secret (the old as
+    the previous), every replica replaced new before old, the new engines
+    taking the new key and refusing the old one. Last in the module: the
+    fleet's engine keys derive from the new secret after it."""
+    before = fleet.whole()
+    c0 = client(fleet)
+    for i, gw in enumerate(fleet.gateways):
+        fleet.gateways[i] = restart_gateway(fleet.cluster, gw, fleet.key, model=MODEL,
+                                    LLMGW_SECRET=ROTATED, LLMGW_PREVIOUS_SECRET=SECRET)
+
+    def rotated() -> dict[str, dict[str, Any]] | None:
+        rows = [r for r in replicas(fleet.gw) if r["model"] == MODEL]
+        ok = len(rows) == 2 and all(r["secret"] == secret_id(ROTATED) and r["phase"] == "ready"
+                                    for r in rows)
+        return {r["id"]: r for r in rows} if ok else None
+    after: dict[str, dict[str, Any]] = wait_for(rotated, START_TIMEOUT, "both replicas "
+                                                "replaced under the new secret", 0.5)
+    fleet.secret = ROTATED
+    assert not set(before) & set(after)
+    for rid, row in after.items():
+        r = httpx.post(row["url"] + "/tokenize", json={"model": MODEL, "prompt": "hi"},
+                       headers={"Authorization": f"Bearer {engine_key(SECRET, rid)}"},
+                       timeout=10)
+        assert r.status_code == 401, r.text
+        ok = httpx.post(row["url"] + "/tokenize", json={"model": MODEL, "prompt": "hi"},
+                        headers={"Authorization": f"Bearer {engine_key(ROTATED, rid)}"},
+                        timeout=10)
+        assert ok.status_code == 200, ok.text
+    # The old engines are gone (drained, then stopped).
+    for row in before.values():
+        wait_for(lambda u=row["url"]: not _answers(u), 120, "the old engine stopped", 0.5)
+    fleet.whole()
+    answer = c0.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=3)  # type: ignore[arg-type]
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+    except httpx.HTTPError:
+        return False
+    return True

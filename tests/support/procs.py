@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import signal
@@ -261,10 +262,13 @@ def wait_ready(gw: GatewayProc, timeout: float = 30) -> dict[str, Any]:
 
 
 def routes(gw: GatewayProc, key: str, model: str) -> bool:
-    """Whether `gw` answers a chat completion for `model` (False on 503)."""
+    """Whether `gw` answers a chat completion for `model` (False on 503).
+    Two tokens at most: a real engine would otherwise write to its context's
+    end (seconds on a CPU)."""
     r = httpx.post(gw.url + "/v1/chat/completions", timeout=10, verify=gw.verify,
                    headers={"Authorization": f"Bearer {key}"},
-                   json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+                   json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": 2})
     if r.status_code == 503:
         return False
     assert r.status_code == 200, r.text
@@ -319,3 +323,21 @@ def serve_one(gw: GatewayProc, model: str = "m", timeout: float = 30) -> Served:
     rep = wait_ready(gw, timeout)
     wait_for(lambda: routes(gw, key, model), 10, "routing")
     return Served(key, rep, engine_pid(rep["url"]))
+
+
+def restart_gateway(cluster: Cluster, gw: GatewayProc, key: str, model: str = "chat",
+                    **env: str | None) -> GatewayProc:
+    """Stops `gw` cleanly and starts it again on its port with `env` changed
+    (None: unset), as an operator's rolling restart does; returns once it
+    routes `key`'s requests for `model`."""
+    gw.signal(signal.SIGTERM)
+    gw.wait(30)
+    changed = {k: v for k, v in gw.env.items() if env.get(k, "") is not None}
+    changed.update({k: v for k, v in env.items() if v is not None})
+    new = dataclasses.replace(gw, env=changed, popen=None)
+    new.start()
+    cluster.procs.append(new)
+    wait_for(lambda: httpx.get(new.url + "/readyz", timeout=1).status_code == 200,
+             20, f"gateway {new.name} ready again")
+    wait_for(lambda: routes(new, key, model), 10, f"{new.name} routing again")
+    return new

@@ -80,6 +80,8 @@ class RealFleet:
     agents: dict[str, Proc]
     key: str
     agent_env: dict[str, str] = field(default_factory=dict)
+    # The shared secret engine keys derive from (a rotation test changes it).
+    secret: str = SECRET
 
     @property
     def gw(self) -> GatewayProc:
@@ -92,7 +94,7 @@ class RealFleet:
 
     def engine(self, rid: str) -> tuple[str, str]:
         """A replica's engine URL and the key it demands."""
-        return self.ready()[rid]["url"], engine_key(SECRET, rid)
+        return self.ready()[rid]["url"], engine_key(self.secret, rid)
 
     def whole(self, timeout: float = START_TIMEOUT) -> dict[str, dict[str, Any]]:
         """Waits until both replicas are ready and every gateway routes to
