@@ -4,6 +4,7 @@ provider's key, read from its file at each publish."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -171,3 +172,93 @@ async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key
     finally:
         await gw.stop()
         await runner.cleanup()
+
+
+async def test_an_external_models_answers_name_the_catalogs_model(tmp_path: Path) -> None:
+    """The provider names its own model in every answer and stream chunk
+    ("gpt-x-2024-07-18"); the client asked for ours, through an alias
+    here, and reads the catalog's name back, as from our engines, plain
+    and streamed, through the official `openai` client. Seen to fail: the
+    provider's name came through."""
+    import openai
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return b"data: " + json.dumps({
+            "id": "c1", "object": "chat.completion.chunk", "created": 1,
+            "model": "gpt-x-2024-07-18", "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n"
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["model"] == "gpt-x"  # asked by its name at the provider
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "c1", "object": "chat.completion", "created": 1,
+                "model": "gpt-x-2024-07-18", "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "hi"},
+                     "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in (chunk({"role": "assistant", "content": "h"}), chunk({"content": "i"}),
+                      chunk({}, "stop"), b"data: [DONE]\n\n"):
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    provider = web.Application()
+    provider.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(provider)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    (tmp_path / "keys").mkdir()
+    key_file = tmp_path / "keys" / "provider.key"
+    key_file.write_text("sk-provider-key\n")
+    app = create_app(Settings(data_dir=tmp_path / "gw", admin_token=ADMIN, secret=SECRET,
+                              local_agent=False, provider_key_dir=str(tmp_path / "keys")))
+    gw: Gateway = app.state.gateway
+    await gw.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as http:
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            r = await http.put("/admin/models/remote", headers=admin, json={
+                "aliases": ["gpt"], "external": {"url": f"http://127.0.0.1:{port}",
+                                                 "model": "gpt-x",
+                                                 "api_key_file": str(key_file)}})
+            assert r.status_code == 201, r.text
+            key = (await http.post("/admin/keys", headers=admin, json={"name": "t"})).json()["key"]
+            await until(lambda: gw.table.endpoints("remote"), "the provider's key read")
+            client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, max_retries=0,
+                                        http_client=http)
+            messages: Any = [{"role": "user", "content": "x"}]
+            plain = await client.chat.completions.create(model="gpt", messages=messages)
+            assert plain.choices[0].message.content == "hi"
+            assert plain.model == "remote"
+            stream = await client.chat.completions.create(model="gpt", messages=messages,
+                                                          stream=True)
+            chunks = [c async for c in stream]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == "hi"
+            assert {c.model for c in chunks} == {"remote"}
+    finally:
+        await gw.stop()
+        await runner.cleanup()
+
+
+def test_a_providers_responses_events_name_the_catalogs_model() -> None:
+    """The Responses API's stream names the model inside each event's
+    `response` (response.created, response.completed): renamed there too;
+    chat chunks at the top; anything else untouched."""
+    from app.router.renamed import renamed_events
+
+    created = {"type": "response.created", "response": {"id": "r1", "model": "gpt-x-2024"}}
+    delta = {"type": "response.output_text.delta", "delta": "hi"}
+    chunk = {"object": "chat.completion.chunk", "model": "gpt-x-2024", "choices": []}
+    events = b"".join(b"event: x\ndata: " + json.dumps(e).encode() + b"\n\n"
+                      for e in (created, delta, chunk))
+    out = renamed_events(events, "remote")
+    got = [json.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
+    assert got == [{"type": "response.created", "response": {"id": "r1", "model": "remote"}},
+                   delta, chunk | {"model": "remote"}]
+    assert out.count(b"event: x\n") == 3

@@ -4,8 +4,10 @@ the usage read from answers and streams."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
+import time
 
 import pytest
 
@@ -103,6 +105,50 @@ def test_concurrency_counts_this_gateways_requests_in_flight() -> None:
     lim.admit("k", "m", conc, gateways=2).release()
     held[1].release()
     assert lim.inflight("k") == 0
+
+
+async def test_a_request_refused_below_its_keys_limit_waits_a_bounded_time() -> None:
+    """`admit_or_wait`: refused on a claim below the key's limit, a request
+    waits for the claims loop's steps (`settle`), counted as waiting on each
+    limit it was refused on, and is refused at `claim_wait` if no step
+    raised the claim; never waits at the key's limit or with no loop."""
+    clock = FakeClock()
+    lim = Limiter(clock=clock, wall=clock)
+    lim.set_claims({})  # the loop has run: nothing claimed, the floor
+    limits = Limits(requests_per_minute=10, concurrent_requests=2)
+    steps: list[asyncio.Future[None]] = []
+
+    def settle() -> asyncio.Future[None]:  # a loop whose step never ends
+        steps.append(asyncio.get_running_loop().create_future())
+        return steps[-1]
+
+    held = lim.admit("k", "m", limits, 3)  # the floor
+    with pytest.raises(OverLimit) as over:  # no loop to wait for: at once
+        await lim.admit_or_wait("k", "m", limits, 3)
+    assert over.value.short and over.value.also == ("concurrent_requests",)
+    lim.settle, lim.claim_wait = settle, 0.2
+    start = time.monotonic()
+    waiting = asyncio.create_task(lim.admit_or_wait("k", "m", limits, 3))
+    await asyncio.sleep(0.05)
+    assert lim.key_loads()["k"].waiting == {"requests_per_minute": 1,
+                                            "concurrent_requests": 1}
+    with pytest.raises(OverLimit):
+        await waiting
+    assert 0.2 <= time.monotonic() - start < 1.0 and len(steps) == 1
+    assert lim.key_loads()["k"].waiting == {}
+    # A raise by the step: admitted when it ends.
+    waiting = asyncio.create_task(lim.admit_or_wait("k", "m", limits, 3))
+    await asyncio.sleep(0)
+    lim.set_claims({"k": {"requests_per_minute": 10, "concurrent_requests": 2}})
+    steps[-1].set_result(None)
+    second = await waiting
+    # At the key's limit here: refused at once, not short.
+    lim.settle = settle
+    with pytest.raises(OverLimit) as over:
+        await lim.admit_or_wait("k", "m", limits, 3)
+    assert not over.value.short and len(steps) == 2
+    for t in (held, second):
+        t.release()
 
 
 def test_expiry_is_checked_against_the_wall_clock() -> None:

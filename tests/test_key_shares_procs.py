@@ -1,10 +1,12 @@
 """A key's limits are the key's, not a share of them: three gateway
-processes on one etcd, the vLLM stand-in (in-process, as an external model's
-provider) and the official `openai` client (docs/architecture.md, "Client
-keys"). A client all on one gateway gets its whole limit within 3 s; round
-robin over three admits at most L + N - 1; a client that moves, or whose
-gateway is SIGKILLed, gets its limit on the next gateway within the stated
-time. The claims' logic is tested in-process in tests/test_key_shares.py."""
+processes on one etcd, each of one process or of two workers (`--workers
+2`), the vLLM stand-in (in-process, as an external model's provider) and the
+official `openai` client (docs/architecture.md, "Client keys", "Workers"). A
+client all on one gateway is never refused below its key's limits and gets
+them whole; round robin over three admits at most L + N - 1, N the gateways
+(not their workers); a client that moves, or whose gateway is SIGKILLed,
+gets its limit on the next gateway within the stated time. The claims'
+logic is tested in-process in tests/test_key_shares.py."""
 
 from __future__ import annotations
 
@@ -33,35 +35,41 @@ TTL = 4  # the gateways' lease: a dead gateway's claims go this long after it
 class Rig:
     gws: list[GatewayProc]
     fake: FakeVLLM
-    keys: dict[str, str] = field(default_factory=dict)  # "rpm": 12 a minute; "conc": 4 at once
+    # "rpm": 12 a minute; "conc": 4 at once; "one": 1 at once; "sticky{i}":
+    # 4 at once and 30 a minute.
+    keys: dict[str, str] = field(default_factory=dict)
     live: int = 0  # streams admitted and not yet ended, over all gateways
     peak: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     refusals: list[tuple[float, str]] = field(default_factory=list)
 
-    clients: dict[tuple[int, str], openai.AsyncOpenAI] = field(default_factory=dict)
+    clients: dict[tuple[int, str, bool], openai.AsyncOpenAI] = field(default_factory=dict)
 
-    def client(self, gw: int, key: str) -> openai.AsyncOpenAI:
-        if (gw, key) not in self.clients:  # pooled connections, as a client's are
-            self.clients[gw, key] = openai.AsyncOpenAI(
+    def client(self, gw: int, key: str, keep_alive: bool = True) -> openai.AsyncOpenAI:
+        """Pooled connections, as a client's are; or a new connection for
+        each request (any worker of the gateway)."""
+        if (gw, key, keep_alive) not in self.clients:
+            self.clients[gw, key, keep_alive] = openai.AsyncOpenAI(
                 api_key=self.keys[key], base_url=self.gws[gw].url + "/v1", max_retries=0,
                 timeout=60, http_client=httpx.AsyncClient(limits=httpx.Limits(
-                    max_connections=100)))
-        return self.clients[gw, key]
+                    max_connections=100,
+                    max_keepalive_connections=None if keep_alive else 0)))
+        return self.clients[gw, key, keep_alive]
 
-    async def once(self, gw: int) -> bool:
+    async def once(self, gw: int, key: str = "rpm") -> bool:
         """One plain request; False when refused for the key's limits."""
         try:
-            await self.client(gw, "rpm").chat.completions.create(model="m", messages=MESSAGES)
-        except openai.RateLimitError:
+            await self.client(gw, key).chat.completions.create(model="m", messages=MESSAGES)
+        except openai.RateLimitError as exc:
+            self.refusals.append((time.monotonic(), str(exc)))
             return False
         return True
 
-    async def hold(self, gw: int) -> bool:
+    async def hold(self, gw: int, key: str = "conc", keep_alive: bool = True) -> bool:
         """Opens a stream (held open by the stand-in's token delay) and reads
         it to its end in the background; False when refused."""
         try:
-            stream = await self.client(gw, "conc").chat.completions.create(
+            stream = await self.client(gw, key, keep_alive).chat.completions.create(
                 model="m", messages=MESSAGES, stream=True)
         except openai.RateLimitError as exc:
             self.refusals.append((time.monotonic(), str(exc)))
@@ -99,10 +107,12 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def three(cluster: Cluster, tmp: Path, workers: int = 1) -> AsyncIterator[Rig]:
-    """Three gateways serving "m" (an external model at the stand-in) and two
-    client keys, 12 requests a minute and 4 at once, seen by all three (by
-    each of their `workers`: docs/architecture.md, "Workers")."""
+async def three(cluster: Cluster, tmp: Path, workers: int = 1,
+                sticky: int = 0) -> AsyncIterator[Rig]:
+    """Three gateways serving "m" (an external model at the stand-in) and
+    client keys, 12 requests a minute, 4 at once, 1 at once and `sticky`
+    more of 4 at once and 30 a minute, seen by all three (by each of their
+    `workers`: docs/architecture.md, "Workers")."""
     cluster.ttl = TTL
     async with stand_in(tmp) as (fake, spec):
         gws = [cluster.gateway(f"gw{i}", provider_key_dir=str(tmp / "keys"), etcd_timeout="2",
@@ -117,7 +127,11 @@ async def three(cluster: Cluster, tmp: Path, workers: int = 1) -> AsyncIterator[
             free = r.json()["key"]
             ids = []
             for name, limits in (("rpm", {"requests_per_minute": 12}),
-                                 ("conc", {"concurrent_requests": 4})):
+                                 ("conc", {"concurrent_requests": 4}),
+                                 ("one", {"concurrent_requests": 1}),
+                                 *((f"sticky{i}", {"concurrent_requests": 4,
+                                                   "requests_per_minute": 30})
+                                   for i in range(sticky))):
                 r = await http.post(gws[0].url + "/admin/keys",
                                     json={"name": name, "limits": limits})
                 assert r.status_code == 201, r.text
@@ -129,7 +143,7 @@ async def three(cluster: Cluster, tmp: Path, workers: int = 1) -> AsyncIterator[
                                  headers={"Authorization": f"Bearer {free}"},
                                  json={"model": "m", "messages": MESSAGES})
                 seen = [(await c.get(g.url + f"/admin/keys/{i}")).status_code for i in ids]
-                return r.status_code == 200 and seen == [200, 200]
+                return r.status_code == 200 and seen == [200] * len(ids)
 
             deadline = time.monotonic() + 30 * workers
             for g in gws:
@@ -151,6 +165,34 @@ async def three(cluster: Cluster, tmp: Path, workers: int = 1) -> AsyncIterator[
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+async def test_a_sticky_client_is_never_refused_below_its_keys_limits(
+    cluster: Cluster, tmp_path: Path, workers: int
+) -> None:
+    """The issue's client, all on gw0 (a sticky balancer, pooled
+    connections: with two workers its burst's connections reach both): on
+    each of 8 new keys of 4 at once and 30 a minute, 3 requests one after
+    another, then 4 streams at once. Each round fits the key's limits, so
+    no request may be refused: one refused on gw0's claim below the key's
+    limit waits for the claim's raise (docs/architecture.md, "Client keys").
+    Seen to fail without the wait (one process and two workers alike): the
+    key's second request refused, at 1 of 30 a minute, and 3 of the 7 in
+    the first round admitted in all."""
+    rounds = 8
+    async with three(cluster, tmp_path, workers, sticky=rounds) as rig:
+        for i in range(rounds):
+            key = f"sticky{i}"
+            rig.fake.token_delay = 0.0
+            ok = [await rig.once(0, key) for _ in range(3)]
+            rig.fake.token_delay = 0.3  # each stream ~1.2 s: the four are open together
+            ok += await asyncio.gather(*(rig.hold(0, key) for _ in range(4)))
+            assert rig.peak <= 4
+            assert ok == [True] * 7, (i, ok, rig.refusals)
+            rig.fake.token_delay = 0.0
+            await asyncio.gather(*rig.tasks)
+        assert rig.refusals == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_a_client_all_on_one_gateway_gets_its_whole_limits_within_3_s(
     cluster: Cluster, tmp_path: Path, workers: int
 ) -> None:
@@ -167,14 +209,14 @@ async def test_a_client_all_on_one_gateway_gets_its_whole_limits_within_3_s(
             ok += await rig.once(0)
             await asyncio.sleep(0.05)
         assert ok >= 0.9 * 12, f"{ok} of 12 requests per minute in 3 s (4 was the old part)"
-        assert ok <= 12 + 3 * workers - 1
+        assert ok <= 12 + 3 - 1
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_round_robin_over_three_admits_at_most_the_limit_plus_n_minus_1(
     cluster: Cluster, tmp_path: Path, workers: int
 ) -> None:
-    n = 3 * workers  # each worker is a gateway in the key-shares scheme
+    n = 3  # the gateways, whatever their workers (docs/architecture.md, "Workers")
     async with three(cluster, tmp_path, workers) as rig:
         ok = 0
         for i in range(45):  # 3 s of a balancer's round robin, at 15 requests a second
@@ -189,29 +231,49 @@ async def test_round_robin_over_three_admits_at_most_the_limit_plus_n_minus_1(
         assert 4 <= sum(await asyncio.gather(*tries)) == rig.peak <= 4 + n - 1
 
 
-async def test_a_client_that_moves_gets_its_limit_on_the_new_gateway(
+async def test_the_workers_of_three_gateways_admit_at_most_l_plus_n_minus_1(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    async with three(cluster, tmp_path) as rig:
+    """The issue's count: a key of 1 at once, streams asked round robin over
+    three gateways of two workers each, each on a new connection (either
+    worker). At most L + N - 1 = 3 at once, N the gateways. Seen to fail
+    with a floor on every worker: 6 at once (the issue saw 4)."""
+    async with three(cluster, tmp_path, workers=2) as rig:
+        rig.fake.token_delay = 2.0  # streams outlive the loop below
+        tries = []
+        for i in range(60):  # 3 s of streams, none ending
+            tries.append(asyncio.create_task(rig.hold(i % 3, "one", keep_alive=False)))
+            await asyncio.sleep(0.05)
+        admitted = sum(await asyncio.gather(*tries))
+        assert 1 <= admitted == rig.peak <= 1 + 3 - 1, (admitted, rig.peak)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_client_that_moves_gets_its_limit_on_the_new_gateway(
+    cluster: Cluster, tmp_path: Path, workers: int
+) -> None:
+    async with three(cluster, tmp_path, workers) as rig:
         rig.fake.token_delay = 0.5  # each stream ~2 s
         got, _ = await rig.hold_until(0, 4, within=3.0)
         assert got == 4
         # The balancer moves the client to gw1 mid-stream: gw1 gets the whole
-        # limit once gw0's streams end (~2 s) and its recent demand fades
-        # (DEMAND_WINDOW, 5 s): documented as within 8 s of the move.
+        # limit once gw0's streams end (~2 s): gw0 lowers its claim to what
+        # it holds for the requests waiting on gw1 (documented: within 8 s
+        # of the move).
         got, took = await rig.hold_until(1, 4, within=10.0)
         assert got == 4 and took <= 8.0, (got, took)
         assert rig.peak <= 4 + 3 - 1
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_a_killed_gateways_part_returns_to_the_others_after_its_lease(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, workers: int
 ) -> None:
-    async with three(cluster, tmp_path) as rig:
+    async with three(cluster, tmp_path, workers) as rig:
         rig.fake.token_delay = 5.0  # ~20 s streams
         got, _ = await rig.hold_until(0, 4, within=3.0)
         assert got == 4
-        rig.gws[0].signal(signal.SIGKILL)
+        rig.gws[0].signal(signal.SIGKILL)  # with its workers (PR_SET_PDEATHSIG)
         killed = time.monotonic()
         rig.fake.token_delay = 1.0  # the next streams answer sooner, still held ~4 s
         # Its streams die with it; its record goes with its lease (TTL) and

@@ -5,7 +5,11 @@ API and vLLM's other routes")."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import httpx
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -15,6 +19,8 @@ from app.router.entries import Endpoint, KeyGrant, Limits
 from app.router.forms import form_fields
 from app.router.limits import Limiter
 from app.router.replies import Reply
+from tests.fakes import fake_vllm
+from tests.fakes.fake_vllm import FakeVLLM, parse_args
 from tests.support.proxy_rig import CLIENT_KEY, Rig, hash_key
 
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
@@ -260,11 +266,15 @@ async def test_an_external_provider_keeps_its_own_ids(rig: Rig) -> None:
     up = await rig.upstream("p")
     rig.route("small", ("p", up.url))  # engine "": a provider, which knows no request_id
     r = await rig.http.post("/v1/responses", headers=AUTH, json={
-        "model": "small", "input": "x", "previous_response_id": "resp_theirs",
-        "request_id": "x"})
+        "model": "small", "input": "x", "request_id": "x"})
     assert r.status_code == 200
-    assert up.seen[-1][1] == {"model": "small", "input": "x",
-                              "previous_response_id": "resp_theirs"}
+    assert up.seen[-1][1] == {"model": "small", "input": "x"}
+    # A provider's id as the provider wrote it is nobody's to continue: it
+    # reaches the client bound to its key (responses.ProviderIds).
+    r = await rig.http.post("/v1/responses", headers=AUTH, json={
+        "model": "small", "input": "x", "previous_response_id": "resp_theirs"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
+    assert len(up.seen) == 1
 
 
 async def test_the_key_s_limits_count_every_route(rig: Rig) -> None:
@@ -293,3 +303,128 @@ async def test_a_response_stream_cut_short_is_charged_an_estimate(rig: Rig) -> N
     assert r.status_code == 200 and '"upstream_error"' in r.text  # its last event
     # 400 characters: about 100 tokens, counted as estimated.
     assert rig.proxy.limits.take_usage() == {("k1", "small"): (1, 100, 0, 1)}
+
+
+@contextlib.asynccontextmanager
+async def stand_in(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """The vLLM stand-in serving "small" in-process, keeping responses
+    (VLLM_ENABLE_RESPONSES_API_STORE): its URL."""
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+    fake_vllm._import_aiohttp()  # the stand-in imports aiohttp once its argv is good
+    fake = FakeVLLM(parse_args(["serve", "org/small", "--served-model-name", "small"]))
+    server = TestServer(fake.make_app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+def sdk(rig: Rig, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url="http://gateway/v1", api_key=key, max_retries=0,
+        http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=rig.proxy)))
+
+
+async def test_reading_a_stored_response_costs_its_key_no_tokens(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GET of a stored response (streamed too: its last event repeats the
+    usage) and a cancel are requests with no tokens: their answers' usage
+    is the create's, charged once. Seen to fail: each GET was charged the
+    create's tokens again, which filled the key's tokens per minute until
+    it was refused."""
+    async with stand_in(monkeypatch) as url:
+        vllm(rig, "small", ("a", url))
+        rig.proxy.limits = Limiter(clock=lambda: 0.0, wall=lambda: 0.0)
+        rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant(
+            "k1", "t", limits=Limits(tokens_per_minute=15))})
+        async with sdk(rig) as client:
+            made = await client.responses.create(model="small", input="hello there")
+            # 3 in, 7 out: "fake-vllm small echo: hello there (turn 1)".
+            assert made.usage is not None
+            assert (made.usage.input_tokens, made.usage.output_tokens) == (3, 7)
+            for _ in range(3):
+                got = await client.responses.retrieve(made.id)
+                assert got.output_text == made.output_text
+            r = await rig.http.get(f"/v1/responses/{made.id}?stream=true", headers=AUTH)
+            assert r.status_code == 200 and '"response.completed"' in r.text, r.text
+            assert '"input_tokens":3' in r.text  # the usage, repeated
+            r = await rig.http.post(f"/v1/responses/{made.id}/cancel", headers=AUTH)
+            assert r.status_code == 400  # completed: vLLM's "cannot cancel"
+            # The key's window holds the create's 10 tokens alone: still admitted.
+            again = await client.responses.create(model="small", input="more",
+                                                  previous_response_id=made.id)
+            assert again.output_text.endswith("(turn 2)")
+    usage = rig.proxy.limits.take_usage()
+    assert again.usage is not None
+    assert usage == {("k1", "small"): (7, 3 + again.usage.input_tokens,
+                                       7 + again.usage.output_tokens, 0)}
+
+
+async def test_a_provider_s_response_is_its_key_s_alone(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An external provider stores a conversation under its own id alone:
+    the gateway gives each key that id bound to it, and refuses it from
+    another key as it does its own replicas' ids ("not found", nothing sent
+    to the provider). Seen to fail: key B, given key A's id as its
+    previous_response_id, continued A's conversation at the provider."""
+    other = "sk-other-key-0123456789"
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "tests"),
+                               hash_key(other): KeyGrant("k2", "other")})
+    async with stand_in(monkeypatch) as url:
+        # An external model: the provider's endpoint (engine ""), no request_id sent.
+        rig.table.set_endpoints({"small": [Endpoint("external:small", url, "sk-provider")]})
+        async with sdk(rig) as a, sdk(rig, other) as b:
+            made = await a.responses.create(model="small", input="secret plans")
+            calls = len(rig.attempts)
+            with pytest.raises(openai.NotFoundError) as refused:
+                await b.responses.create(model="small", input="what did I say?",
+                                         previous_response_id=made.id)
+            assert refused.value.code == "response_not_found", refused.value
+            with pytest.raises(openai.NotFoundError):
+                await b.responses.retrieve(made.id)
+            assert len(rig.attempts) == calls  # nothing reached the provider
+            # Its own key continues it, by the id it was given.
+            raw = made.id.rsplit(".ext_", 1)[0]
+            assert made.id != raw and raw.startswith("resp_")
+            turn2 = await a.responses.create(model="small", input="and then",
+                                             previous_response_id=made.id)
+            assert turn2.output_text.endswith("(turn 2)")
+            assert turn2.previous_response_id == made.id  # echoed as the client knows it
+            # Streamed: every event names the response by its bound id.
+            async with a.responses.stream(model="small", input="streamed",
+                                          previous_response_id=turn2.id) as stream:
+                ids = {e.response.id for e in [ev async for ev in stream]
+                       if hasattr(e, "response")}
+                final = await stream.get_final_response()
+            assert ids == {final.id} and final.output_text.endswith("(turn 3)")
+            turn4 = await a.responses.create(model="small", input="last",
+                                             previous_response_id=final.id)
+            assert turn4.output_text.endswith("(turn 4)")
+            # The provider's own id, or a tag altered, proves nothing: not found.
+            for given in (raw, made.id[:-1] + ("0" if made.id[-1] != "0" else "1")):
+                with pytest.raises(openai.NotFoundError):
+                    await a.responses.create(model="small", input="x",
+                                             previous_response_id=given)
+            # B's own conversation is B's.
+            mine = await b.responses.create(model="small", input="mine")
+            assert (await b.responses.create(model="small", input="on",
+                                             previous_response_id=mine.id)
+                    ).output_text.endswith("(turn 2)")
+
+
+def test_a_provider_id_s_tag_comes_from_the_shared_secret_through_a_rotation() -> None:
+    """Every gateway tags alike (the tag's key derives from LLMGW_SECRET);
+    during a rotation the previous secret tags, which the gateways not yet
+    restarted hold as their only one, and either is taken."""
+    new, old = (responses.ProviderIds(responses.tag_keys(s)) for s in ("s-new", "s-old"))
+    rotating = responses.ProviderIds(responses.tag_keys("s-new", "s-old"))
+    made = rotating.wrap("resp_x", "k1")
+    assert made.startswith("resp_x.ext_") and responses.replica_of(made, "k1") is None
+    assert old.unwrap(made, "k1", "p") == rotating.unwrap(made, "k1", "p") == "resp_x"
+    assert rotating.unwrap(new.wrap("resp_x", "k1"), "k1", "p") == "resp_x"
+    for ids, given, owner in ((new, made, "k1"), (rotating, made, "k2")):
+        with pytest.raises(Reply) as refused:  # the window over; another key's
+            ids.unwrap(given, owner, "p")
+        assert refused.value.status == 404
+    assert new.unwrap("resp_x", "k1", "p") is None  # not wrapped: not one of these

@@ -9,15 +9,29 @@ routes answer through the gateway, behind the key's model grants."""
 from __future__ import annotations
 
 import io
+import os
 import signal
 import struct
+import subprocess
+import sys
 import wave
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.support.procs import Cluster, GatewayProc, make_key, put_model, replicas, wait_for
+from tests.support.procs import (
+    ROOT,
+    Cluster,
+    GatewayProc,
+    free_port,
+    make_key,
+    put_model,
+    replicas,
+    wait_for,
+)
 
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}  # vLLM keeps responses only so
 
@@ -130,3 +144,62 @@ def test_vllm_s_other_routes_answer_through_the_gateway_behind_the_key(
     r = httpx.post(gws[0].url + "/tokenize", json={"model": "m", "prompt": "x"},
                    headers={"Authorization": f"Bearer {narrow}"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.fixture
+def keeping_provider(tmp_path: Path) -> Iterator[str]:
+    """The vLLM stand-in as an outside provider that keeps its responses
+    (key sk-good), as OpenAI's Responses API does."""
+    port = free_port()
+    with open(tmp_path / "provider.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/fakes/fake_vllm.py"), "serve", "other-model",
+             "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-good"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=os.environ | STORE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
+                 10, "the provider")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+def test_a_provider_s_response_is_continued_by_its_key_alone_through_any_gateway(
+        cluster: Cluster, tmp_path: Path, keeping_provider: str) -> None:
+    """An external model's response ids are bound to their key with a tag
+    every gateway derives from the shared secret: key A's conversation goes
+    on through either gateway; key B, given A's id, is told "not found" by
+    both, and the provider sees nothing of it. Seen to fail: B continued
+    A's conversation at the provider."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "provider.key").write_text("sk-good\n")
+    gws = [cluster.gateway(n, provider_key_dir=str(keys)) for n in ("gw-a", "gw-b")]
+    put_model(gws[0], "ext", {"external": {"url": keeping_provider, "model": "other-model",
+                                           "api_key_file": str(keys / "provider.key")}})
+    key_a, key_b = make_key(gws[0], "a"), make_key(gws[0], "b")
+    a = [openai.OpenAI(base_url=g.url + "/v1", api_key=key_a, max_retries=0) for g in gws]
+    b = [openai.OpenAI(base_url=g.url + "/v1", api_key=key_b, max_retries=0) for g in gws]
+
+    def answers() -> bool:
+        try:
+            return all(c.responses.create(model="ext", input="up?").id for c in a)
+        except (openai.NotFoundError, openai.APIStatusError):
+            return False
+
+    wait_for(answers, 30, "both gateways serving ext")
+    made = a[0].responses.create(model="ext", input="secret plans")
+    assert made.output_text == "fake-vllm other-model echo: secret plans (turn 1)"
+    for client in b:
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.responses.create(model="ext", input="what did they say?",
+                                    previous_response_id=made.id)
+        assert refused.value.code == "response_not_found"
+    turn = made
+    for n, client in enumerate((a[1], a[0], a[1]), start=2):
+        turn = client.responses.create(model="ext", input=f"turn {n}",
+                                       previous_response_id=turn.id)
+        assert turn.output_text.endswith(f"(turn {n})"), turn.output_text

@@ -7,30 +7,45 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from app.control import state as s
+from app.control.keys import SecretRing
+from app.control.mirror import Mirror
+from app.gateway.publish import Publisher
 from app.router.budget import ExternalBudget
 from app.router.choice import EngineLoad
 from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
+from app.router.estimates import reservation
 from app.router.limits import Limiter, OverLimit
+from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
+from app.store.embedded import EmbeddedStore
 from app.wire.catalog import check_catalog, overflow_problem, overflowing_to
 from app.wire.spec import ModelSpec
+from tests.support.procs import SECRET, until
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig, hash_key, started
 
 DAY = 86400.0
 
 
 class Provider:
-    """An outside provider: answers chats (plain or streamed) with usage."""
+    """An outside provider: answers chats (plain or streamed) with usage,
+    `tokens` each (what it bills); while `gate` is set and clear, holds
+    each request until it is set; with `status` other than 200, answers
+    that, with no usage."""
 
     def __init__(self, tokens: int = 12) -> None:
         self.seen: list[dict[str, Any]] = []
         self.tokens = tokens
+        self.billed = 0
+        self.gate: asyncio.Event | None = None
+        self.status = 200
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         self.server = TestServer(app, host="127.0.0.1")
@@ -42,8 +57,13 @@ class Provider:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.status != 200:
+            return web.json_response({"error": {"message": "down"}}, status=self.status)
         usage = {"prompt_tokens": self.tokens - 2, "completion_tokens": 2,
                  "total_tokens": self.tokens}
+        self.billed += self.tokens
         if not body.get("stream"):
             return web.json_response({"id": "p1", "object": "chat.completion",
                                       "model": body["model"], "usage": usage, "choices": [
@@ -202,6 +222,8 @@ async def test_a_gateway_holding_its_most_spills_at_once() -> None:
     async with started(rig):
         rig.table.set_endpoints({"remote": [Endpoint("external:remote", provider.url, "k",
                                                      upstream_model="gpt-x")]})
+        rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant(
+            "k1", "tests", limits=Limits(external_tokens_per_day=1000))})
         rig.table.set_holdable({"small"})
         rig.table.set_overflow({"small": "remote"})
         t0 = asyncio.get_running_loop().time()
@@ -250,12 +272,12 @@ def test_the_budget_is_a_day_window_split_by_claims() -> None:
     woken: list[bool] = []
     budget = ExternalBudget(lambda: now[0], lambda k: None if claims is None
                             else claims.get(k, {}), lambda: lambda: woken.append(True))
-    budget.check("k", 100, 1, "m", "x")  # nothing used
-    budget.charge("k", 60)
+    assert budget.reserve("k", 100, 1, "m", "x", 30) == 30  # nothing used
+    budget.settle("k", 30, 60)  # its answer cost more than it reserved: charged
     now[0] += 30
     budget.charge("k", 40)
     with pytest.raises(OverLimit) as over:
-        budget.check("k", 100, 1, "m", "x")
+        budget.reserve("k", 100, 1, "m", "x", 5)
     assert over.value.code == "external_budget_exceeded" and not over.value.short
     assert budget.loads()["k"].used == {"external_tokens_per_day": 100}
     assert budget.loads()["k"].refused == frozenset({"external_tokens_per_day"})
@@ -263,14 +285,21 @@ def test_the_budget_is_a_day_window_split_by_claims() -> None:
     budget2 = ExternalBudget(lambda: now[0], lambda k: None, lambda: None)
     budget2.charge("k", 50)
     with pytest.raises(OverLimit):
-        budget2.check("k", 100, 2, "m", "x")
+        budget2.reserve("k", 100, 2, "m", "x", 1)
     # With claims: this gateway's claim, below the limit: short, the loop woken.
     claims = {"k": {"external_tokens_per_day": 120}}
-    budget.check("k", 200, 2, "m", "x")
-    claims = {"k": {"external_tokens_per_day": 90}}
+    assert budget.reserve("k", 200, 2, "m", "x", 15) == 15
+    assert budget.reserved("k") == 15 and budget.loads()["k"].used == {
+        "external_tokens_per_day": 115}  # what this gateway holds: spent and reserved
+    claims = {"k": {"external_tokens_per_day": 110}}
     with pytest.raises(OverLimit) as over:
-        budget.check("k", 200, 2, "m", "x")
+        budget.reserve("k", 200, 2, "m", "x", 1)
     assert over.value.short and woken == [True]
+    assert "used 100 and 15 reserved" in str(over.value)
+    budget.settle("k", 15, 0)  # failed: given back, nothing charged
+    assert budget.reserved("k") == 0 and budget.used("k") == 100
+    # A key without the limit reserves nothing.
+    assert budget.reserve("free", None, 2, "m", "x", 50) == 0 and budget.reserved("free") == 0
     # The minute's charges leave the window a day on.
     now[0] += DAY
     assert budget.used("k") == 0
@@ -311,3 +340,133 @@ def test_an_overflow_must_name_an_external_model() -> None:
         {"external": {"url": "https://x.example", "model": "g"}, "overflow": "r"})},
         ["/models"])
     assert ext and ext[0].loc == ("models", "r", "overflow")
+
+
+def reserved_for(body: dict[str, Any], completion: int) -> int:
+    """The reservation's rule (docs/architecture.md, Catalog, *Spill-over*),
+    stated apart from its code: the body's bytes as sent (httpx sends
+    compact JSON in UTF-8), and its completion's limit."""
+    return len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()) + completion
+
+
+async def test_fifty_spills_at_once_spend_at_most_the_budget_and_one_reservation(
+    spill_rig: tuple[Rig, Provider],
+) -> None:
+    """Fifty spills in flight at once on a key whose budget a few of them
+    spend: each reserves its most (its prompt's bound and max_tokens) when
+    admitted, so the rest are refused while those are in flight, and what
+    the provider bills stays within the budget and one reservation. Seen
+    to fail: every spill was admitted (the budget was charged only as
+    answers ended), and the provider billed all fifty."""
+    rig, provider = spill_rig
+    budget = 1000
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant(
+        "k1", "tests", limits=Limits(external_tokens_per_day=budget))})
+    provider.tokens = 60  # what each answer bills: under its reservation
+    provider.gate = asyncio.Event()
+    saturate(rig)
+    body = {"model": "small", "messages": MESSAGES, "max_tokens": 50}
+    one = reserved_for(body, 50)
+    calls = [asyncio.create_task(rig.http.post(CHAT, json=body, headers={
+        "Authorization": f"Bearer {CLIENT_KEY}"})) for _ in range(50)]
+    # Every one either waits at the provider or was answered (refused).
+    await until(lambda: len(provider.seen) + sum(c.done() for c in calls) == 50,
+                "fifty requests admitted or refused")
+    in_flight = len(provider.seen)
+    provider.gate.set()
+    answers = await asyncio.gather(*calls)
+    assert provider.billed <= budget + one, (
+        f"{in_flight} spills in flight at once billed {provider.billed} tokens on a budget "
+        f"of {budget} (one reservation: {one})")
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(refused) == 50 - in_flight and in_flight >= 1
+    assert {r.json()["error"]["code"] for r in refused} == {"external_budget_exceeded"}
+    assert "reserved for answers in flight" in refused[0].json()["error"]["message"]
+    # Settled to what the answers said: the reservations given back.
+    limits = rig.proxy.limits
+    assert limits.external.used("k1") == provider.billed and limits.external.reserved("k1") == 0
+    # One at a time the rest of the budget is spent, and no more than one past it.
+    while (await rig.chat("small")).status_code == 200:
+        pass
+    assert budget <= provider.billed <= budget + one
+
+
+async def test_a_key_without_a_budget_does_not_spill_unless_the_overflow_says_so(
+    spill_rig: tuple[Rig, Provider],
+) -> None:
+    """Adding an overflow to a model does not open the provider's bill to
+    every key allowed that model: a key without `external_tokens_per_day`
+    is served as if the model had none (queued on its saturated replica, or
+    a 503), unless the overflow says `spill_unbudgeted`. Seen to fail: such
+    a key spilled, with no bound."""
+    rig, provider = spill_rig
+    rig.table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "tests")})  # no budget
+    saturate(rig)
+    r = await rig.chat("small")
+    assert "x-llmgw-served-by" not in r.headers, f"spilled: {r.headers['x-llmgw-served-by']}"
+    assert r.status_code == 200 and r.json()["served_by"] == "local"
+    assert not provider.seen and not rig.table.spills
+    remote = rig.table.endpoints("remote")
+    rig.table.set_endpoints({"remote": remote})  # small: no replica, none on its way
+    r = await rig.chat("small")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_ready_replica"
+    assert not provider.seen
+    # The overflow opens itself to keys without a budget: they spill, unbounded.
+    rig.table.set_endpoints({"remote": [replace(remote[0], spill_unbudgeted=True)]})
+    r = await rig.chat("small")
+    assert r.status_code == 200 and r.headers["x-llmgw-served-by"] == "overflow:remote"
+    assert rig.proxy.limits.external.reserved("k1") == 0
+    assert rig.proxy.limits.external.used("k1") == 12  # counted, bounded by nothing
+
+
+async def test_a_failed_spill_gives_its_reservation_back(
+    spill_rig: tuple[Rig, Provider],
+) -> None:
+    rig, provider = spill_rig
+    saturate(rig)
+    provider.status = 503  # the provider down: nothing billed, nothing charged
+    r = await rig.chat("small")
+    assert r.status_code == 503, r.text
+    budget = rig.proxy.limits.external
+    assert budget.reserved("k1") == 0 and budget.used("k1") == 0
+    provider.status = 200
+    r = await rig.chat("small")
+    assert r.status_code == 200 and r.headers["x-llmgw-served-by"] == "overflow:remote"
+    assert budget.used("k1") == 12
+
+
+def test_a_reservation_is_the_prompt_s_bound_and_the_completion_s_limit() -> None:
+    body: dict[str, Any] = {"model": "m", "messages": MESSAGES}
+    assert reservation(body, 40, 100) == 140  # no limit given: the default
+    assert reservation(body | {"max_tokens": 7}, 40, 100) == 47
+    assert reservation(body | {"max_tokens": 7, "max_completion_tokens": 9}, 40, 100) == 49
+    assert reservation(body | {"max_tokens": 7, "n": 3}, 40, 100) == 40 + 3 * 7  # each choice
+    assert reservation(body | {"best_of": 2, "n": 1, "max_tokens": 7}, 40, 100) == 54
+    # Not counts (fields.py refuses such `n` and `max_tokens`): ignored.
+    assert reservation(body | {"best_of": "5", "max_output_tokens": True}, 40, 100) == 140
+    # An embedding completes nothing: its input, the body, is its prompt.
+    assert reservation({"model": "m", "input": ["a"]}, 40, 100, completes=False) == 40
+
+
+async def test_an_overflow_s_terms_reach_the_router(
+    parts: tuple[EmbeddedStore, Mirror],
+) -> None:
+    """`external.spill_reserve_tokens` and `spill_unbudgeted`, as written in
+    the catalog, on the external model's endpoint; left out, left out of
+    the stored spec and the defaults on the endpoint."""
+    store, mirror = parts
+    table = RouteTable()
+    publisher = Publisher(mirror, table, SecretRing(SECRET))
+    terms = {"url": "https://llm.example.com", "model": "g"}
+    for name, extra in (("open", {"spill_reserve_tokens": 64, "spill_unbudgeted": True}),
+                        ("closed", {})):
+        spec = s.StoredModel.model_validate({"name": name, "external": terms | extra})
+        assert spec.spec_dump()["external"] == terms | extra
+        rev = await store.put(s.MODELS + name, spec.model_dump_json().encode())
+        assert await mirror.wait_for(rev, 2)
+    publisher.publish()
+    (opened,), (closed,) = table.endpoints("open"), table.endpoints("closed")
+    assert (opened.spill_reserve, opened.spill_unbudgeted) == (64, True)
+    assert (closed.spill_reserve, closed.spill_unbudgeted) == (0, False)
+    with pytest.raises(ValueError):
+        ModelSpec.model_validate({"external": terms | {"spill_reserve_tokens": 0}})

@@ -6,13 +6,29 @@ replica as before (docs/architecture.md, Catalog, *Spill-over*)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.support.procs import Cluster, put_model, replicas, wait_for
+from app.router.estimates import DEFAULT_RESERVE, reservation
+from tests.support.procs import (
+    ROOT,
+    Cluster,
+    free_port,
+    make_key,
+    put_model,
+    replicas,
+    wait_for,
+)
 from tests.support.scrape import samples, scrape_text
 from tests.test_ctl import ok_json, ok_on
 from tests.test_key_files import provider as provider  # the stand-in as a provider
@@ -100,3 +116,101 @@ def test_a_saturated_fleet_spills_to_the_provider(
     metrics = samples(scrape_text(gw.url))
     assert metrics[("llmgw_spills_total", (("model", "m"), ("reason", "saturated")))] == served
     assert httpx.get(gw.url + "/healthz").status_code == 200
+
+
+@pytest.fixture
+def slow_provider(tmp_path: Path) -> Iterator[str]:
+    """The vLLM stand-in as an outside provider (key sk-good), 0.1 s a word:
+    answers stay in flight while others arrive."""
+    port = free_port()
+    with open(tmp_path / "slow-provider.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/fakes/fake_vllm.py"), "serve", "other-model",
+             "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-good"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=os.environ | {"FAKE_VLLM_TOKEN_DELAY": "0.1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
+                 10, "the provider")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+def billed(provider: str) -> int:
+    """The tokens the provider served (its own count: what it bills)."""
+    seen = samples(scrape_text(provider))
+    return int(sum(v for (name, _), v in seen.items()
+                   if name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")))
+
+
+def test_fifty_spills_at_once_stay_within_the_budget_and_one_reservation(
+    solo: Cluster, tmp_path: Path, slow_provider: str,
+) -> None:
+    """A model with no replica spills every request; fifty at once through
+    the `openai` client on a key whose external budget a few answers
+    spend: the provider bills at most the budget and one reservation, and
+    a key without a budget is not spilled at all (a 503, as without an
+    overflow). Seen to fail: all fifty were served and billed."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "provider.key").write_text("sk-good\n")
+    gw = solo.gateway("gw", provider_key_dir=str(keys), publish_interval="0.3",
+                      key_usage_interval="0.5")
+    put_model(gw, "remote", {"external": {"url": slow_provider, "model": "other-model",
+                                          "api_key_file": str(keys / "provider.key")}})
+    # No replica, none on its way: each request spills at once (no_replica).
+    put_model(gw, "m", {"model": "acme/m", "gpus": 1, "replicas": {"min": 0, "max": 0},
+                        "overflow": "remote"})
+    budget = 300
+    created = ok_json("keys", "create", "spill", "--external-tokens-per-day", str(budget),
+                      gateway=gw.url)
+    free = make_key(gw, "no-budget")
+    body: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "one two three four five six seven eight"}]}
+    # As the `openai` client sends it (httpx's compact JSON).
+    one = reservation(body, len(json.dumps(body, separators=(",", ":")).encode()),
+                      DEFAULT_RESERVE)
+
+    def ask(key: str) -> openai.types.chat.ChatCompletion | openai.APIStatusError:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
+                               timeout=30)
+        try:
+            return client.chat.completions.create(**body)
+        except openai.APIStatusError as exc:
+            return exc
+
+    def routed() -> bool:
+        with gw.admin() as admin:
+            route = admin.get("/admin/routes", params={"model": "m"}).json()
+            remote = admin.get("/admin/routes", params={"model": "remote"}).json()
+        return route.get("overflow") == "remote" and bool(remote.get("endpoints"))
+
+    wait_for(routed, 15, "m's overflow routed")
+    with ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(lambda _: ask(created["key"]), range(50)))
+    served = [a for a in answers if not isinstance(a, openai.APIStatusError)]
+    refused = [a for a in answers if isinstance(a, openai.APIStatusError)]
+    bill = billed(slow_provider)
+    assert bill <= budget + one, (
+        f"{len(served)} of 50 spills served, billed {bill} tokens on a budget of {budget} "
+        f"(one reservation: {one})")
+    assert served and refused and {a.code for a in refused} == {"external_budget_exceeded"}
+    assert bill == sum(a.usage.total_tokens for a in served if a.usage is not None)
+
+    # A key without a budget is not spilled: the 503 of a model without overflow.
+    no_budget = ask(free)
+    assert isinstance(no_budget, openai.APIStatusError) and no_budget.status_code == 503, \
+        no_budget
+    assert billed(slow_provider) == bill
+
+    # The key's usage says what went out, under the overflow's name.
+    def used() -> int:
+        with gw.admin() as admin:
+            got = admin.get(f"/admin/keys/{created['id']}/usage").json()["models"]
+        remote = got.get("remote") or {}
+        return int(remote.get("prompt_tokens", 0) + remote.get("completion_tokens", 0))
+
+    wait_for(lambda: used() == bill, 10, "the key's usage written")

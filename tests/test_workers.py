@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,19 +53,34 @@ def worker_pids(gw: GatewayProc) -> dict[int, int]:
     return found
 
 
-def answered_by(gw: GatewayProc) -> str:
-    """The gateway id of the worker answering a new connection."""
-    r = httpx.get(gw.url + "/admin/leader", headers=AUTH, timeout=5, verify=gw.verify)
-    r.raise_for_status()
-    return str(r.json()["gateway"])
+def _local_port(r: httpx.Response) -> int:
+    return int(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+
+def asked(gw: GatewayProc, path: str) -> tuple[str, httpx.Response]:
+    """`path` asked on a new connection, and the worker that took it (its
+    index): a /v1/models request goes first on the same connection,
+    refused for want of a key, and its access line names the worker."""
+    rid = f"who-{uuid.uuid4().hex}"
+    with httpx.Client(base_url=gw.url, timeout=5, verify=gw.verify) as c:
+        probe = c.get("/v1/models", headers={"X-Request-Id": rid})
+        r = c.get(path, headers=AUTH)
+        assert probe.status_code == 401 and _local_port(probe) == _local_port(r), (
+            "both on one connection")
+    # Written by a thread, after the answer.
+    (worker,) = wait_for(lambda: access_workers(gw, rid), 10, "the access line")
+    return worker, r
 
 
 def seen_workers(gw: GatewayProc, ids: set[str], tries: int = 60) -> set[str]:
-    """Which of `ids` answer new connections within `tries` of them."""
+    """Which of `ids` (worker indexes) answer new connections within
+    `tries` of them."""
     seen: set[str] = set()
     for _ in range(tries):
         with contextlib.suppress(httpx.HTTPError):
-            seen.add(answered_by(gw))
+            worker, r = asked(gw, "/healthz")
+            if r.status_code == 200:
+                seen.add(worker)
         if seen >= ids:
             break
     return seen
@@ -128,7 +144,7 @@ async def two_workers(cluster: Cluster, tmp: Path, name: str = "gw",
         # Two processes starting at once on a shared 2-core machine: slower.
         gw = cluster.gateway(name, ready_within=60, workers="2",
                              provider_key_dir=str(tmp / "keys"), **settings)
-        ids = {name, f"{name}-w1"}
+        ids = {"0", "1"}
         wait_for(lambda: seen_workers(gw, ids, 8) == ids, 60, "both workers answering")
         async with httpx.AsyncClient(headers=AUTH, timeout=10) as http:
             r = await http.put(gw.url + "/admin/models/m", json=spec)
@@ -326,16 +342,17 @@ async def test_one_leader_among_the_workers_of_two_gateways(
     cluster.ttl = 4
     gws = [cluster.gateway(n, ready_within=60, workers="2", etcd_timeout="2")
            for n in ("ga", "gb")]
-    everyone = {"ga", "ga-w1", "gb", "gb-w1"}
+    everyone = {"ga:0", "ga:1", "gb:0", "gb:1"}
 
     def views() -> dict[str, dict[str, Any]]:
-        """/admin/leader as each of the four workers answers it."""
+        """/admin/leader as each of the four workers answers it, by
+        "GATEWAY:WORKER"."""
         out: dict[str, dict[str, Any]] = {}
         for gw in gws:
             for _ in range(40):
                 with contextlib.suppress(httpx.HTTPError):
-                    r = httpx.get(gw.url + "/admin/leader", headers=AUTH, timeout=5).json()
-                    out[r["gateway"]] = r
+                    worker, r = asked(gw, "/admin/leader")
+                    out[f"{gw.name}:{worker}"] = r.json()
                 if len([g for g in out if g.startswith(gw.name)]) == 2:
                     break
         return out
@@ -345,8 +362,15 @@ async def test_one_leader_among_the_workers_of_two_gateways(
         leaders = {x["leader"] for x in v.values()}
         if set(v) != everyone or len(leaders) != 1 or None in leaders:
             return None
-        assert sum(x["is_leader"] for x in v.values()) <= 1, v
-        return str(leaders.pop()) if sum(x["is_leader"] for x in v.values()) == 1 else None
+        for at, x in v.items():  # each worker answers for its gateway
+            assert x["gateway"] == at.split(":")[0], v
+        (leader,) = leaders
+        leading = [at for at, x in v.items() if x["is_leader"]]
+        if not leading:
+            return None
+        # Both workers of the leading gateway say so, and none other.
+        assert sorted(leading) == [f"{leader}:0", f"{leader}:1"], v
+        return str(leader)
 
     first = wait_for(one_leader, 30, "one leader that all four workers see")
     assert first in ("ga", "gb")  # a first worker: the others never campaign
@@ -357,6 +381,26 @@ async def test_one_leader_among_the_workers_of_two_gateways(
     wait_for(lambda: worker_pids(gw).get(0), 20, "worker 0 restarted")
     second = wait_for(one_leader, 30, "a leader again")
     assert second in ("ga", "gb")
+
+
+def test_admin_leader_answers_for_the_gateway_whichever_worker_answers(
+    cluster: Cluster,
+) -> None:
+    """/admin/leader under --workers is the gateway's: its id, and whether
+    it leads (its first worker campaigns for it), the same from every
+    worker (docs/architecture.md, "Workers"). Seen to fail: worker 1
+    answered `gw-w1`, is_leader false, on the leading gateway's port."""
+    gw = cluster.gateway("gw", ready_within=60, workers="2")
+    wait_for(lambda: gw.leader()["leader"] == "gw", 30, "gw leading")
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(24):
+        worker, r = asked(gw, "/admin/leader")
+        assert r.status_code == 200, r.text
+        by_worker.setdefault(worker, []).append(r.json())
+    assert set(by_worker) == {"0", "1"}, by_worker  # both asked (24 connections)
+    for worker, answers in by_worker.items():
+        assert answers == [{"gateway": "gw", "leader": "gw", "is_leader": True}] * len(
+            answers), (worker, answers)
 
 
 def test_the_default_is_the_cores_with_etcd_and_one_on_the_embedded_store(
@@ -398,7 +442,7 @@ def test_both_workers_serve_tls_from_the_same_files(cluster: Cluster, tmp_path: 
     gw = cluster.gateway("gw", ca=str(tmp_path / "ca.pem"), ready_within=60, workers="2",
                          tls_cert_file=str(cert), tls_key_file=str(key))
     assert gw.url.startswith("https://")
-    ids = {"gw", "gw-w1"}
+    ids = {"0", "1"}
     wait_for(lambda: seen_workers(gw, ids, 8) == ids, 60, "both workers answering https")
     for _ in range(8):  # nothing in clear on the port, whichever worker answers
         with pytest.raises(httpx.HTTPError):

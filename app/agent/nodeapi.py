@@ -217,12 +217,18 @@ class NodeApi:
                 lambda: weights.remove(self.cfg.cache_dir, paths, in_use()))
         except weights.Refused as exc:
             title = {404: "No such path", 409: "Weights in use"}.get(exc.status, "Path refused")
-            raise _Problem(exc.status, title, f"{exc.path!r}: {exc.reason}; nothing removed",
-                           path=exc.path) from None
-        except OSError as exc:  # no permission, a disk error: some may be gone already
-            logger.exception("removing %s from the model cache failed", paths)
-            raise _Problem(500, "Removal failed", f"{exc}; some paths may be removed "
-                           "already: list the cache again") from None
+            raise _Problem(exc.status, title, f"{exc.path!r}: {exc.reason}; "
+                           f"{weights.said_removed(exc.removed)}",
+                           path=exc.path, removed=exc.removed) from None
+        except weights.RemovalFailed as exc:  # no permission, a disk error
+            logger.error("removing %r from the model cache failed: %s; %s", exc.path,
+                         exc.error, weights.said_removed(exc.removed), exc_info=exc.error)
+            raise _Problem(500, "Removal failed", f"{exc.path!r}: {exc.error}; it may be "
+                           f"partly removed; {weights.said_removed(exc.removed)}: list the "
+                           "cache again", path=exc.path, removed=exc.removed) from None
+        except OSError as exc:  # reading the cache, before anything was removed
+            logger.exception("checking %s in the model cache failed", paths)
+            raise _Problem(500, "Removal failed", f"{exc}; nothing removed") from None
         logger.info("removed from the model cache: %s", ", ".join(removed))
         return web.json_response({"node": self.cfg.node, "removed": removed})
 

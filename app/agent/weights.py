@@ -3,7 +3,7 @@
 The cache is the folder engines download hub weights into (Hugging Face's
 layout: `models--ORG--NAME/{blobs,snapshots,refs}`). An admin frees disk by
 naming entries to remove; every path is checked before anything is removed
-(all or nothing):
+(all or nothing; a refusal names every replica concerned, once):
 
 - it must lie strictly inside the cache: `..` is refused outright, and the
   path is resolved (every symlink in its folders followed) before it is
@@ -14,15 +14,19 @@ naming entries to remove; every path is checked before anything is removed
   (or is assigned): removing them would break the engine's next load.
   Weights are reached through symlinks (a hub snapshot's files link into
   its `blobs/`; a weights path may be a link to a snapshot, or a folder of
-  links into the cache), so what is protected is the whole chain: each
-  replica's weights resolved, and every file its links resolve to.
+  links into the cache, or a link to one file of a snapshot), so what is
+  protected is the whole chain: each replica's weights resolved, every
+  file its links resolve to, and every link on the way (a link to a
+  snapshot's file stands on that file, a link itself, and on its folder).
 
 The removal itself never follows a path twice: it opens the cache, then
 each folder down to the entry with O_DIRECTORY|O_NOFOLLOW, relative to the
 previous one, and removes the entry relative to its parent's descriptor
 (`shutil.rmtree(dir_fd=)`, which walks by descriptors too). A folder
 swapped for a symlink after the check makes the open fail (nothing
-outside the cache is reached); the request answers 409 "changed".
+outside the cache is reached); the request answers 409 "changed",
+naming the paths it removed before that one (`Refused.removed`), as a
+disk error does (`RemovalFailed`).
 
 Not guaranteed: a replica assigned between the check and the removal may
 start downloading what is being removed (vLLM then downloads it again).
@@ -52,13 +56,36 @@ def default_cache_dir() -> Path:
 
 class Refused(Exception):
     """A path that may not be removed: `status` is the HTTP answer (400:
-    outside the cache or malformed, 404: not there, 409: in use)."""
+    outside the cache or malformed, 404: not there, 409: in use, or changed
+    since its check). `removed`: the paths of the same request removed
+    before it (none when refused at its check: every path is checked
+    before any is removed)."""
 
     def __init__(self, status: int, path: str, reason: str) -> None:
         super().__init__(f"{path!r}: {reason}")
         self.status = status
         self.path = path
         self.reason = reason
+        self.removed: list[str] = []
+
+
+class RemovalFailed(Exception):
+    """A disk error (no permission, I/O) removing `path`, which may be
+    partly removed; `removed`: the paths of the same request removed
+    before it."""
+
+    def __init__(self, path: str, error: OSError, removed: list[str]) -> None:
+        super().__init__(f"{path!r}: {error}")
+        self.path = path
+        self.error = error
+        self.removed = removed
+
+
+def said_removed(removed: list[str]) -> str:
+    """What a request refused or failed midway removed, said."""
+    if not removed:
+        return "nothing removed"
+    return "removed before it: " + ", ".join(repr(p) for p in removed)
 
 
 @dataclass
@@ -86,32 +113,84 @@ def hub_folder(weights: str) -> str | None:
 MAX_LINKS = 100_000
 
 
-def _link_targets(root: Path) -> set[Path]:
-    """Where the symlinks under `root` (itself resolved) lead, resolved."""
-    out: set[Path] = set()
-    if not root.is_dir():
-        return out
-    for folder, dirs, files in os.walk(root):
-        for name in (*dirs, *files):
-            path = os.path.join(folder, name)
-            if os.path.islink(path):
-                out.add(Path(os.path.realpath(path)))
-                if len(out) >= MAX_LINKS:
-                    return out
-    return out
+# Links followed resolving one path before it counts as a loop (Linux's
+# own limit, ELOOP).
+_MAX_HOPS = 40
+
+
+def _follow(path: str, hops: set[Path]) -> Path:
+    """`path` (absolute) resolved as os.path.realpath does, a part at a
+    time, adding to `hops` each symlink it goes through, named where it
+    lies (its folders resolved): realpath says where a chain of links ends,
+    not what it stands on. A part that does not exist is taken as written."""
+    cur = "/"
+    todo = path.split("/")[::-1]
+    followed = 0
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)  # `cur` is resolved: its parent is
+            continue
+        nxt = os.path.join(cur, name)
+        try:
+            target = os.readlink(nxt) if stat.S_ISLNK(os.lstat(nxt).st_mode) else None
+        except OSError:
+            target = None
+        if target is None:
+            cur = nxt
+            continue
+        followed += 1
+        hops.add(Path(nxt))
+        if followed > _MAX_HOPS:
+            return Path(nxt)  # a loop: it ends nowhere further
+        if target.startswith("/"):
+            cur = "/"
+        todo.extend(target.split("/")[::-1])
+    return Path(cur)
+
+
+def _occupied(start: str) -> set[Path]:
+    """What weights at `start` stand on: where it resolves to and every link
+    on the way; then the same for each symlink under it (a snapshot's files
+    into blobs/, a folder of links), walking the folders they lead to as
+    well; up to MAX_LINKS links."""
+    hops: set[Path] = set()
+    ends = {_follow(start, hops)}
+    roots = list(ends)
+    walked: list[Path] = []
+    while roots:
+        root = roots.pop()
+        if not root.is_dir() or any(root.is_relative_to(w) for w in walked):
+            continue
+        walked.append(root)
+        for folder, dirs, files in os.walk(root):
+            for name in (*dirs, *files):
+                path = os.path.join(folder, name)
+                if not os.path.islink(path):
+                    continue
+                end = _follow(path, hops)
+                ends.add(end)
+                roots.append(end)
+                if len(hops) >= MAX_LINKS:
+                    return ends | hops
+    return ends | hops
 
 
 def in_use_paths(cache: Path, weights: Mapping[str, list[str]]) -> dict[Path, list[str]]:
-    """Resolved paths each replica's weights occupy -> replica ids, from
-    {weights: [replica ids]}: a hub id's cache folder, or the path itself,
-    and everything the links inside them lead to (blobs a snapshot links to,
-    cache files a folder of links names)."""
+    """Resolved paths each replica's weights occupy -> replica ids (each
+    once), from {weights: [replica ids]}: a hub id's cache folder, or the
+    path itself, everything the links inside them lead to (blobs a
+    snapshot links to, cache files a folder of links names) and every link
+    on the way (a snapshot's links, which a link to one of them stands on)."""
     out: dict[Path, list[str]] = {}
     for w, replicas in weights.items():
         folder = hub_folder(w)
-        where = Path(os.path.realpath(cache / folder if folder is not None else Path(w)))
-        for path in {where, *_link_targets(where)}:
-            out.setdefault(path, []).extend(replicas)
+        start = os.path.abspath(cache / folder if folder is not None else Path(w))
+        for path in _occupied(start):
+            users = out.setdefault(path, [])
+            users.extend(r for r in dict.fromkeys(replicas) if r not in users)
     return out
 
 
@@ -178,10 +257,12 @@ def check(cache: Path, raw: str, in_use: Mapping[Path, list[str]]) -> Path:
         points = Path(os.path.realpath(target))
         if not points.is_relative_to(real_cache):
             raise Refused(400, raw, f"a symlink to {points}, outside the cache directory")
-    for path, replicas in in_use.items():
-        if _overlaps(target, path) or _overlaps(Path(os.path.realpath(target)), path):
-            raise Refused(409, raw, "holds the weights of replica "
-                          f"{', '.join(sorted(replicas))}, which this node runs")
+    real = Path(os.path.realpath(target))
+    users = sorted({r for path, replicas in in_use.items()
+                    if _overlaps(target, path) or _overlaps(real, path) for r in replicas})
+    if users:
+        raise Refused(409, raw, f"holds the weights of replica{'s' if len(users) > 1 else ''} "
+                      f"{', '.join(users)}, which this node runs")
     return target
 
 
@@ -223,10 +304,21 @@ def _remove_at(real_cache: Path, target: Path, raw: str) -> None:
 
 
 def remove(cache: Path, paths: Iterable[str], in_use: Mapping[Path, list[str]]) -> list[str]:
-    """Removes every path, or none if any is refused (Refused raised)."""
+    """Removes every path, or none if any is refused at its check (Refused
+    raised): every path is checked before any is removed. One that changed
+    since its check (Refused) or a disk error (RemovalFailed) stops the
+    removal midway: each names the paths removed before it."""
     raws = list(paths)
     targets = [check(cache, raw, in_use) for raw in raws]
     real_cache = Path(os.path.realpath(cache))
+    removed: list[str] = []
     for raw, target in zip(raws, targets, strict=True):
-        _remove_at(real_cache, target, raw)
+        try:
+            _remove_at(real_cache, target, raw)
+        except Refused as exc:
+            exc.removed = removed
+            raise
+        except OSError as exc:
+            raise RemovalFailed(raw, exc, removed) from exc
+        removed.append(raw)
     return raws

@@ -28,7 +28,7 @@ from app.control import state as s
 from app.control.agentversion import Window
 from app.control.keyfiles import ProviderKeys
 from app.control.ops.catalog_ops import CatalogOps
-from app.control.placement import NoFit, place
+from app.control.placement import NoFit, place_any, placer_of
 from app.control.scaling import wanted_now
 from app.wire import catalog as rules
 
@@ -40,12 +40,15 @@ class LeaderView(BaseModel):
 
 
 def routes(state: MirrorState, ops: CatalogOps, table: RoutesRead,
-           provider_keys: ProviderKeys, *, admin_token: str, gateway_id: str,
+           provider_keys: ProviderKeys, *, admin_token: str, gateway_id: str, gateway: str,
            is_leader: Callable[[], bool], agent_window: Window, write_deadline: float,
            model_roots: list[str], provider_key_dir: str, idle_slack: float,
            default_load_target: int) -> APIRouter:
-    """`table`: this gateway's routes, read; `provider_keys`: its provider
-    key files, read off the loop; `is_leader`: whether this gateway leads now;
+    """`table`: this gateway's routes, read (`gateway_id`: this process's
+    id, a worker's under --workers); `provider_keys`: its provider key
+    files, read off the loop; `gateway`: the gateway's id and `is_leader`:
+    whether it leads now, the same whichever of its workers answers
+    (docs/architecture.md, "Workers");
     `write_deadline`: LLMGW_ADMIN_WRITE_DEADLINE; `model_roots`,
     `provider_key_dir`: where a model's files may be (LLMGW_MODEL_ROOTS,
     LLMGW_PROVIDER_KEY_DIR); `idle_slack`: LLMGW_USAGE_REFRESH plus
@@ -57,7 +60,7 @@ def routes(state: MirrorState, ops: CatalogOps, table: RoutesRead,
     @r.get("/leader", response_model=LeaderView)
     async def leader() -> LeaderView:
         info = state.mirror.leader()
-        return LeaderView(gateway=gateway_id,
+        return LeaderView(gateway=gateway,
                           leader=info.id if info else None,
                           is_leader=is_leader())
 
@@ -85,10 +88,9 @@ def routes(state: MirrorState, ops: CatalogOps, table: RoutesRead,
         nofit: NoFit | None = None
         wanted = wanted_now(model, mine, usages, time.time(),
                             idle_slack, default_load_target)
-        if len(mine) < wanted:
-            fit = place(model.name, model, state.mirror.nodes(), replicas,
-                        nodeconfs=state.mirror.nodeconfs(), quotas=state.mirror.quotas(),
-                        models=state.mirror.models(), agent_versions=agent_window)
+        if len(mine) < wanted and model.profile_list:
+            # The leader's decision, over its inputs (any profile, in order).
+            fit, _ = place_any(placer_of(state.mirror, agent_window), model.name, model)
             nofit = fit if isinstance(fit, NoFit) else None
         health = fleet.model_health(model, mine, nofit, displaced={
             r.id: r.drain_reason for r in replicas.values()

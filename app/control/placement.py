@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Mapping
+from typing import Protocol
 
 from app.control import agentversion, fleet, gpuhealth
 from app.control import state as s
 from app.control.nofit import Fit, NoFit
 
-__all__ = ["Fit", "NoFit", "Placer", "place"]
+__all__ = ["Fit", "FleetView", "NoFit", "Placer", "place", "place_any", "placer_of"]
 
 
 def _gib(mib: int) -> str:
@@ -47,6 +48,52 @@ def place(
     placer = Placer(nodes, replicas, nodeconfs=nodeconfs, quotas=quotas, models=models,
                     agent_versions=agent_versions)
     return placer.place(name, spec, profile=profile)
+
+
+def place_any(placer: Placer, name: str, spec: s.ModelSpec) -> tuple[Fit | NoFit, s.Profile]:
+    """Where one more replica of `name` goes, as the leader's pass decides
+    it (plan_place.py): the first of the model's profiles, in the order
+    given, that fits somewhere (an operator lists the preferred way first:
+    an H100 pool, then an A10 one). When none fits, every node's reason
+    names each profile's, and the profile is the first. Not for an
+    external model: it has no profile and is never placed."""
+    profiles = spec.profile_list
+    refusals: list[tuple[s.Profile, NoFit]] = []
+    for prof in profiles:
+        fit = placer.place(name, spec, profile=prof)
+        if not isinstance(fit, NoFit):
+            return fit, prof
+        refusals.append((prof, fit))
+    if len(refusals) == 1:
+        return refusals[0][1], profiles[0]
+    reasons: dict[str, str] = {}
+    for prof, nofit in refusals:
+        for node, why in nofit.reasons.items():
+            reasons[node] = f"{reasons[node]}; " if node in reasons else ""
+            reasons[node] += f"{prof.name}: {why}"
+    return NoFit(reasons), profiles[0]
+
+
+class FleetView(Protocol):
+    """What placement reads of the fleet: a gateway's mirror
+    (app/control/mirror.py), its views replaced, never changed, on a change."""
+
+    def models(self) -> Mapping[str, s.StoredModel]: ...
+    def nodes(self) -> Mapping[str, s.NodeInfo]: ...
+    def replicas(self) -> Mapping[str, s.Replica]: ...
+    def nodeconfs(self) -> Mapping[str, s.NodeConf]: ...
+    def quotas(self) -> Mapping[str, s.Quota]: ...
+
+
+def placer_of(view: FleetView, agent_versions: agentversion.Window | None) -> Placer:
+    """A placer over `view` with every input the leader's pass gives its own
+    (plan.py: node confs for cordons, drains, pools, labels and cleared
+    GPUs; quotas over every model's replicas; the agent window), so that a
+    gateway that says whether a model can be placed says what the leader
+    decides (docs/architecture.md, Placement). Leaving one out made every
+    gateway hold requests 300 s for a model no node could take."""
+    return Placer(view.nodes(), view.replicas(), nodeconfs=view.nodeconfs(),
+                  quotas=view.quotas(), models=view.models(), agent_versions=agent_versions)
 
 
 _NONE: frozenset[int] = frozenset()

@@ -17,7 +17,7 @@ from typing import Any
 from app.control import fleet as fleet_of
 from app.control import state as s
 from app.control.displace import displace
-from app.control.placement import Fit, NoFit, Placer
+from app.control.placement import Fit, NoFit, Placer, place_any
 from app.control.plan_phases import Plan, Trimmed
 from app.wire.adapters import engine_flags
 
@@ -72,9 +72,9 @@ def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want:
         prof = spec.profile_list[0]
         if avoid:
             elsewhere = {n: info for n, info in fleet.nodes.items() if n not in avoid}
-            fit, prof = _place_any(Placer(elsewhere, live, **fleet.fitting), name, spec)
+            fit, prof = place_any(Placer(elsewhere, live, **fleet.fitting), name, spec)
         if isinstance(fit, NoFit):
-            fit, prof = _place_any(fleet.placer, name, spec)
+            fit, prof = place_any(fleet.placer, name, spec)
         if isinstance(fit, NoFit):
             coming = [rid for rid in current if rid not in ready] + fleet.created.get(name, [])
             _no_room(out, name, spec, fleet, kept, coming, fit)
@@ -98,28 +98,6 @@ def place_missing(out: Plan, fleet: Fleet, name: str, spec: s.StoredModel, want:
         fleet.created.setdefault(name, []).append(rep.id)
         if fleet.lowest is not None:
             fleet.lowest = min(fleet.lowest, prof.priority)
-
-
-def _place_any(placer: Placer, name: str, spec: s.StoredModel
-               ) -> tuple[Fit | NoFit, s.Profile]:
-    """The first of the model's profiles, in the order given, that fits
-    somewhere: an operator lists the preferred way first (an H100 pool, then
-    an A10 one). When none fits, every node's reason names each profile's."""
-    profiles = spec.profile_list
-    refusals: list[tuple[s.Profile, NoFit]] = []
-    for prof in profiles:
-        fit = placer.place(name, spec, profile=prof)
-        if not isinstance(fit, NoFit):
-            return fit, prof
-        refusals.append((prof, fit))
-    if len(refusals) == 1:
-        return refusals[0][1], profiles[0]
-    reasons: dict[str, str] = {}
-    for prof, nofit in refusals:
-        for node, why in nofit.reasons.items():
-            reasons[node] = f"{reasons[node]}; " if node in reasons else ""
-            reasons[node] += f"{prof.name}: {why}"
-    return NoFit(reasons), profiles[0]
 
 
 def _displace(out: Plan, name: str, spec: s.StoredModel,

@@ -18,9 +18,13 @@ sum past the limit. Lowers and plain updates do not touch it.
 
 Steps run every `interval`, and at once (at most every `_GAP`) when the
 limiter refuses a request on a claim below the key's limit, or another
-gateway's record changes. Writes: when claims or what was refused change,
-else at most every `refresh` seconds while the load changes; nothing while
-all is steady. The request path only reads the limiter's tables.
+gateway's record changes. Such a request waits for the next step
+(`settle`, bounded by the limiter's deadline: app/router/limits.py,
+`admit_or_wait`): every request waiting when a step starts is served by
+that one step, its raise one transaction. Writes: when claims or what was
+refused change, or more requests wait than last written, else at most
+every `refresh` seconds while the load changes; nothing while all is
+steady. An admitted request only reads the limiter's tables.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from app.control import state as s
 from app.control.mirror import Mirror
-from app.router.shares import KINDS, KeyLoad, next_claim, targets
+from app.router.shares import FLOOR, KINDS, KeyLoad, next_claim, targets
 from app.store.base import Compare, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -47,6 +51,8 @@ class ClaimSink(Protocol):
 
     on_short: Callable[[], None] | None
 
+    settle: Callable[[], Awaitable[None]] | None
+
     def key_loads(self) -> Mapping[str, KeyLoad]: ...
 
     def set_claims(self, claims: Mapping[str, Mapping[str, int]],
@@ -54,6 +60,21 @@ class ClaimSink(Protocol):
 
 
 Claims = dict[str, dict[str, int]]
+
+
+def claim_floors(index: int) -> tuple[int, int]:
+    """What worker `index` of a gateway of several (`llmgw serve --workers`)
+    admits of a client key on no claim (app/router/limits.py,
+    `Limiter.floor` and `lapsed_floor`). Nothing while its claims stand:
+    the gateway's workers admit only on their claims, which sum to at most
+    the key's limit over every worker of every gateway, so a gateway of
+    several adds nothing past them (a request finding no claim waits for a
+    raise instead). Once its lease can no longer be proven (its claims
+    lapsed, the store unreachable past the TTL), one request on the first
+    worker only: one floor a gateway, as a gateway of one process has. So
+    N in L + N - 1 counts gateways, not workers (docs/architecture.md,
+    "Workers")."""
+    return 0, (FLOOR if index == 0 else 0)
 
 
 class KeyShares:
@@ -86,10 +107,21 @@ class KeyShares:
         self._written_lease = 0
         self._last_raise = 0  # revision of our last raise: the mirror must reach it first
         self._wake: asyncio.Event | None = None
+        # Done when the next step ends: what waiting requests await (`settle`).
+        self._settled: asyncio.Future[None] | None = None
 
     def start(self) -> None:
-        """From now on the limiter admits by claims (FLOOR until raised)."""
+        """From now on the limiter admits by claims (its floor until raised)."""
         self._limiter.set_claims({})
+
+    def settle(self) -> asyncio.Future[None]:
+        """Done when a step that starts after this call has ended, whatever
+        it did (the caller checks its request again); wakes the loop. Every
+        request waiting then shares that step."""
+        if self._settled is None:
+            self._settled = asyncio.get_running_loop().create_future()
+        self.wake()
+        return self._settled
 
     def decide(self, loads: Mapping[str, KeyLoad], others: Mapping[str, s.KeyShares]) -> Claims:
         """The claims this gateway should hold, from its loads and the
@@ -113,12 +145,14 @@ class KeyShares:
                     continue
                 used = {gw: sh.used.get(kind, 0) for gw, sh in theirs.items()}
                 used[self._me] = mine.used.get(kind, 0)
+                waiting = {gw: sh.waiting.get(kind, 0) for gw, sh in theirs.items()}
+                waiting[self._me] = mine.waiting.get(kind, 0)
                 # What another holds counts even past its claim: requests it
                 # admitted on a claim it has since lost with its lease.
                 room = limit - sum(max(sh.claims.get(kind, 0), sh.used.get(kind, 0))
                                    for sh in theirs.values())
                 claim = next_claim(current.get(kind, 0),
-                                   targets(limit, gateways, used, asked)[self._me],
+                                   targets(limit, gateways, used, asked, waiting)[self._me],
                                    used[self._me], room, kind in mine.refused,
                                    any(kind in sh.refused for sh in theirs.values()))
                 if claim > 0:
@@ -132,7 +166,8 @@ class KeyShares:
         for key_id in sorted(set(claims) | set(loads)):
             load = loads.get(key_id) or KeyLoad({})
             keys[key_id] = s.KeyShare(claims=claims.get(key_id, {}), used=dict(load.used),
-                                      asked=load.asked, refused=sorted(load.refused))
+                                      asked=load.asked, refused=sorted(load.refused),
+                                      waiting=dict(load.waiting))
         return s.KeyShares(gateway=self._me, keys=keys, updated=self._clock())
 
     def _due(self, record: s.KeyShares, lease: int) -> bool:
@@ -142,6 +177,13 @@ class KeyShares:
         if {k: (v.claims, v.refused) for k, v in record.keys.items()} != {
                 k: (v.claims, v.refused) for k, v in old.keys.items()}:
             return True  # the others move their claims on these: at once
+        if any(n > (old.keys[k].waiting.get(kind, 0) if k in old.keys else 0)
+               for k, v in record.keys.items() for kind, n in v.waiting.items()):
+            # More waiting than the others were told, whom they lower their
+            # claims for: at once. Fewer (admitted, or refused at their
+            # deadline) with the load: a key at its limit, asked for without
+            # pause, would otherwise write on every step.
+            return True
         return (record.keys != old.keys and record.updated - old.updated >= self._refresh)
 
     def _others(self) -> dict[str, s.KeyShares]:
@@ -169,21 +211,31 @@ class KeyShares:
             self._seen[gw] = (rec, None)
         return out
 
-    def _lapse(self) -> None:
-        """This gateway's lease is not proven: its record may be gone and its
-        part taken, so it claims nothing until it raises again."""
+    def _lapse(self, until: float) -> None:
+        """This gateway's lease is not proven (since `until`): its record may
+        be gone and its part taken, so it claims nothing until it raises
+        again, and its limiter admits its lapsed floor."""
         if self.claims or self.written is not None:
             logger.info("gateway %s cannot prove its lease: its claims on keys' limits "
                         "lapse", self._me)
         self.claims = {}
         self.written = None
-        self._limiter.set_claims({})
+        self._limiter.set_claims({}, until)
 
     async def step(self) -> bool:
-        """One pass; True when it wrote this gateway's record."""
+        """One pass; True when it wrote this gateway's record. Ends the
+        wait of the requests that asked to `settle` before it started."""
+        settled, self._settled = self._settled, None
+        try:
+            return await self._step()
+        finally:
+            if settled is not None and not settled.done():
+                settled.set_result(None)
+
+    async def _step(self) -> bool:
         until = self._until()
         if self._mono() >= until:
-            self._lapse()
+            self._lapse(until)
             return False  # nothing to claim on until the lease is proven again
         lease = self._lease()
         if lease == 0 or not self._mirror.ready:
@@ -234,6 +286,7 @@ class KeyShares:
     async def run(self, interval: float) -> None:
         self._wake = asyncio.Event()
         self._limiter.on_short = self.wake
+        self._limiter.settle = self.settle
         self._mirror.subscribe(self._on_change)
         self.start()
         while True:

@@ -28,6 +28,7 @@ from app.control.ops.agent_ops import AgentOps
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
+from app.gateway.key_shares import claim_floors
 from app.gateway.parts import Gateway
 from app.gateway.settings import Settings
 from app.gateway.worker_loads import WorkerLoads
@@ -92,6 +93,8 @@ def create_app(settings: Settings, campaign: bool = True,
         summed = WorkerMetrics(gw.metrics.requests, settings.data_dir, index, count)
         # The engine-load poll split among the workers, not repeated by each.
         gw.proxy.loads.share = WorkerLoads(settings.data_dir, index, count)
+        # No floor on a key's limits but the gateway's one: N counts gateways.
+        gw.proxy.limits.floor, gw.proxy.limits.lapsed_floor = claim_floors(index)
         gw.metrics.gateway_id = (settings.gateway_id.removesuffix(f"-w{index}")
                                  if index else settings.gateway_id)
 
@@ -204,7 +207,10 @@ def create_app(settings: Settings, campaign: bool = True,
     app.include_router(admin.routes(
         gw, CatalogOps(gw, settings.gateway_id), gw.table, gw.provider_keys,
         admin_token=admin_token, gateway_id=settings.gateway_id,
-        is_leader=lambda: gw.elector.is_leader, agent_window=gw.agent_window,
+        # /admin/leader answers for the gateway, as /metrics' llmgw_leader,
+        # whichever worker takes the connection (docs/architecture.md, "Workers").
+        gateway=gw.metrics.gateway_id or settings.gateway_id, is_leader=gw.metrics.leads,
+        agent_window=gw.agent_window,
         write_deadline=write_deadline, model_roots=settings.model_root_list,
         provider_key_dir=settings.provider_key_dir,
         idle_slack=settings.usage_refresh + settings.usage_interval,

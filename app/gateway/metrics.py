@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from app.control import fleet, gpuhealth
-from app.control.placement import NoFit, place
+from app.control.placement import NoFit, place_any, placer_of
 from app.control.scaling import wanted_now
 from app.control.state import LEADER, LeaderInfo, Replica, replica_phase
 from app.gateway.gc_keeper import GcKeeper
@@ -86,6 +86,11 @@ class GatewayMetrics:
         for collector in (self.requests, self.loop, self.gc, self._fleet):
             self.registry.register(collector)
 
+    def leads(self) -> bool:
+        """Whether the gateway leads (`llmgw_leader`; /admin/leader's
+        `is_leader`), whichever of its workers is asked."""
+        return self._fleet.leads()
+
     def render(self, requests: RequestMetrics | None = None) -> bytes:
         """The exposition; `requests`: request figures to show instead of
         this process's (under --workers, every worker's summed)."""
@@ -104,7 +109,7 @@ class _FleetCollector(Collector):
         self._gw = gw
         self._gateway_id = gateway_id
 
-    def _leads(self) -> bool:
+    def leads(self) -> bool:
         """This gateway holds the lead; under --workers, any of its workers
         (the first, which alone campaigns), whichever answers the scrape."""
         gw, of = self._gw, self._gateway_id()
@@ -124,7 +129,7 @@ class _FleetCollector(Collector):
             yield from (leader, ready)
             return
         mirror = gw.mirror
-        leader.add_metric([], 1 if self._leads() else 0)
+        leader.add_metric([], 1 if self.leads() else 0)
         ready.add_metric([], 1)
         revision = GaugeMetricFamily("llmgw_mirror_revision", "Store revision the mirror holds")
         revision.add_metric([], mirror.revision)
@@ -167,10 +172,9 @@ class _FleetCollector(Collector):
             wanted.add_metric([name], want)
             # As the admin API's health: placement is a pure function of the
             # mirrored state, asked only for a model short of all replicas.
-            stuck = not mine and want > 0 and spec.external is None and isinstance(
-                place(name, spec, nodes, replicas, nodeconfs=mirror.nodeconfs(),
-                      quotas=mirror.quotas(), models=models,
-                      agent_versions=gw.agent_window), NoFit)
+            # The leader's decision, over its inputs (any profile, in order).
+            stuck = not mine and want > 0 and bool(spec.profile_list) and isinstance(
+                place_any(placer_of(mirror, gw.agent_window), name, spec)[0], NoFit)
             unplaceable.add_metric([name], 1 if stuck else 0)
 
         gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs each live node reports, free or "

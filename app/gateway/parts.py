@@ -47,6 +47,7 @@ from app.gateway.router_usage import LastUse, RouterUsage
 from app.gateway.settings import Settings
 from app.gateway.stopping import ended
 from app.router.proxy import Proxy
+from app.router.responses import tag_keys
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 from app.store.base import Store, StoreUnavailable
@@ -123,7 +124,8 @@ class Gateway:
             observer=self.last_use,
             affinity=settings.router_affinity,
             count_concurrency=settings.prompt_count_concurrency,
-            count_timeout=settings.prompt_count_timeout, tracer=self.tracer)
+            count_timeout=settings.prompt_count_timeout, tracer=self.tracer,
+            response_keys=tag_keys(self.secrets.current, self.secrets.previous))
         self._store: Store | None = None
         self._mirror: Mirror | None = None
         self._elector: Elector | None = None

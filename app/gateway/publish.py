@@ -28,7 +28,7 @@ from app.control.agentversion import Window
 from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.placement import NoFit, Placer
+from app.control.placement import NoFit, Placer, place_any, placer_of
 from app.gateway.node_grace import NodeGrace
 from app.gateway.routed import Routed
 from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
@@ -38,13 +38,15 @@ logger = logging.getLogger(__name__)
 
 # Keys whose change can alter what the router serves.
 # The gateway count too: a limiter's equal shares before its claims loop runs.
-_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAPTERS)
+# Node confs and quotas: whether a model can be placed at all (`_unplaced`).
+_RELEVANT = (s.MODELS, s.REPLICAS, s.STATUS, s.KEYS, s.NODES, s.GATEWAYS, s.ADAPTERS,
+             s.NODECONF, s.QUOTAS)
 
 # The most of the event loop publishing takes while changes stream in.
 SHARE = 0.2
-# Keys an operator writes (the catalog, client keys): published
-# at once, never paced.
-_EDITS = (s.MODELS, s.KEYS)
+# Keys an operator writes (the catalog, client keys, cordons and pools,
+# quotas): published at once, never paced.
+_EDITS = (s.MODELS, s.KEYS, s.NODECONF, s.QUOTAS)
 
 
 class Publisher:
@@ -151,14 +153,19 @@ class Publisher:
                     counts[rid] = counts.get(rid, 0) + n
         self._table.set_peer_inflight(counts)
 
-    def _unplaced(self, name: str, spec: s.StoredModel, placer: Callable[[], Placer]) -> str:
-        """Why a model has no replica at all: placement is a pure function of
-        the mirrored state, so this gateway can say what the leader sees.
-        One `placer` per publish: the models waiting for room on a full
-        fleet share its scan of the nodes (each scanned them all)."""
-        fit = placer().place(name, spec)
-        return f"no replica is placed: {fit}" if isinstance(fit, NoFit) else (
-            "no replica is placed yet")
+    @staticmethod
+    def _unplaced(name: str, spec: s.StoredModel, placer: Callable[[], Placer]
+                  ) -> NoFit | None:
+        """Why no node can take a replica of a model that has none, or None
+        when one can: the leader's decision (`place_any`, over every input
+        its pass reads: `placer_of`), which placement being a pure function
+        of the mirrored state lets this gateway reach too. One `placer` per
+        publish: the models waiting for room on a full fleet share its scan
+        of the nodes (each scanned them all)."""
+        if not spec.profile_list:
+            return None  # external, or an adapter: never placed (they say why otherwise)
+        fit, _ = place_any(placer(), name, spec)
+        return fit if isinstance(fit, NoFit) else None
 
     def publish(self) -> bool:
         """Rebuilds the router's tables; False when nothing it serves changed."""
@@ -215,7 +222,9 @@ class Publisher:
                     continue
                 key = got.key
             endpoints[name] = [Endpoint(f"external:{name}", ext.url.rstrip("/"), key,
-                                        upstream_model=ext.model)]
+                                        upstream_model=ext.model,
+                                        spill_reserve=ext.spill_reserve_tokens or 0,
+                                        spill_unbudgeted=ext.spill_unbudgeted)]
         self._keys.retain(key_files)
         _adapter_endpoints(models, self._adapters, m.parsed(s.ADAPTERS, s.AdapterSet),
                            endpoints, why, coming)
@@ -223,21 +232,33 @@ class Publisher:
 
         def placer() -> Placer:
             if not placers:
-                placers.append(Placer(nodes, m.replicas(), agent_versions=self._agent_window))
+                placers.append(placer_of(m, self._agent_window))
             return placers[0]
 
-        unavailable = {
-            name: "; ".join(why.get(name) or [self._unplaced(name, models[name], placer)])
-            for name in models if name not in endpoints
-        }
+        # Why each model without endpoints has none: its replicas' states,
+        # else whether any node can take one (`nofit`, the decision as
+        # data: the text is only said to clients).
+        unavailable: dict[str, str] = {}
+        nofit: dict[str, NoFit] = {}
+        for name, spec in models.items():
+            if name in endpoints:
+                continue
+            if why.get(name):
+                unavailable[name] = "; ".join(why[name])
+            elif (refused := self._unplaced(name, spec, placer)) is not None:
+                nofit[name] = refused
+                unavailable[name] = f"no replica is placed: {refused}"
+            else:
+                unavailable[name] = "no replica is placed yet"
         # Scale from zero: requests are held for a model whose replica is
         # loading, or one stopped while idle that a request will start again
         # (its use reaches the leader in the next usage snapshot), unless no
-        # node could take it. A failed replica's model is not held for.
+        # node can take it: that one is answered at once, saying why. A
+        # failed replica's model is not held for.
         holdable = frozenset(
             name for name in unavailable
-            if name in coming or (name not in why and _starts_on_use(models[name])
-                                  and "no replica is placed:" not in unavailable[name]))
+            if name in coming or (name not in why and name not in nofit
+                                  and _starts_on_use(models[name])))
         # Live gateways (lease-bound keys): equal shares of each key's limits
         # until the claims loop runs (app/gateway/key_shares.py); this one counts
         # even before its own key is seen. Alone (1), a gateway admits a key's

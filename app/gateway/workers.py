@@ -6,7 +6,9 @@ connections over the workers' sockets, and starts each worker as
 `python -m app.cli serve --worker I --listen-fd FD` with that socket. Each
 worker is a whole gateway with an id of its own (the first keeps the
 gateway's, the others add `-wI`): its own mirror, lease, usage snapshot and
-key-share claims; only the first campaigns for the lead. The supervisor
+key-share claims, but no floor on client keys' limits (`claim_floors` in
+app/gateway/key_shares.py: L + N - 1 over N gateways, not over their
+workers); only the first campaigns for the lead. The supervisor
 restarts a worker that dies (with backoff), forwards SIGTERM and SIGINT to
 all, and ends once all have. docs/architecture.md, "Workers".
 """

@@ -1,10 +1,16 @@
 """A client key's external budget: tokens a day served by models' overflows
 (spill-over, docs/architecture.md, Catalog and Client keys).
 
-Counted as the key's tokens per minute are (limits.py): charged when an
-answer ends, a spill admitted while this gateway's day window is under its
-part of the limit, the parts moved between gateways by the claims loop
-(app/gateway/key_shares.py, kind `external_tokens_per_day`). The window slides over
+An answer's tokens are known only when it ends, so each spill *reserves*
+the most it can cost (`estimates.reservation`: its prompt's bound and its
+`max_tokens`, or its overflow's default) when admitted, and is *settled* to
+what its answer reported when it ends (nothing for one that failed). A spill
+is admitted while this gateway's day window and the reservations in flight
+are under its part of the limit, the parts moved between gateways by the
+claims loop (app/gateway/key_shares.py, kind `external_tokens_per_day`),
+which is told both as what this gateway holds. So however many spills
+arrive at once, a gateway spends at most its part plus one reservation
+(while each answer stays within its reservation). The window slides over
 a day in one-minute buckets, so a key costs at most 1,440 entries however
 many spills it makes.
 """
@@ -28,11 +34,12 @@ RETRY_AFTER = 5
 
 
 class _Day:
-    __slots__ = ("buckets", "refused", "total")
+    __slots__ = ("buckets", "refused", "reserved", "total")
 
     def __init__(self) -> None:
         self.buckets: deque[list[float]] = deque()  # [bucket start, tokens]
         self.total = 0
+        self.reserved = 0  # tokens reserved by this key's spills in flight here
         self.refused = float("-inf")  # when a spill was last refused on it
 
     def prune(self, now: float, window: float) -> None:
@@ -64,21 +71,29 @@ class ExternalBudget:
         day.prune(self._clock(), self._window)
         return day.total
 
-    def check(self, key_id: str, limit: int | None, gateways: int, model: str,
-              target: str) -> None:
-        """OverLimit (code `external_budget_exceeded`) if `key_id` may not
-        spill `model`'s request to `target` now."""
+    def reserved(self, key_id: str) -> int:
+        day = self._keys.get(key_id)
+        return day.reserved if day is not None else 0
+
+    def reserve(self, key_id: str, limit: int | None, gateways: int, model: str,
+                target: str, tokens: int) -> int:
+        """Reserves `tokens` of `key_id`'s budget for one spill of `model`'s
+        request to `target`: returns what was reserved, to `settle` when it
+        ends (0 for a key without the limit: nothing to bound); OverLimit
+        (code `external_budget_exceeded`) when this gateway's part is spent,
+        its window's tokens and the reservations in flight together."""
         if limit is None:
-            return
+            return 0
         claims = self._claims_of(key_id)
         part = (share(limit, gateways) if claims is None or gateways <= 1
                 else min(limit, share_of(claims.get(KIND))))
         assert part is not None
         now = self._clock()
         used = self.used(key_id)
-        if used < part:
-            return
         day = self._keys.setdefault(key_id, _Day())
+        if used + day.reserved < part:
+            day.reserved += tokens
+            return tokens
         day.refused = now
         of = "" if part >= limit else f", {part} held by this gateway now"
         short = part < limit
@@ -86,8 +101,19 @@ class ExternalBudget:
             wake()
         raise OverLimit("tokens", (
             f"'{model}' has no room in the fleet now and this key's budget for its overflow "
-            f"'{target}' is spent: external_tokens_per_day {limit}{of}, used {used} here. "
-            "Please try again later."), 1 if short else RETRY_AFTER, KIND, short, CODE)
+            f"'{target}' is spent: external_tokens_per_day {limit}{of}, used {used} and "
+            f"{day.reserved} reserved for answers in flight here. Please try again later."),
+            1 if short else RETRY_AFTER, KIND, short, CODE)
+
+    def settle(self, key_id: str, reserved: int, tokens: int) -> None:
+        """A spill has ended: its reservation given back, the `tokens` its
+        answer reported (or its estimate) charged."""
+        if reserved:
+            day = self._keys.get(key_id)
+            if day is not None:
+                day.reserved = max(0, day.reserved - reserved)
+        if tokens:
+            self.charge(key_id, tokens)
 
     def charge(self, key_id: str, tokens: int) -> None:
         now = self._clock()
@@ -102,15 +128,16 @@ class ExternalBudget:
 
     def loads(self) -> dict[str, KeyLoad]:
         """What this gateway holds of each key's budget (for the claims loop);
-        keys with nothing in their window are forgotten."""
+        keys with nothing in their window or in flight are forgotten."""
         now = self._clock()
         out: dict[str, KeyLoad] = {}
         for key_id, day in list(self._keys.items()):
             day.prune(now, self._window)
             recent = day.refused > now - DEMAND_WINDOW
-            if not day.buckets and not recent:
+            if not day.buckets and not day.reserved and not recent:
                 del self._keys[key_id]
                 continue
-            out[key_id] = KeyLoad({KIND: day.total}, 0,
+            # What it holds: spent in the window, and reserved by spills in flight.
+            out[key_id] = KeyLoad({KIND: day.total + day.reserved}, 0,
                                   frozenset({KIND}) if recent else frozenset())
         return out

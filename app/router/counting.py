@@ -17,6 +17,11 @@ served it, so the count is the engine's own:
   between, that costs the engine one prompt token and one generated token;
   when one did, a prefill of the whole prompt again.
 
+A client that asked for the stream's usage (`stream_options.include_usage`)
+gets it before `[DONE]`, as vLLM sends it: the relay asks `count()` as the
+engine's `[DONE]` arrives, and holds that back until the count is in (or
+estimated): the same one count, made sooner (relay.py).
+
 At most `concurrency` counts run at once per gateway (each waits for the
 engine's lock behind the requests it is serving, under `timeout`), at most
 `_MAX_WAITING` wait for their turn; a count that cannot be had (refused,
@@ -83,20 +88,28 @@ class PromptCounter:
             task.cancel()
         await asyncio.gather(*(t for t, _ in tasks), return_exceptions=True)
 
-    async def _count(self, ticket: Ticket) -> None:
+    async def count(self, ticket: Ticket, within: float) -> int | None:
+        """The engine's count of `ticket`'s prompt, within `within` seconds
+        (and this counter's timeout), a slot's wait included; None when it
+        cannot be had (the caller estimates it), said in the log. Also asked
+        before a stream's end reaches a client that asked for its usage
+        (relay.py): that is then the stream's one count."""
         try:
-            async with asyncio.timeout(self._timeout), self._slots:
-                tokens = await self._ask(ticket)
-        except asyncio.CancelledError:
-            self._estimate(ticket)
-            raise
+            async with asyncio.timeout(min(within, self._timeout)), self._slots:
+                return await self._ask(ticket)
         except (UpstreamError, TimeoutError) as exc:
             logger.warning("prompt count failed, estimated instead: %s",
                            exc or type(exc).__name__)
-            tokens = None
         except Exception:
             logger.exception("prompt count failed, estimated instead")
-            tokens = None
+        return None
+
+    async def _count(self, ticket: Ticket) -> None:
+        try:
+            tokens = await self.count(ticket, self._timeout)
+        except asyncio.CancelledError:
+            self._estimate(ticket)
+            raise
         if tokens is None:
             self._estimate(ticket)
         else:

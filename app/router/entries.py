@@ -43,6 +43,12 @@ class Endpoint:
     # replica (upstream_model is that name too): its requests in flight are
     # counted apart, what sizes its set of replicas.
     adapter: str = ""
+    # An external model's terms as another's overflow (its spec's
+    # `external`, app/router/spill.py): the completion tokens a spill naming
+    # no max_tokens reserves (0: estimates.DEFAULT_RESERVE), and whether keys
+    # without external_tokens_per_day may spill to it, unbounded.
+    spill_reserve: int = 0
+    spill_unbudgeted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,12 @@ background loop toward where the key's requests arrive (app/router/shares.py,
 app/gateway/key_shares.py; docs/architecture.md, "Client keys"): N gateways together
 admit at most `limit + N - 1` per window. The loop reads `key_loads()` and
 is woken (`on_short`) when a request is refused on a claim below the limit.
-Until the loop first sets claims (a Limiter alone, in tests), each gateway
-enforces an equal share, `ceil(limit / N)`.
+Such a request is not refused yet (`admit_or_wait`): it waits, up to
+`CLAIM_WAIT`, for the loop's next steps (one raise, a conditional write,
+shared by every request waiting then), checked again after each, and is
+refused only if still over this gateway's part at the deadline. An
+admitted request never waits. Until the loop first sets claims (a Limiter
+alone, in tests), each gateway enforces an equal share, `ceil(limit / N)`.
 
 * requests per minute: a sliding window of admission times (exact, no
   bucket rounding); a request counts when admitted, whatever its outcome.
@@ -31,33 +35,42 @@ by the engine afterwards (app/router/counting.py, `add_prompt`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from app.router.answer_usage import answer_usage
 from app.router.budget import ExternalBudget
 from app.router.entries import NO_LIMITS, Limits
 from app.router.estimates import ask_for_usage as ask_for_usage
+from app.router.estimates import counted_completion
 from app.router.estimates import estimate_usage as estimate_usage
 from app.router.overlimit import OverLimit as OverLimit
 from app.router.overlimit import share as share
 from app.router.renamed import renamed_answer, renamed_events
-from app.router.shares import DEMAND_WINDOW, KINDS, KeyLoad, share_of
+from app.router.shares import DEMAND_WINDOW, FLOOR, KINDS, KeyLoad, share_of
 
 WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
 # How long a client refused for concurrency is told to wait: no request's
 # end can be predicted, and one second is what a polite retry costs.
 _CONCURRENCY_RETRY = 1
+# Seconds a request refused on a claim below its key's limit waits for the
+# claims loop to raise that claim (docs/architecture.md, "Client keys"): a
+# raise is one transaction on the store, milliseconds, and the moves that
+# take an idle part from another gateway a few watch round trips. Longer:
+# a key really at its limit (as the records say) is refused that much later.
+CLAIM_WAIT = 0.75
 _EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
 
 
 class _KeyState:
-    __slots__ = ("asked", "inflight", "limited", "refused", "requests", "token_sum", "tokens")
+    __slots__ = ("asked", "inflight", "limited", "refused", "requests", "token_sum", "tokens",
+                 "waiting")
 
     def __init__(self) -> None:
         self.requests: deque[float] = deque()  # admission times in the window
@@ -70,6 +83,9 @@ class _KeyState:
         # and when each limit last refused one.
         self.asked: deque[float] = deque(maxlen=4096)
         self.refused: dict[str, float] = {}
+        # Requests waiting now for a claim to be raised, by the limit they
+        # wait on (`Limiter.admit_or_wait`); none at 0.
+        self.waiting: dict[str, int] = {}
 
     def prune(self, now: float, window: float) -> None:
         while self.requests and self.requests[0] <= now - window:
@@ -80,7 +96,16 @@ class _KeyState:
             self.asked.popleft()
 
     def idle(self) -> bool:
-        return not (self.requests or self.tokens or self.inflight or self.asked)
+        return not (self.requests or self.tokens or self.inflight or self.asked
+                    or self.waiting)
+
+    def wait_on(self, kinds: tuple[str, ...], n: int) -> None:
+        for kind in kinds:
+            left = self.waiting.get(kind, 0) + n
+            if left > 0:
+                self.waiting[kind] = left
+            else:
+                self.waiting.pop(kind, None)
 
 
 class Limiter:
@@ -104,6 +129,15 @@ class Limiter:
         # from a pause serves before its claims loop steps.
         self._claims_until = float("inf")
         self.on_short: Callable[[], None] | None = None
+        # The claims loop's next step, awaited by a request refused below its
+        # key's limit (set by the loop; None: nothing to wait for, refused).
+        self.settle: Callable[[], Awaitable[None]] | None = None
+        self.claim_wait = CLAIM_WAIT
+        # What this gateway admits of a key on no claim, while its claims
+        # stand and once they lapsed: FLOOR, unless it is a worker of a
+        # gateway of several (app/gateway/key_shares.py, `claim_floors`).
+        self.floor = FLOOR
+        self.lapsed_floor = FLOOR
         # Tokens served by overflow providers, per key over a day (budget.py).
         self.external = ExternalBudget(clock, self.claims_of, lambda: self.on_short)
 
@@ -121,18 +155,68 @@ class Limiter:
     def admit(self, key_id: str, model: str, limits: Limits, gateways: int = 1) -> Ticket:
         """A ticket for one request of `key_id`, or OverLimit. Release the
         ticket when the request ends, however it ends."""
+        return self._admit(key_id, model, limits, gateways, asked=True)
+
+    async def admit_or_wait(self, key_id: str, model: str, limits: Limits,
+                            gateways: int = 1) -> Ticket:
+        """`admit`, except that a request refused on this gateway's claim
+        below the key's limit (`OverLimit.short`) first waits for the claims
+        loop to raise it: up to `claim_wait` seconds, checked again after
+        each of the loop's steps; OverLimit if still refused then. Also
+        while the claims have lapsed: the lease may be proven by the next
+        step (a gateway just started has none yet)."""
+        try:
+            return self._admit(key_id, model, limits, gateways, asked=True)
+        except OverLimit as over:
+            if not over.short or self.settle is None or self._claims is None:
+                raise
+            first = over
+        return await self._wait(first, key_id, model, limits, gateways)
+
+    async def _wait(self, over: OverLimit, key_id: str, model: str, limits: Limits,
+                    gateways: int) -> Ticket:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.claim_wait
+        st = self._keys[key_id]  # kept while it has a request waiting (idle())
+        kinds = (over.limit, *over.also)
+        st.wait_on(kinds, 1)
+        try:
+            while (left := end - loop.time()) > 0 and (settle := self.settle) is not None:
+                try:
+                    # The step is shared: one waiter's deadline must not
+                    # cancel it. (asyncio.timeout, not wait_for, whose 3.11
+                    # drops a cancel that comes as the step ends.)
+                    async with asyncio.timeout(left):
+                        await asyncio.shield(settle())
+                except TimeoutError:
+                    break
+                try:
+                    return self._admit(key_id, model, limits, gateways, asked=False)
+                except OverLimit as again:
+                    if not again.short:
+                        raise
+                    st.wait_on(kinds, -1)
+                    kinds, over = (again.limit, *again.also), again
+                    st.wait_on(kinds, 1)
+            raise over
+        finally:
+            st.wait_on(kinds, -1)
+
+    def _admit(self, key_id: str, model: str, limits: Limits, gateways: int,
+               asked: bool) -> Ticket:
         now = self._clock()
         st = self._keys.get(key_id)
         if st is None:
             st = self._keys[key_id] = _KeyState()
         st.prune(now, self._window)
         st.limited = limits != NO_LIMITS
-        if st.limited:
+        if st.limited and asked:
             st.asked.append(now)
         try:
             rpm, tpm = self._check(key_id, st, limits, gateways, now)
         except OverLimit as over:
-            st.refused[over.limit] = now
+            for kind in (over.limit, *over.also):
+                st.refused[kind] = now
             if over.short and self.on_short is not None:
                 self.on_short()  # a claim below the limit: the loop may raise it now
             raise
@@ -150,39 +234,49 @@ class Limiter:
         else:
             of = "{} held by this gateway now"
         claims = self.claims_of(key_id, now) or {}
+        floor = self.floor if now < self._claims_until else self.lapsed_floor
 
         def part(kind: str, limit: int | None) -> int | None:
             # Alone, L + N - 1 is L: the whole limit, with no claim to wait for.
             if limit is None or self._claims is None or gateways <= 1:
                 return share(limit, gateways)
-            return min(limit, share_of(claims.get(kind)))
+            return min(limit, share_of(claims.get(kind), floor))
 
         def retry(limit: int | None, got: int, after: float) -> float:
             # Below the key's limit, a claim may be raised within a second.
             return _CONCURRENCY_RETRY if got < (limit or 0) else after
 
+        over: list[OverLimit] = []
         rpm = part(KINDS[0], limits.requests_per_minute)
         if rpm is not None and len(st.requests) >= rpm:
-            raise OverLimit("requests", (
+            over.append(OverLimit("requests", (
                 f"Rate limit reached for requests per minute (RPM) on this key: limit "
                 f"{limits.requests_per_minute}, {of.format(rpm)}. Please try again later."),
-                retry(limits.requests_per_minute, rpm, st.requests[0] + self._window - now),
-                KINDS[0], rpm < (limits.requests_per_minute or 0))
+                # An empty window refused: a worker's part of 0 (no floor).
+                retry(limits.requests_per_minute, rpm, st.requests[0] + self._window - now
+                      if st.requests else _CONCURRENCY_RETRY),
+                KINDS[0], rpm < (limits.requests_per_minute or 0)))
         tpm = part(KINDS[1], limits.tokens_per_minute)
         if tpm is not None and st.token_sum >= tpm:
-            raise OverLimit("tokens", (
+            over.append(OverLimit("tokens", (
                 f"Rate limit reached for tokens per minute (TPM) on this key: limit "
                 f"{limits.tokens_per_minute}, {of.format(tpm)}, used {st.token_sum} "
                 "here. Please try again later."),
                 retry(limits.tokens_per_minute, tpm, self._tokens_free_at(st, tpm) - now),
-                KINDS[1], tpm < (limits.tokens_per_minute or 0))
+                KINDS[1], tpm < (limits.tokens_per_minute or 0)))
         conc = part(KINDS[2], limits.concurrent_requests)
         if conc is not None and st.inflight >= conc:
-            raise OverLimit("requests", (
+            over.append(OverLimit("requests", (
                 f"Too many concurrent requests on this key: limit "
                 f"{limits.concurrent_requests}, {of.format(conc)}. Please try again "
                 "when one has finished."), _CONCURRENCY_RETRY, KINDS[2],
-                conc < (limits.concurrent_requests or 0))
+                conc < (limits.concurrent_requests or 0)))
+        if over:
+            # One at the key's limit here is the refusal (no raise helps);
+            # else every limit refused on below it is raised by one step.
+            first = next((o for o in over if not o.short), over[0])
+            first.also = tuple(o.limit for o in over if o.short and o is not first)
+            raise first
         return rpm, tpm
 
     def set_claims(self, claims: Mapping[str, Mapping[str, int]],
@@ -207,7 +301,8 @@ class Limiter:
                 out[key_id] = KeyLoad({**ext.used, **dict(zip(KINDS[:3], used, strict=True))},
                                       len(st.asked), ext.refused | frozenset(
                                           k for k, at in st.refused.items()
-                                          if at > now - DEMAND_WINDOW))
+                                          if at > now - DEMAND_WINDOW),
+                                      {**ext.waiting, **st.waiting})
         return out
 
     def _tokens_free_at(self, st: _KeyState, tpm: int) -> float:
@@ -230,7 +325,7 @@ class Limiter:
         ticket.prompt_later = (ticket.count_at is not None and ticket.ended
                                and not ticket.noted and ticket.body is not None)
         if ticket.prompt_later:
-            ticket.completion_tokens = max(0, ticket.events - (2 if ticket.chat else 1))
+            ticket.completion_tokens = counted_completion(ticket.events, ticket.chat)
         estimated = (ticket.events > 0 and not ticket.noted and ticket.body is not None
                      and not ticket.prompt_later)
         if estimated:
@@ -241,8 +336,8 @@ class Limiter:
         if ticket.charge_tokens and tokens:
             st.tokens.append((self._clock(), tokens))
             st.token_sum += tokens
-        if ticket.external and tokens:
-            self.external.charge(ticket.key_id, tokens)
+        if ticket.external:  # its reservation given back, its tokens charged (budget.py)
+            self.external.settle(ticket.key_id, ticket.reserved, tokens)
         if st.idle() and self._keys.get(ticket.key_id) is st:
             del self._keys[ticket.key_id]
         counts = self._usage.setdefault((ticket.key_id, ticket.model), [0, 0, 0, 0])
@@ -285,7 +380,8 @@ class Ticket:
 
     __slots__ = ("_done", "_limiter", "body", "charge_tokens", "chat", "completion_tokens",
                  "count_at", "ended", "events", "external", "key_id", "model", "noted",
-                 "prompt_later", "prompt_tokens", "rename", "state", "strip_usage")
+                 "prompt_later", "prompt_tokens", "rename", "reserved", "state",
+                 "strip_usage")
 
     def __init__(self, limiter: Limiter, key_id: str, model: str, state: _KeyState,
                  charge_tokens: bool) -> None:
@@ -315,6 +411,7 @@ class Ticket:
         # Served by an overflow provider: its tokens go to the key's external
         # budget too (`Limiter.external`).
         self.external = False
+        self.reserved = 0  # of the key's external budget, until settled on release
         self.rename: str | None = None  # spilled: the answer's model, ours (renamed.py)
         self._done = False
 

@@ -22,6 +22,9 @@ class OverLimit(Exception):
                  short: bool = False, code: str = "rate_limit_exceeded") -> None:
         super().__init__(message)
         self.short = short  # refused on a part below the key's limit
+        # The other limits this request was refused on below the key's
+        # limit: raised by the same step (app/router/limits.py).
+        self.also: tuple[str, ...] = ()
         self.kind = kind  # "requests" or "tokens", OpenAI's error type
         self.limit = limit  # the limit's name: requests_per_minute, ...
         self.code = code  # OpenAI's error code

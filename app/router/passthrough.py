@@ -27,7 +27,7 @@ from app.router.entries import Endpoint, KeyGrant
 from app.router.fields import checked_model
 from app.router.forms import form_fields
 from app.router.intake import parse_json
-from app.router.replies import error
+from app.router.replies import Send, error
 from app.router.table import RouteTable
 
 # Client path -> engine path, for JSON bodies POSTed with a `model`.
@@ -37,9 +37,11 @@ FORM_ROUTES = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 # The paths outside /v1 that the gateway's ASGI app hands to the router (main.py).
 ROOT_PATHS = frozenset(p for p in JSON_ROUTES if not p.startswith("/v1/"))
 _STORED = "/v1/responses/"
-# A form's parse is a few scans over its bytes (measured: 13 ms for 30 MiB,
-# 0.07 ms for 256 KiB, a loaded 2-core machine), its rewrite a copy (when
-# an alias is renamed): past this size, both run off the loop.
+# A form's parse is two scans over its bytes and python-multipart's work on
+# its headers, bounded (forms.py; measured: 18 ms for 30 MiB, 0.11 ms for
+# 256 KiB, at most 2.2 ms for the worst small form, a loaded 2-core
+# machine), its rewrite a copy (when an alias is renamed): past this size,
+# both run off the loop.
 _OFF_LOOP = 256 * 1024
 
 Encoder = Callable[[Endpoint], tuple[bytes, bytes, bytes]]
@@ -58,6 +60,15 @@ class Plan:
     # A stream's usage is estimated from this if it is cut before its usage
     # event (limits.py): the Responses API's input as chat messages or a prompt.
     estimate: dict[str, Any] | None = None
+    # False: a request with no tokens of its own (a stored response's GET or
+    # cancel, whose answer repeats the usage its create was charged).
+    metered: bool = True
+    # A create's answer on its way to the client, its provider's id wrapped.
+    wrapping: responses.Wrapping | None = None
+
+    def sender(self, send: Send) -> Send:
+        """What the relay sends the answer with."""
+        return send if self.wrapping is None else self.wrapping.send(send)
 
 
 def serves(path: str) -> bool:
@@ -80,8 +91,9 @@ def _stored_id(path: str) -> str | None:
 
 
 class Passthrough:
-    def __init__(self, table: RouteTable) -> None:
+    def __init__(self, table: RouteTable, ids: responses.ProviderIds) -> None:
         self._table = table
+        self._ids = ids
 
     async def prepare(self, grant: KeyGrant, path: str, query: str, raw: bytes,
                       content_type: str) -> Plan:
@@ -107,24 +119,35 @@ class Passthrough:
         return name
 
     def _create(self, grant: KeyGrant, model: str, body: dict[str, Any]) -> Plan:
-        """POST /v1/responses: a continuation goes where its previous response is."""
+        """POST /v1/responses: a continuation goes where its previous response
+        is; a provider's ids reach the client bound to its key (responses.py)."""
         prev = checked_previous(body)
         pin = responses.replica_of(prev, grant.id, "previous_response_id") if prev else None
         if prev and pin is not None and all(
                 ep.replica_id != pin for ep in self._table.endpoints(model)):
             self._elsewhere(grant, prev, pin)
+        theirs = None  # the provider's id of the previous response
+        if prev and pin is None:
+            theirs = self._ids.unwrap(prev, grant.id, "previous_response_id")
+            if theirs is None:
+                # Neither ours nor a provider's bound to this key: no replica
+                # made it, and a provider's raw id may be another key's.
+                raise responses.not_found(prev, "previous_response_id")
         body.pop("request_id", None)  # the gateway's to set (responses.py)
+        wrapping = self._ids.answer(grant.id, (theirs, prev) if theirs and prev else None)
 
         def encode(ep: Endpoint) -> tuple[bytes, bytes, bytes]:
+            wrapping.on = not ep.engine
             if not ep.engine:  # an external provider: its own ids, no vLLM extension
-                return _json(ep, body, b"")
+                return _json(ep, body if theirs is None else
+                             body | {"previous_response_id": theirs}, b"")
             sent = body | {"request_id": responses.new_id(ep.replica_id, grant.id)}
             return b"POST", json.dumps(sent).encode(), b"application/json"
 
         given = body.get("input")
         estimate = {"messages": given} if isinstance(given, list) else {"prompt": given}
         return Plan(model, "/v1/responses", encode, body.get("stream") is True, pin, body,
-                    estimate)
+                    estimate, wrapping=wrapping)
 
     def _elsewhere(self, grant: KeyGrant, prev: str, replica: str) -> None:
         """A continuation whose replica does not serve the body's model: gone,
@@ -151,7 +174,10 @@ class Passthrough:
         stream = (not path.endswith("/cancel")
                   and parse_qs(query).get("stream") == ["true"])
         method = b"POST" if path.endswith("/cancel") else b"GET"
-        return Plan(model, path, lambda ep: (method, b"", b"application/json"), stream, replica)
+        # Its answer (a stream's last event too) repeats the usage its create
+        # was charged: a request, with no tokens.
+        return Plan(model, path, lambda ep: (method, b"", b"application/json"), stream, replica,
+                    metered=False)
 
     async def _form(self, grant: KeyGrant, path: str, raw: bytes, content_type: str) -> Plan:
         if len(raw) > _OFF_LOOP:

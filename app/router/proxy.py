@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
 from app.router import passthrough
@@ -41,6 +42,7 @@ from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
 from app.router.relay import CLIENT_GONE, Upstreams
 from app.router.replies import Reply, error, send_whole
 from app.router.replies import openai_error_body as openai_error_body
+from app.router.responses import ProviderIds
 from app.router.spill import Spill
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch
@@ -115,7 +117,11 @@ class Proxy:
         count_concurrency: int = 2,
         count_timeout: float = 120.0,
         tracer: Tracer | None = None,
+        response_keys: Sequence[bytes] = (),
     ) -> None:
+        """`response_keys`: what provider response ids are bound to their
+        keys with (responses.tag_keys, from the shared secret, so alike on
+        every gateway); none: a key of this proxy's own."""
         self._affinity = affinity
         self._tracer = tracer  # None: no spans, and nothing of OpenTelemetry imported
         self._table = table
@@ -130,6 +136,7 @@ class Proxy:
         self._counts = PromptCounter(self._upstreams.client, self.limits,
                                      count_concurrency, count_timeout,
                                      observer.prompt_counted if observer else None)
+        self._upstreams.prompts = self._counts  # a stream's asked-for usage (relay.py)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._polls: UpstreamClient | None = None
         # Engines' own load, read off the request path with a client of its own.
@@ -137,7 +144,8 @@ class Proxy:
         self._polling: asyncio.Task[None] | None = None
         # The watches of requests being forwarded, for `cut_open()`.
         self._open: set[Watch] = set()
-        self._extra = passthrough.Passthrough(table)
+        self._extra = passthrough.Passthrough(table, ProviderIds(
+            response_keys or (secrets.token_bytes(32),)))
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -216,8 +224,11 @@ class Proxy:
             target = plan.target if plan else path
             url_tail = f"{target}?{query}" if query else target
             # Released below, however it ends.
-            ticket = self.limits.admit(grant.id, model, grant.limits, grant.gateways) \
-                if plan else self._admit(grant, model, path, body)
+            # A request refused below its key's limit first waits, bounded,
+            # for its claim to be raised (docs/architecture.md, "Client keys").
+            ticket = await self.limits.admit_or_wait(
+                grant.id, model, grant.limits, grant.gateways) \
+                if plan else await self._admit(grant, model, path, body)
             ex.ticket = ticket
             if plan and plan.stream:
                 ticket.body = plan.estimate  # estimated from, if cut short
@@ -234,12 +245,15 @@ class Proxy:
                 ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
                 ex.status = await self._upstreams.forward(
                     watch, model, url_tail, body,
-                    plan.stream if plan else body.get("stream") is True, send, affinity,
-                    meter=ticket, ex=ex, pin=plan.pin if plan else None,
+                    plan.stream if plan else body.get("stream") is True,
+                    plan.sender(send) if plan else send, affinity,
+                    meter=ticket if plan is None or plan.metered else None, ex=ex,
+                    pin=plan.pin if plan else None,
                     encode=plan.encode if plan else None, raw=untouched,
                     # A pinned or non-chat route never spills (spill.py).
                     spill=None if plan else Spill.of(self._table, self.limits,
-                                                     self._timeouts, grant, ex, model))
+                                                     self._timeouts, grant, ex, model, body,
+                                                     len(raw)))
             finally:
                 self._open.discard(watch)
                 watch.close()
@@ -300,11 +314,12 @@ class Proxy:
                         "invalid_api_key")
         return grant
 
-    def _admit(self, grant: KeyGrant, model: str, path: str, body: dict[str, Any]) -> Ticket:
+    async def _admit(self, grant: KeyGrant, model: str, path: str,
+                     body: dict[str, Any]) -> Ticket:
         """The key's ticket for this request (OverLimit if over a limit). A
         stream asks the engine for its usage, which the client may not have:
         usage is counted from it (app/router/limits.py)."""
-        ticket = self.limits.admit(grant.id, model, grant.limits, grant.gateways)
+        ticket = await self.limits.admit_or_wait(grant.id, model, grant.limits, grant.gateways)
         if body.get("stream") is True and path != "/v1/embeddings":
             ticket.strip_usage = ask_for_usage(body)
             ticket.body = body  # its usage is estimated from it if cut short

@@ -28,16 +28,19 @@ import json
 import logging
 import zlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from app.router import replies
+from app.router import replies, stream_usage
 from app.router.access import Exchange, Tracer
 from app.router.continuation import Resumed, Splice, resumable, resume
-from app.router.engine_errors import client_fault, read_capped
+from app.router.counting import PromptCounter
+from app.router.engine_errors import client_fault, not_served, read_capped
 from app.router.engine_headers import passed_on, route_headers
 from app.router.entries import Endpoint
 from app.router.hold import hold
 from app.router.limits import Ticket
+from app.router.renamed import answer_name
 from app.router.replies import Reply, Send, error, error_event, openai_error_body, send_whole
 from app.router.spill import Spill
 from app.router.table import RouteTable
@@ -76,6 +79,9 @@ class Upstreams:
         self._timeouts = timeouts
         self.client = client
         self._tracer = tracer
+        # Counts the prompt of a llama.cpp stream whose client asked for its
+        # usage, before its [DONE] (stream_usage.py); set by the proxy.
+        self.prompts: PromptCounter | None = None
 
     async def forward(self, watch: Watch, model: str, url_tail: str, body: dict[str, Any],
                       stream: bool, send: Send,
@@ -138,11 +144,14 @@ class Upstreams:
             json.dumps(body).encode() if encode is None else b"")
         tried: set[str] = set()
         last_error = ""
+        unserved: Reply | None = None  # a llama.cpp replica lacks the route
         for _ in range(_MAX_ATTEMPTS):
             ep = self._table.choose(model, tried, affinity, pin)
             if ep is None:
                 break
             tried.add(ep.replica_id)
+            if meter is not None and meter.rename is None:  # a spill's is set already
+                meter.rename = answer_name(ep, model)  # an external model's: ours (renamed.py)
             lease = self._table.acquire(ep)
             upstream: Response | None = None
             failed: str | None = None  # why this attempt failed, for its span
@@ -173,6 +182,12 @@ class Upstreams:
                     logger.error("replica %s refused the engine key", ep.replica_id)
                     raise error(502, f"replica {ep.replica_id} refused the gateway",
                                 "server_error", "upstream_auth")
+                if upstream.status == 404 and ep.engine == "llamacpp":
+                    # llama-cpp-python serves chat, completions and embeddings
+                    # only: another replica of the model (a vLLM one) may
+                    # serve the route; none is blamed (engine_errors.py).
+                    unserved, failed = not_served(url_tail, model), "route not served"
+                    continue
                 if upstream.status == 500 and ep.engine == "llamacpp":
                     # Its answer to the client's parameters, or a failure:
                     # engine_errors.py tells which. Neither is retried.
@@ -231,6 +246,8 @@ class Upstreams:
                 if ex.span is not None and self._tracer is not None:
                     self._tracer.attempt_end(ex, None if upstream is None else upstream.status,
                                              failed)
+        if unserved is not None and not last_error:
+            raise unserved
         if tried:
             message = f"No replica of '{model}' can take the request now: {last_error}."
         else:  # none routable: say why when the control plane told the table
@@ -253,6 +270,14 @@ class Upstreams:
             message = self._past_deadline()
         logger.warning("request to replica %s ended: %s", ep.replica_id, message)
         raise error(504, message, "server_error", "upstream_timeout")
+
+    async def _count(self, meter: Ticket, watch: Watch) -> int | None:
+        """The engine's count of a stream's prompt, while its client waits
+        for [DONE]: no longer than a silent engine is waited for (`idle`),
+        and ending a second before the request's deadline, which would cut
+        the stream with an error event instead."""
+        assert self.prompts is not None
+        return await self.prompts.count(meter, min(self._timeouts.idle, watch.left() - 1.0))
 
     def _past_deadline(self) -> str:
         """What a client whose request ran out of its whole deadline is told."""
@@ -291,6 +316,11 @@ class Upstreams:
         tail = b""  # the start of an event not yet whole (framed only)
         if not framed or decoder is not None:
             splice = None
+        # A usage event the client asked for and the engine never sends, put
+        # before [DONE] (stream_usage.py); `earlier`: the events sent so far.
+        owed = (framed and meter is not None and self.prompts is not None
+                and stream_usage.owed(meter, ep.engine))
+        earlier = b""
         resumed: Resumed | None = None
         try:
             if not started:
@@ -310,6 +340,12 @@ class Upstreams:
                             chunk = splice.pass_on(chunk)  # kept, or rewritten once resumed
                         if framed and meter is not None:
                             chunk = meter.read_events(chunk)  # usage noted, maybe cut
+                            if owed and meter.ended:
+                                owed = False
+                                chunk = await stream_usage.before_done(
+                                    chunk, earlier, meter, partial(self._count, meter, watch))
+                            elif owed and chunk:
+                                earlier = chunk
                         if chunk:
                             watch.send_since = loop.time()
                             await send({"type": "http.response.body", "body": chunk,

@@ -25,22 +25,37 @@ vLLM's own "not found" to a GET, a cancel or a continuation, and nothing
 reaches the replica (which would answer: vLLM stores a response under its
 id alone, and a changed id is another id). No secret is needed: a key can
 make a tag for itself, but only on an id the engine never stored.
+
+An external provider makes its own ids, and stores each conversation
+under it alone: any key holding one continues it there. So the client
+sees each provider id bound to its key, `<provider id>.ext_<tag>`, the tag
+32 hex digits of HMAC(key derived from the shared secret, key id NUL
+provider id): here a secret is needed, since the provider stores the id
+without the tag (`ProviderIds`). A continuation unwraps it, checked, for
+the provider; an id of another key, or one not wrapped (a provider's raw
+id), is "not found", and nothing reaches the provider.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
 import secrets
+from collections.abc import Sequence
 
-from app.router.replies import Reply, error
+from app.router.replies import Message, Reply, Send, error
 from app.router.table import RouteTable
 
 PREFIX = "resp_"
 # resp_<nonce>.<replica id>: replica ids are a slug of [a-z0-9-] and 8 hex
 # digits (app/control/plan.py), never a dot.
 _OURS = re.compile(r"resp_([0-9a-f]{32})\.([a-z0-9][a-z0-9-]{0,63})")
+# <provider id>.ext_<tag>: never one of ours (`_` is in no replica id).
+_WRAPPED = re.compile(r"(.{1,512})\.ext_([0-9a-f]{32})", re.DOTALL)
+_TAG_LABEL = b"llmgw response id\x00"
+_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
 
 
 def _tag(owner: str, nonce: str) -> str:
@@ -86,4 +101,142 @@ def model_of(table: RouteTable, replica: str) -> str | None:
     for entry in table.catalog():
         if any(ep.replica_id == replica for ep in table.endpoints(entry.name)):
             return entry.name
+    return None
+
+
+def tag_keys(current: str, previous: str | None = None) -> tuple[bytes, ...]:
+    """The keys provider ids are tagged with (the first) and checked against
+    (any), derived from the shared secret, so every gateway tags alike.
+    While a rotation keeps the previous secret (LLMGW_PREVIOUS_SECRET), that
+    one tags: every gateway of the rotation holds it, the ones not yet
+    restarted as their only secret (docs/architecture.md, Security)."""
+    return tuple(hmac.new(s.encode(), _TAG_LABEL, hashlib.sha256).digest()
+                 for s in ((previous, current) if previous else (current,)))
+
+
+class ProviderIds:
+    """Provider response ids bound to the client key that made them."""
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self._keys = tuple(keys)
+
+    def _tag(self, key: bytes, owner: str, provider_id: str) -> str:
+        msg = owner.encode() + b"\x00" + provider_id.encode()
+        return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+
+    def wrap(self, provider_id: str, owner: str) -> str:
+        """The id `owner`'s client is given for the provider's `provider_id`."""
+        return f"{provider_id}.ext_{self._tag(self._keys[0], owner, provider_id)}"
+
+    def unwrap(self, given: str, owner: str, param: str) -> str | None:
+        """The provider's id in `given`, an id `wrap` made for `owner`; None
+        when `given` is not of that form; "not found" (a Reply) when it was
+        made for another key, or tampered with."""
+        m = _WRAPPED.fullmatch(given)
+        if m is None:
+            return None
+        provider_id, tag = m.group(1), m.group(2)
+        if any(hmac.compare_digest(tag, self._tag(k, owner, provider_id)) for k in self._keys):
+            return provider_id
+        raise not_found(given, param)
+
+    def answer(self, owner: str, previous: tuple[str, str] | None) -> Wrapping:
+        """The rewrite of one create's answer for `owner`; `previous`: the
+        (provider id, wrapped id) of its previous_response_id, which the
+        provider's answer names unwrapped."""
+        return Wrapping(self, owner, previous)
+
+
+class Wrapping:
+    """One answer of a provider's Responses API on its way to the client:
+    its response's id wrapped (`ProviderIds`), in a whole answer or in each
+    stream event, by replacing the JSON string of the provider's id (a
+    string equal to the id, whatever field holds it; quotes within a text
+    are escaped, so never match). `on` while the request goes to a
+    provider (set per attempt). A body the provider compressed against our
+    `identity` passes as sent: its id unwrapped, which no continuation
+    takes (docs/architecture.md, "The Responses API")."""
+
+    __slots__ = ("_found", "_ids", "_owner", "_pairs", "_start", "on")
+
+    def __init__(self, ids: ProviderIds, owner: str, previous: tuple[str, str] | None) -> None:
+        self._ids = ids
+        self._owner = owner
+        # (the provider's id, ours) as JSON strings: the previous response's
+        # (which the answer echoes), then this one's once seen.
+        self._pairs = [] if previous is None else [_quoted(*previous)]
+        self._found = False
+        self._start: Message | None = None
+        self.on = False
+
+    def send(self, send: Send) -> Send:
+        """`send`, with each body rewritten while `on`."""
+        async def rewritten(message: Message) -> None:
+            if not self.on:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                self._start = message  # held for its body: a whole answer's length changes
+            elif message["type"] == "http.response.body":
+                start, self._start = self._start, None
+                more = bool(message.get("more_body", False))
+                body = self._rewritten(bytes(message.get("body", b"")),
+                                       whole=start is not None and not more)
+                if start is not None:
+                    if not more:
+                        start = {**start, "headers": [
+                            (k, str(len(body)).encode() if k == b"content-length" else v)
+                            for k, v in start["headers"]]}
+                    await send(start)
+                await send({**message, "body": body})
+            else:
+                await send(message)
+        return rewritten
+
+    def _rewritten(self, body: bytes, whole: bool) -> bytes:
+        if not self._found:
+            found = _answer_id(body) if whole else _stream_id(body)
+            if found is not None:
+                self._found = True
+                self._pairs.append(_quoted(found, self._ids.wrap(found, self._owner)))
+        for raw, wrapped in self._pairs:
+            body = body.replace(raw, wrapped)
+        return body
+
+
+def _quoted(provider_id: str, wrapped: str) -> tuple[bytes, bytes]:
+    return json.dumps(provider_id).encode(), json.dumps(wrapped).encode()
+
+
+def _response_id(obj: object) -> str | None:
+    """The id of a Responses API response object."""
+    if isinstance(obj, dict) and obj.get("object") == "response":
+        rid = obj.get("id")
+        return rid if isinstance(rid, str) and rid else None
+    return None
+
+
+def _answer_id(body: bytes) -> str | None:
+    try:
+        return _response_id(json.loads(body))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _stream_id(chunk: bytes) -> str | None:
+    """The response's id in the first of these whole events that holds it
+    (`response.created` does, the stream's first)."""
+    if b'"response"' not in chunk:
+        return None
+    for event in _EVENT_SPLIT.split(chunk)[0::2]:
+        data = b"".join(line[5:].lstrip() for line in event.splitlines()
+                        if line.startswith(b"data:"))
+        if b'"response"' not in data:
+            continue
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        found = _response_id(obj.get("response")) if isinstance(obj, dict) else None
+        if found is not None:
+            return found
     return None

@@ -14,15 +14,22 @@ limit, whatever the timing, because of how they move (app/gateway/key_shares.py)
 
 So for N gateways, the most admitted at once (concurrency) or within one
 window (requests per minute) is the limit plus one FLOOR for each gateway
-whose claim is 0: at most `L + N - 1`.
+whose claim is 0: at most `L + N - 1`. The workers of one gateway
+(`llmgw serve --workers`) each hold claims of their own but admit no floor
+(`share_of(claim, 0)`): they add nothing past their claims, so N counts
+gateways, not processes.
 
 Where the claims go is `targets()`: the same deterministic function of the
 published records on every gateway. Each gateway keeps what it holds; what
-is left of the limit is split in proportion to the requests each was asked
-for lately (`DEMAND_WINDOW`), evenly when none was. A client all on one
-gateway thus gets the whole limit there; one spread evenly gets even parts;
-one that moves takes the old gateway's part as that gateway's window drains
-(or its requests end) and its recent demand fades.
+is left of the limit goes first to the requests waiting for a raise now
+(`KeyLoad.waiting`: asked below the key's limit, refused by nothing but a
+claim), then in proportion to the requests each was asked for lately
+(`DEMAND_WINDOW`), evenly when none was. A client all on one gateway thus
+gets the whole limit there; one spread evenly gets even parts; one that
+moves takes the old gateway's part as that gateway's window drains (or its
+requests end). A part idle on one gateway while another has requests
+waiting goes to the waiting ones: refused only when the key, as the
+records say, is at its limit.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ class KeyLoad:
     used: Mapping[str, int]  # by limit name: requests / tokens in the window, in flight
     asked: int = 0  # requests asked for (admitted or refused) in DEMAND_WINDOW
     refused: frozenset[str] = field(default_factory=frozenset)  # limits refused on, lately
+    # Requests waiting now for this gateway's claim to be raised, by the
+    # limit they wait on (app/router/limits.py, `Limiter.admit_or_wait`).
+    waiting: Mapping[str, int] = field(default_factory=dict)
 
 
 def split(total: int, gateways: Sequence[str], weights: Mapping[str, int]) -> dict[str, int]:
@@ -73,11 +83,19 @@ def split(total: int, gateways: Sequence[str], weights: Mapping[str, int]) -> di
 
 
 def targets(limit: int, gateways: Sequence[str], used: Mapping[str, int],
-            asked: Mapping[str, int]) -> dict[str, int]:
+            asked: Mapping[str, int],
+            waiting: Mapping[str, int] | None = None) -> dict[str, int]:
     """Where the claims on `limit` should be: each gateway keeps what it
-    holds (`used`), and the rest is split by recent demand (`asked`)."""
+    holds (`used`); the rest goes first to the requests waiting for a raise
+    (`waiting`, split in proportion to them when they want more than is
+    left), and what remains by recent demand (`asked`)."""
     free = max(0, limit - sum(max(0, used.get(g, 0)) for g in gateways))
-    parts = split(free, gateways, asked)
+    need = {g: max(0, (waiting or {}).get(g, 0)) for g in gateways}
+    if sum(need.values()) >= free:
+        parts = split(free, gateways, need)
+    else:
+        rest = split(free - sum(need.values()), gateways, asked)
+        parts = {g: need[g] + rest[g] for g in gateways}
     return {g: max(0, used.get(g, 0)) + parts[g] for g in gateways}
 
 
@@ -97,6 +115,8 @@ def next_claim(current: int, target: int, used: int, room: int, refused_here: bo
     return current
 
 
-def share_of(claim: int | None) -> int:
-    """What a gateway admits up to with this claim (None: no claim)."""
-    return max(FLOOR, claim or 0)
+def share_of(claim: int | None, floor: int = FLOOR) -> int:
+    """What a gateway admits up to with this claim (None: no claim); `floor`,
+    what it admits on none: FLOOR, or 0 for a worker of a gateway of several
+    (app/gateway/key_shares.py, `claim_floors`)."""
+    return max(floor, claim or 0)

@@ -14,16 +14,24 @@ short hold for a replica on its way:
 * `no_replica`: no replica routable and none on its way (where without an
   overflow the client gets the 503).
 
-A spill is charged to the key's external budget (`external_tokens_per_day`,
-budget.py): refused with a 429 `external_budget_exceeded` when spent. An
-overflow that is itself withheld (its key file unreadable) takes nothing:
-the request goes on as if the model had none.
+A spill reserves the most it can cost from the key's external budget
+(`external_tokens_per_day`, budget.py; `estimates.reservation`) and is
+settled to its answer's usage when it ends: refused with a 429
+`external_budget_exceeded` when the budget is spent or reserved. A key
+without that limit does not spill (its request goes on as if the model had
+no overflow) unless the overflow says `spill_unbudgeted`: adding an overflow
+to a model must not open the provider's bill to every key allowed that
+model. An overflow that is itself withheld (its key file unreadable) takes
+nothing either.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from app.router.access import Exchange
 from app.router.entries import KeyGrant
+from app.router.estimates import DEFAULT_RESERVE, reservation
 from app.router.limits import Limiter
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
@@ -41,23 +49,25 @@ def served_by(ex: Exchange) -> list[tuple[bytes, bytes]]:
 class Spill:
     """One request's way to its model's overflow, for `relay.forward`."""
 
-    __slots__ = ("_ex", "_grant", "_limiter", "_table", "_timeouts")
+    __slots__ = ("_body", "_ex", "_grant", "_limiter", "_size", "_table", "_timeouts")
 
     def __init__(self, table: RouteTable, limiter: Limiter, timeouts: Timeouts,
-                 grant: KeyGrant, ex: Exchange) -> None:
+                 grant: KeyGrant, ex: Exchange, body: dict[str, Any], size: int) -> None:
         self._table = table
         self._limiter = limiter
         self._timeouts = timeouts
         self._grant = grant
         self._ex = ex
+        self._body = body
+        self._size = size  # the body's bytes as sent: its prompt's bound (estimates.py)
 
     @staticmethod
     def of(table: RouteTable, limiter: Limiter, timeouts: Timeouts, grant: KeyGrant,
-           ex: Exchange, model: str) -> Spill | None:
+           ex: Exchange, model: str, body: dict[str, Any], size: int) -> Spill | None:
         """The request's way to `model`'s overflow; None: it has none."""
         if table.overflow(model) is None:
             return None
-        return Spill(table, limiter, timeouts, grant, ex)
+        return Spill(table, limiter, timeouts, grant, ex, body, size)
 
     async def route(self, model: str) -> str:
         """The model to send the request to: `model`, or its overflow (OverLimit
@@ -66,8 +76,11 @@ class Spill:
         propagates."""
         table = self._table
         target = table.overflow(model)
-        if target is None or not table.endpoints(target):
+        eps = table.endpoints(target) if target is not None else ()
+        if not eps:
             return model  # an overflow withheld (its key file unreadable) takes nothing
+        if self._grant.limits.external_tokens_per_day is None and not eps[0].spill_unbudgeted:
+            return model  # a key without a budget stays on the fleet (Catalog, Spill-over)
         if table.endpoints(model):
             return self._to_overflow(model, "saturated") if table.saturated(model) else model
         if not table.holdable(model):
@@ -84,12 +97,18 @@ class Spill:
     def _to_overflow(self, model: str, reason: str) -> str:
         target = self._table.overflow(model)
         assert target is not None
+        eps = self._table.endpoints(target)
+        if not eps:  # withheld while this request was held: as without an overflow
+            return model
         ticket = self._ex.ticket
         assert ticket is not None
         grant = self._grant
-        self._limiter.external.check(grant.id, grant.limits.external_tokens_per_day,
-                                     grant.gateways, model, target)
-        ticket.external = True
+        tokens = reservation(self._body, self._size, eps[0].spill_reserve or DEFAULT_RESERVE,
+                             completes=self._ex.path != "/v1/embeddings")
+        ticket.reserved = self._limiter.external.reserve(
+            grant.id, grant.limits.external_tokens_per_day, grant.gateways, model, target,
+            tokens)
+        ticket.external = True  # settled when released (Limiter._finish)
         ticket.model = target  # its usage is the overflow's (GET /admin/keys/{id}/usage)
         ticket.rename = model  # the answer names the model as our engines do
         self._table.spilled(model, reason)

@@ -163,6 +163,18 @@ class External(BaseModel):
                     "of a regular file holding the provider's key (one line, at most 4 KiB); "
                     "reread every LLMGW_PUBLISH_INTERVAL, so a rotated key is used without a "
                     "restart")
+    # As another model's overflow (docs/architecture.md, Catalog, *Spill-over*).
+    spill_reserve_tokens: int | None = Field(
+        default=None, ge=1, le=10_000_000,
+        description="as an overflow: the completion tokens a spilled request that names no "
+                    "max_tokens (nor max_completion_tokens) reserves from its key's "
+                    "external_tokens_per_day until its answer ends; default 4096. This "
+                    "model's longest answer makes the budget a hard bound")
+    spill_unbudgeted: bool = Field(
+        default=False,
+        description="as an overflow: keys without external_tokens_per_day spill to it too, "
+                    "with no bound on what they spend; default false, such keys' requests "
+                    "stay on the fleet")
 
     @field_validator("api_key_file")
     @classmethod
@@ -265,7 +277,8 @@ class ModelSpec(BaseModel):
         default=None, max_length=128,
         description="an external model of the catalog that takes this model's requests when "
                     "every replica is saturated or none is ready within the hold "
-                    "(LLMGW_SPILL_HOLD), charged to the key's external_tokens_per_day")
+                    "(LLMGW_SPILL_HOLD), charged to the key's external_tokens_per_day; a key "
+                    "without one does not spill unless the overflow says spill_unbudgeted")
 
     @field_validator("model")
     @classmethod

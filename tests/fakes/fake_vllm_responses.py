@@ -5,8 +5,11 @@ What was checked against vLLM's source (search tool, vllm-project/vllm,
 vllm/entrypoints/openai/responses/{api_router,serving,protocol}.py,
 pooling/score/protocol.py, speech_to_text protocol):
 
-* Responses: ``POST /v1/responses``, ``GET /v1/responses/{response_id}``,
-  ``POST /v1/responses/{response_id}/cancel`` (no DELETE). The response's
+* Responses: ``POST /v1/responses``, ``GET /v1/responses/{response_id}``
+  (``?stream=true``: its events again, the last, ``response.completed``,
+  with the whole response and its usage; vLLM replays a background
+  response's events so), ``POST /v1/responses/{response_id}/cancel`` (no
+  DELETE). The response's
   id is the request's ``request_id`` field (vLLM's extension, default
   ``resp_<uuid hex>``). Responses are kept in the process's memory, and only
   when the server runs with ``VLLM_ENABLE_RESPONSES_API_STORE=1``: else
@@ -219,11 +222,25 @@ class Responses:
         await resp.write_eof()
         return resp
 
-    async def retrieve(self, request: web.Request) -> web.Response:
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
         rid = request.match_info["response_id"]
         if rid not in self.store:
             return _err(404, f"Response with id '{rid}' not found.", "response_id")
-        return web.json_response(self.store[rid])
+        if request.query.get("stream") != "true":
+            return web.json_response(self.store[rid])
+        # Its events again, from the first: the last one carries the whole
+        # response, its usage included.
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        stored = self.store[rid]
+        opening = stored | {"status": "in_progress", "output": [], "usage": None}
+        for seq, (kind, response) in enumerate((("response.created", opening),
+                                                 ("response.completed", stored))):
+            data = json.dumps({"type": kind, "sequence_number": seq, "response": response},
+                              separators=(",", ":"))
+            await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+        await resp.write_eof()
+        return resp
 
     async def cancel(self, request: web.Request) -> web.Response:
         rid = request.match_info["response_id"]
