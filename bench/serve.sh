@@ -7,24 +7,40 @@
 #   bench/serve.sh --concurrency 32 --seconds 60 --pairs 2 --tools guidellm
 #
 # Each tool lives in a venv of its own under $LLMGW_BENCH_CACHE
-# (~/.cache/llmgw/bench-serve), never the project's. Last line:
+# (~/.cache/llmgw/bench-serve), never the project's. Its results go to
+# $CACHE/RESULTS.md (LLMGW_BENCH_RESULTS; `--results bench/RESULTS.md` to
+# update the repository's record on purpose). Last line:
 # serve: ttft_added_p50_ms= itl_added_p50_ms= throughput_ratio= tools=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${LLMGW_BENCH_CACHE:-$HOME/.cache/llmgw/bench-serve}"
-# inference-perf 0.7 needs Python >= 3.12.
-PY312="${LLMGW_BENCH_PY312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3.12)}"
-PY="${LLMGW_BENCH_PY:-.venv/bin/python}"
-[ -x "$PY" ] || PY=/work/main/.venv/bin/python
+RESULTS="${LLMGW_BENCH_RESULTS:-$CACHE/RESULTS.md}"
 mkdir -p "$CACHE"
 
 say() { echo "serve.sh: $*" >&2; }
+
+# The first Python >= 3.12 that runs (inference-perf 0.7 needs it): a name
+# on PATH may be a version manager's shim for a version not selected here,
+# which exits 127 (pyenv's "python3.12: command not found").
+python312() {
+  local c
+  for c in python3.12 python3.13 python3.14 python3; do
+    c=$(command -v "$c") || continue
+    "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 \
+      && { echo "$c"; return 0; }
+  done
+  return 1
+}
+PY312="${LLMGW_BENCH_PY312:-$(python312 || true)}"
+PY="${LLMGW_BENCH_PY:-.venv/bin/python}"
+[ -x "$PY" ] || { say "$PY not found: run scripts/install.sh first (or set LLMGW_BENCH_PY)"; exit 1; }
 
 # install VENV PACKAGE...: a venv of its own, once (a marker says it finished).
 install() {
   local venv="$CACHE/$1"; shift
   [ -f "$venv/.installed" ] && return 0
-  [ -x "$PY312" ] || { say "Python 3.12 not found (set LLMGW_BENCH_PY312)"; exit 1; }
+  [ -n "$PY312" ] && [ -x "$PY312" ] \
+    || { say "no Python 3.12 or later that runs found on PATH (set LLMGW_BENCH_PY312)"; exit 1; }
   say "installing $* into $venv (once)"
   rm -rf "$venv"
   "$PY312" -m venv "$venv"
@@ -44,4 +60,5 @@ install guidellm "${LLMGW_BENCH_TORCH:-torch}" 'guidellm==0.8.1'
 touch "$CACHE/guidellm/.installed"
 PY312="$PY312_SAVED"
 
-exec "$PY" bench/serve.py --cache "$CACHE" "$@"
+# A --results among the arguments comes later, so it wins.
+exec "$PY" bench/serve.py --cache "$CACHE" --results "$RESULTS" "$@"

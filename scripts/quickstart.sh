@@ -37,14 +37,22 @@ curl -sf "$URL/readyz" >/dev/null \
   || fail "the gateway is not ready; last lines of its log:
 $(tail -n 20 "$LLMGW_DATA_DIR/serve.log")"
 ADMIN="Authorization: Bearer $(cat "$LLMGW_DATA_DIR/admin-token")"
+# Where `llmgw ctl` looks for this gateway when run with this data directory
+# (app/ctl/common.py): it may not be on the default port.
+echo "$URL" >"$LLMGW_DATA_DIR/gateway-url"
 
 answer=$(curl -sS -X PUT "$URL/admin/models/smollm2" -H "$ADMIN" \
   -H 'Content-Type: application/json' -w '\n%{http_code}' \
   -d "{\"model\": \"$WEIGHTS\", \"aliases\": [\"small\"], \"engine\": \"llamacpp\"}")
 case "${answer##*$'\n'}" in 200|201) ;; *) fail "the catalog refused the model: ${answer%$'\n'*}";; esac
-KEY=$(curl -sf -X POST "$URL/admin/keys" -H "$ADMIN" -H 'Content-Type: application/json' \
-  -d '{"name": "quickstart"}' | $PY -c 'import json, sys; print(json.load(sys.stdin)["key"])')
-(umask 077; echo "$KEY" >"$LLMGW_DATA_DIR/quickstart-key")
+# The key of an earlier run, while this gateway still takes it; else a new one.
+KEY=$(cat "$LLMGW_DATA_DIR/quickstart-key" 2>/dev/null || true)
+if [ -z "$KEY" ] || [ "$(curl -s -o /dev/null -w '%{http_code}' "$URL/v1/models" \
+    -H "Authorization: Bearer $KEY")" != 200 ]; then
+  KEY=$(curl -sf -X POST "$URL/admin/keys" -H "$ADMIN" -H 'Content-Type: application/json' \
+    -d '{"name": "quickstart"}' | $PY -c 'import json, sys; print(json.load(sys.stdin)["key"])')
+  (umask 077; echo "$KEY" >"$LLMGW_DATA_DIR/quickstart-key")
+fi
 
 echo "waiting for the llama.cpp replica..."
 phase=""
@@ -82,4 +90,5 @@ print(choice["message"]["content"].strip())' 2>/dev/null); then
 fi
 echo "answer: $text"
 echo "Client key for this gateway: saved in $LLMGW_DATA_DIR/quickstart-key"
+echo "Operate it with: LLMGW_DATA_DIR=$LLMGW_DATA_DIR .venv/bin/llmgw ctl nodes"
 echo "Stop it with: .venv/bin/llmgw stop --data-dir $LLMGW_DATA_DIR"

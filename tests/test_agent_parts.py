@@ -76,7 +76,7 @@ def test_llamacpp_gets_its_key_from_the_environment_and_no_interrupts(
     assert "PORT" not in env
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["API_KEY"] == spec.key
     cmd = command(spec, "127.0.0.1", 9, "unused")
-    assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    assert cmd[:3] == [sys.executable, "-m", "app.agent.llamacpp_server"]  # llama_cpp.server
     assert cmd[cmd.index("--model_alias") + 1] == "m"
     assert cmd[cmd.index("--interrupt_requests") + 1] == "False"
     assert not any(spec.key in arg for arg in cmd)

@@ -125,7 +125,7 @@ def test_ctl_against_a_real_gateway(cluster: Cluster, tmp_path: Path) -> None:
     chosen = ctl("engine-build", "node-1", "none", "--vllm-version", "0.30.1", gateway=gw.url)
     assert chosen.stdout == "node-1: engine build none, vLLM 0.30.1\n", chosen.stderr
     bad = ctl("engine-build", "node-1", "cu12", gateway=gw.url)
-    assert bad.returncode == 2 and "auto, cu13, cu129, none" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "auto, cu13, cu129, cpu, none" in bad.stderr, bad.stderr
 
     said = one_line_error(ctl("logs", "node-9", gateway=gw.url))
     assert "404" in said and "node-9" in said

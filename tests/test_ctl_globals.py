@@ -5,6 +5,7 @@ CLI against a real gateway."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
@@ -67,3 +68,20 @@ def test_shown_hides_every_part_of_a_credential() -> None:
     assert shown("https://u:p@ss@gw:8080") == "https://***@gw:8080"
     assert shown("http://gw:8080") == "http://gw:8080"
     assert shown("u:p@gw") == "***@gw"
+
+
+def test_without_gateway_given_ctl_goes_where_the_data_directory_says(
+    solo: Cluster, tmp_path: Path,
+) -> None:
+    """scripts/quickstart.sh leaves its gateway's URL in the data directory
+    (it may serve on another port, LLMGW_PORT): ctl finds it there; an
+    explicit LLMGW_GATEWAY or --gateway still wins."""
+    gw = solo.gateway("gw", local_agent="false")
+    data = tmp_path / "llmgw-data"
+    data.mkdir()
+    (data / "gateway-url").write_text(gw.url + "\n")
+    done = ctl("nodes", LLMGW_DATA_DIR=str(data))
+    assert done.returncode == 0 and "NODE" in done.stdout, done.stderr
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert dead in one_line_error(ctl("nodes", gateway=dead, LLMGW_DATA_DIR=str(data)))
+    assert dead in one_line_error(ctl("nodes", "--gateway", dead, LLMGW_DATA_DIR=str(data)))

@@ -1,12 +1,15 @@
 """An engine's 500 caused by the client's parameters (app/router/engine_errors.py):
 a 400 without the engine's internals, neither retried nor counted a server
-error. The real llama.cpp engine: tests/test_llamacpp.py."""
+error; its bare 404 for a route it does not serve (the Responses API), an
+OpenAI error that says so. The real llama.cpp engine: tests/test_llamacpp.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from app.router.entries import Endpoint
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig
@@ -61,3 +64,56 @@ async def test_any_other_500_is_the_engines_failure_as_it_said(rig: Rig) -> None
     assert json.loads(r.text)["error"]["message"] == "llama_decode returned -3"
     assert r.headers["x-llmgw-replica"] == "a" and len(rig.attempts) == 1
     assert rig.observed.seen == [("small", 500)]
+
+
+async def _not_found_engine() -> TestServer:
+    """llama-cpp-python's server on a path it has no route for: FastAPI's bare 404."""
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_route_llamacpp_does_not_serve_is_a_404_that_says_so(
+        rig: Rig, stream: bool) -> None:
+    """The Responses API on a model served by llama.cpp: OpenAI's shape, the
+    engine and the API named, not `{"detail": "Not Found"}`."""
+    server = await _not_found_engine()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        rig.table.set_endpoints({"small": [Endpoint("a", url, "k-a", engine="llamacpp")]})
+        r = await rig.http.post("/v1/responses", headers={
+            "Authorization": f"Bearer {CLIENT_KEY}"}, json={
+            "model": "tiny", "input": "hi", "stream": stream})
+    finally:
+        await server.close()
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "model"
+    assert err["code"] == "unsupported_endpoint", err
+    assert "Responses API" in err["message"] and "llama.cpp" in err["message"], err
+    assert "'small'" in err["message"], err  # the catalog's name of the alias asked
+    assert "detail" not in r.text and r.headers["x-request-id"]
+    assert rig.observed.seen == [("small", 404)]
+    assert rig.table.cooldowns() == {}  # the replica is fine: the route is not there
+
+
+async def test_a_route_llamacpp_does_not_serve_goes_to_a_replica_that_does(rig: Rig) -> None:
+    """A model with llama.cpp and vLLM replicas: the request is the vLLM one's."""
+    server = await _not_found_engine()
+    vllm = await rig.upstream("b")
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        rig.table.set_endpoints({"small": [Endpoint("a", url, "k-a", engine="llamacpp"),
+                                           Endpoint("b", vllm.url, "k-b", engine="vllm")]})
+        r = await rig.http.post("/v1/responses", headers={
+            "Authorization": f"Bearer {CLIENT_KEY}"}, json={"model": "small", "input": "hi"})
+    finally:
+        await server.close()
+    assert r.status_code == 200 and r.json()["served_by"] == "b", r.text
+    assert len(rig.attempts) == 2 and rig.table.cooldowns() == {}

@@ -248,3 +248,27 @@ async def test_the_agent_discovers_again_now_and_then_off_the_event_loop(
     assert sent == [[8769] * 4 + [81007] * 4] * 2 + [[1024] * 8]
     assert beats.inventories[-1]["driver_version"] == "550.90.07"
     assert beats.inventories[-1]["gpu_discovery"] == "nvml"
+
+
+def test_a_cpu_node_says_it_found_no_gpu_once_not_at_every_rediscovery(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The agent discovers again every minute (nodeops.py): a CPU node's
+    unchanged answer is logged once, a changed one again."""
+    reason = [f"nvidia-smi not found ({id(caplog)})"]  # this test's own reason
+
+    def smi() -> tuple[str, str]:
+        raise SmiFailed(reason[0])
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "app.agent.gpus" and r.levelno >= 20 and "no GPU" in r.getMessage()]
+
+    caplog.set_level("DEBUG", logger="app.agent.gpus")
+    nvml = RecordedNvml("nvml-no-driver.json")
+    for _ in range(3):
+        assert probe(nvml=lambda: nvml, smi=smi, host=lambda: HOST).gpus == []
+    assert len(told()) == 1 and reason[0] in told()[0], told()
+    reason[0] += ", then another"
+    probe(nvml=lambda: nvml, smi=smi, host=lambda: HOST)
+    assert len(told()) == 2 and told()[1].endswith(f"{reason[0]})"), told()

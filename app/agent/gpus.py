@@ -233,8 +233,20 @@ def probe(
     except SmiFailed as exc:
         reasons.append(f"nvidia-smi: {exc}")
     source = f"none ({'; '.join(reasons)})"
-    logger.info("no GPU found, a CPU node: %s", source)
+    if source != _told.source:  # not again at each rediscovery (nodeops.py, every minute)
+        logger.info("no GPU found, a CPU node: %s", source)
+        _told.source = source
     return _with_host(Hardware(source=source), host())
+
+
+class _Told:
+    """The last reason logged for finding no GPU: a CPU node is told so
+    when it starts and when the reason changes, not every minute."""
+
+    source = ""
+
+
+_told = _Told()
 
 
 def discover() -> list[GpuInfo]:

@@ -34,7 +34,8 @@ LIVENESS_FAILURES = 3
 # Paths that answer without touching the model. vLLM's /health checks its
 # engine core without queueing; llama-cpp-python has no health route, and
 # FastAPI's /docs is served by the event loop without the model lock
-# (measured: 20-40 ms while a generation runs).
+# (measured: 20-40 ms while a generation runs). Asked every second, so its
+# server is started without an access-log line for it (llamacpp_server.py).
 LIVENESS_PATHS: dict[Engine, str] = {"vllm": "/health", "llamacpp": "/docs"}
 
 # An engine that dies this many times within this window is left failed

@@ -1,8 +1,9 @@
 """`llmgw ctl`: the operator's commands, over a gateway's /admin API.
 
-The gateway comes from `--gateway` or LLMGW_GATEWAY (default
-http://127.0.0.1:8080), the admin token from LLMGW_ADMIN_TOKEN (else the
-all-in-one data directory's `admin-token` file). Tables for people;
+The gateway comes from `--gateway` or LLMGW_GATEWAY, else the URL
+scripts/quickstart.sh left in the all-in-one data directory (LLMGW_DATA_DIR)
+as `gateway-url`, else http://127.0.0.1:8080; the admin token from
+LLMGW_ADMIN_TOKEN (else that directory's `admin-token` file). Tables for people;
 `--json` prints the gateway's answer as it is, for scripts. Both are
 global options, as with kubectl and gh: before the command
 (`llmgw ctl --gateway URL nodes`) or after it; one after it wins. A failure

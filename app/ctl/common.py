@@ -23,10 +23,17 @@ from app.tls import client_context, verify_message
 DEADLINE_HEADER = "X-Request-Deadline"  # app/api/writes.py
 TIMEOUT = 60.0  # the gateway waits up to LLMGW_NODE_API_TIMEOUT (30 s) on an agent
 
+# Where the gateway is when neither --gateway nor LLMGW_GATEWAY says: the URL
+# scripts/quickstart.sh leaves in the all-in-one's data directory (it may
+# serve on another port, LLMGW_PORT), else the all-in-one's default port.
+GATEWAY_FILE = "gateway-url"
+LOCAL_GATEWAY = "http://127.0.0.1:8080"
 Gateway = Annotated[str, typer.Option(
-    "--gateway", envvar="LLMGW_GATEWAY", help="a gateway's URL (LLMGW_GATEWAY)")]
+    "--gateway", envvar="LLMGW_GATEWAY", show_default=False,
+    help=f"a gateway's URL (LLMGW_GATEWAY; default: the URL in the data directory's "
+         f"{GATEWAY_FILE} file, else {LOCAL_GATEWAY})")]
 AsJson = Annotated[bool, typer.Option("--json", help="print the gateway's JSON answer")]
-DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+DEFAULT_GATEWAY = ""  # none given: `gateway_url` finds it
 
 
 def fail(message: str) -> NoReturn:
@@ -39,6 +46,12 @@ def data_dir_file(name: str) -> str:
     data_dir = Path(os.environ.get("LLMGW_DATA_DIR", "~/.local/share/llmgw")).expanduser()
     path = data_dir / name
     return path.read_text().strip() if path.exists() else ""
+
+
+def gateway_url(given: str) -> str:
+    """The gateway to talk to: `given` (--gateway, LLMGW_GATEWAY), else the
+    data directory's GATEWAY_FILE, else LOCAL_GATEWAY."""
+    return given or data_dir_file(GATEWAY_FILE) or LOCAL_GATEWAY
 
 
 def _admin_token() -> str:
@@ -59,6 +72,7 @@ def send(gateway: str, method: str, path: str, body: Any = None,
     after `about` ("model m: ") when given. A write carries this call's
     deadline (X-Request-Deadline: now + `timeout`), so that a gateway does
     not apply it once this has given up (docs/architecture.md, Catalog writes)."""
+    gateway = gateway_url(gateway)
     if shown(gateway) != gateway:
         fail(f"the gateway URL {shown(gateway)} holds credentials (user:password@), which "
              "llmgw ctl neither sends nor prints: the admin token goes in LLMGW_ADMIN_TOKEN")

@@ -27,6 +27,9 @@ from app.ctl.common import (
 from app.wire.names import check_name
 from app.wire.tokens import node_token
 
+# The engines as people name them (app/wire/names.py's Engine).
+_ENGINES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+
 
 def _gib(mib: float) -> str:
     return f"{mib / 1024:.0f} GiB"
@@ -69,10 +72,18 @@ def nodes(gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False) -> None:
             versions += f", driver {n['driver_version']}"
         if n.get("cuda_version"):
             versions += f", CUDA {n['cuda_version']}"
-        if n.get("vllm_build") is not None:  # agents older than engine builds: absent
+        # The vLLM build where the node runs vLLM (a CPU node without it has
+        # none to tell of), then its other engines.
+        engines = n.get("engines")
+        engines = engines if isinstance(engines, list) else None
+        if n.get("vllm_build") is not None and (engines is None or "vllm" in engines):
             versions += f", vLLM build {n['vllm_build'] or 'none usable'}"
             if n.get("vllm_version"):
                 versions += f" (vllm {n['vllm_version']})"
+        if engines is not None:
+            versions += "".join(f", {_ENGINES.get(e, str(e))}" for e in engines if e != "vllm")
+            if not engines:
+                versions += ", no engine"
         host = f"{n.get('cpus') or '?'} CPUs, {_gib(n.get('memory_mib') or 0)}"
         # Free of total GPUs: those no replica holds (gateways older than
         # this do not say: "?").

@@ -21,6 +21,12 @@ the same way) nor count as a server error (the metric's code is 400) nor
 cool the replica down. Any other 500 is the engine's failure and passes as
 the engine wrote it. vLLM needs none of this: it answers 400 for what
 it refuses. docs/architecture.md, "Errors".
+
+Its server serves chat and text completions, embeddings and its
+`/extras/` only: any other route (the Responses API, reranking, scoring,
+speech to text) is FastAPI's bare `404 {"detail": "Not Found"}`, which
+says nothing to an OpenAI client. That is answered 404 in OpenAI's shape,
+naming the model, its engine and the API it does not serve (`not_served`).
 """
 
 from __future__ import annotations
@@ -82,6 +88,25 @@ def client_fault(answer: bytes | None) -> Fault | None:
     if tool is not None:
         return _invalid("tool_choice", f"no tool named '{tool.group(1)}' in 'tools'")
     return None
+
+
+# What a client calls the routes the gateway passes on (passthrough.py).
+_APIS = (("/v1/responses", "the Responses API"), ("/v1/audio/", "speech to text"),
+         ("/v1/rerank", "reranking"), ("/rerank", "reranking"), ("/v2/rerank", "reranking"),
+         ("/v1/score", "scoring"), ("/score", "scoring"))
+
+
+def not_served(target: str, model: str) -> Reply:
+    """The 404 to answer instead of llama-cpp-python's bare one for
+    `target` (the path and query asked of it). Its server raises no 404 of
+    its own (llama_cpp/server/app.py): a 404 is FastAPI's, for a path it
+    has no route for, so its body need not be read."""
+    path = target.partition("?")[0]
+    api = next((name for prefix, name in _APIS if path.startswith(prefix)), path)
+    return error(404, f"The model '{model}' is served by llama.cpp (llama-cpp-python's "
+                 f"server), which does not serve {api}: use /v1/chat/completions or "
+                 "/v1/completions with it.", "invalid_request_error", "unsupported_endpoint",
+                 "model")
 
 
 def _first_error(text: str) -> tuple[str | None, str]:

@@ -67,7 +67,8 @@ _WHY = {
          "object; or the engine refused the request",
     401: "missing, wrong or expired client key",
     404: "unknown model, or one this key may not use; a response not found, or whose "
-         "replica is gone (replica_gone)",
+         "replica is gone (replica_gone); a route the model's engine does not serve "
+         "(unsupported_endpoint: llama.cpp serves chat, completions and embeddings)",
     405: "the path takes another method",
     413: "the body is over 32 MiB",
     429: "the key is over a limit (Retry-After says when to retry)",
