@@ -4,9 +4,10 @@ provider's key, read from its file at each publish."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,18 +127,14 @@ async def test_the_periodic_publish_picks_up_a_rotated_key(
         await mirror.stop()
 
 
-async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key(
-    tmp_path: Path,
-) -> None:
-    seen: list[dict[str, Any]] = []
-
-    async def chat(request: web.Request) -> web.Response:
-        seen.append({"path": request.path, "auth": request.headers.get("Authorization"),
-                     "body": await request.json()})
-        return web.json_response({"id": "c1", "object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "hi"},
-             "finish_reason": "stop"}]})
-
+@contextlib.asynccontextmanager
+async def provider_behind_a_gateway(
+    tmp_path: Path, chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway, str]]:
+    """A provider whose /v1/chat/completions is `chat`, put in an in-process
+    gateway's catalog as external model "remote" (alias "gpt", "gpt-x" at
+    the provider, key sk-provider-key in its file); yields a client of the
+    gateway, the gateway and a client key."""
     provider = web.Application()
     provider.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(provider)
@@ -153,25 +150,41 @@ async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key
     await gw.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gw") as c:
+                                     base_url="http://gw") as http:
             admin = {"Authorization": f"Bearer {ADMIN}"}
-            r = await c.put("/admin/models/remote", headers=admin, json={
+            r = await http.put("/admin/models/remote", headers=admin, json={
                 "aliases": ["gpt"], "external": {"url": f"http://127.0.0.1:{port}",
                                                  "model": "gpt-x",
                                                  "api_key_file": str(key_file)}})
             assert r.status_code == 201, r.text
-            key = (await c.post("/admin/keys", headers=admin, json={"name": "t"})).json()["key"]
-            r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                             json={"model": "gpt", "messages": [{"role": "user", "content": "x"}]})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"] == "hi"
+            key = (await http.post("/admin/keys", headers=admin, json={"name": "t"})).json()["key"]
+            yield http, gw, key
+    finally:
+        await gw.stop()
+        await runner.cleanup()
+
+
+async def test_a_request_for_an_external_model_reaches_the_provider_with_its_key(
+    tmp_path: Path,
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append({"path": request.path, "auth": request.headers.get("Authorization"),
+                     "body": await request.json()})
+        return web.json_response({"id": "c1", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"},
+             "finish_reason": "stop"}]})
+
+    async with provider_behind_a_gateway(tmp_path, chat) as (c, _, key):
+        r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                         json={"model": "gpt", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "hi"
         assert [(x["path"], x["auth"]) for x in seen] == [
             ("/v1/chat/completions", "Bearer sk-provider-key")]
         # The provider is asked for its own name of the model, not ours.
         assert seen[0]["body"]["model"] == "gpt-x"
-    finally:
-        await gw.stop()
-        await runner.cleanup()
 
 
 async def test_an_external_models_answers_name_the_catalogs_model(tmp_path: Path) -> None:
@@ -206,44 +219,19 @@ async def test_an_external_models_answers_name_the_catalogs_model(tmp_path: Path
         await resp.write_eof()
         return resp
 
-    provider = web.Application()
-    provider.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(provider)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    (tmp_path / "keys").mkdir()
-    key_file = tmp_path / "keys" / "provider.key"
-    key_file.write_text("sk-provider-key\n")
-    app = create_app(Settings(data_dir=tmp_path / "gw", admin_token=ADMIN, secret=SECRET,
-                              local_agent=False, provider_key_dir=str(tmp_path / "keys")))
-    gw: Gateway = app.state.gateway
-    await gw.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gw") as http:
-            admin = {"Authorization": f"Bearer {ADMIN}"}
-            r = await http.put("/admin/models/remote", headers=admin, json={
-                "aliases": ["gpt"], "external": {"url": f"http://127.0.0.1:{port}",
-                                                 "model": "gpt-x",
-                                                 "api_key_file": str(key_file)}})
-            assert r.status_code == 201, r.text
-            key = (await http.post("/admin/keys", headers=admin, json={"name": "t"})).json()["key"]
-            await until(lambda: gw.table.endpoints("remote"), "the provider's key read")
-            client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, max_retries=0,
-                                        http_client=http)
-            messages: Any = [{"role": "user", "content": "x"}]
-            plain = await client.chat.completions.create(model="gpt", messages=messages)
-            assert plain.choices[0].message.content == "hi"
-            assert plain.model == "remote"
-            stream = await client.chat.completions.create(model="gpt", messages=messages,
-                                                          stream=True)
-            chunks = [c async for c in stream]
-            assert "".join(c.choices[0].delta.content or "" for c in chunks) == "hi"
-            assert {c.model for c in chunks} == {"remote"}
-    finally:
-        await gw.stop()
-        await runner.cleanup()
+    async with provider_behind_a_gateway(tmp_path, chat) as (http, gw, key):
+        await until(lambda: gw.table.endpoints("remote"), "the provider's key read")
+        client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, max_retries=0,
+                                    http_client=http)
+        messages: Any = [{"role": "user", "content": "x"}]
+        plain = await client.chat.completions.create(model="gpt", messages=messages)
+        assert plain.choices[0].message.content == "hi"
+        assert plain.model == "remote"
+        stream = await client.chat.completions.create(model="gpt", messages=messages,
+                                                      stream=True)
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "hi"
+        assert {c.model for c in chunks} == {"remote"}
 
 
 def test_a_providers_responses_events_name_the_catalogs_model() -> None:

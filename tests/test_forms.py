@@ -17,13 +17,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
 
 from app.router.entries import CatalogEntry, Endpoint, KeyGrant
 from app.router.forms import Form, form_fields
 from app.router.replies import Reply
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args
+from tests.fakes.fake_vllm_responses import starlette_form
 from tests.support.proxy_rig import CLIENT_KEY, Rig, hash_key
 
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
@@ -128,14 +128,8 @@ async def test_the_official_client_s_transcription_goes_through(rig: Rig) -> Non
 async def _engine_reads(raw: bytes, kind: str) -> tuple[Any, Any, bool] | None:
     """(model, stream, a file) as vLLM's Starlette reads them (FormData.get:
     the last of a name); None where it refuses the form."""
-    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
-             "headers": [(b"content-type", kind.encode("latin-1"))]}
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
     try:
-        got = await Request(scope, receive).form()
+        got = await starlette_form(raw, kind)
     except MultiPartException:
         return None
     read = (got.get("model"), got.get("stream"), isinstance(got.get("file"), UploadFile))

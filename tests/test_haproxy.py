@@ -23,6 +23,7 @@ import pytest
 from tests.support.procs import (
     ROOT,
     Cluster,
+    GatewayProc,
     free_port,
     make_key,
     put_model,
@@ -202,16 +203,24 @@ class Slow:
             s.close()
 
 
+def slow_m_behind(cluster: Cluster, gws: list[GatewayProc], token_delay: float,
+                  timeout: float) -> str:
+    """Model m on one agent's GPU, the stand-in `token_delay` s a word,
+    behind `gws`; returns a key once every one of them routes it."""
+    cluster.agent("node-1", gws, "--gpus", "1",
+                  env_extra={"FAKE_VLLM_TOKEN_DELAY": str(token_delay)})
+    key = make_key(gws[0])
+    put_model(gws[0], "m", {"model": "acme/m", "gpus": 1})
+    for gw in gws:
+        wait_for(lambda g=gw: routes(g, key, "m"), timeout, f"{gw.name} routing")
+    return key
+
+
 @pytest.fixture
 def guarded(cluster: Cluster, haproxy_bin: str,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str, int, Path]]:
     gws = [cluster.gateway("gw-a"), cluster.gateway("gw-b")]
-    cluster.agent("node-1", gws, "--gpus", "1",
-                  env_extra={"FAKE_VLLM_TOKEN_DELAY": str(TOKEN_DELAY)})
-    key = make_key(gws[0])
-    put_model(gws[0], "m", {"model": "acme/m", "gpus": 1})
-    for gw in gws:
-        wait_for(lambda g=gw: routes(g, key, "m"), 30, f"{gw.name} routing")
+    key = slow_m_behind(cluster, gws, TOKEN_DELAY, 30)
     monkeypatch.setenv("LLMGW_LB_REQUEST_TIMEOUT", f"{REQUEST_TIMEOUT:g}s")
     monkeypatch.setenv("LLMGW_LB_CONNS_PER_SOURCE", str(PER_SOURCE))
     port = free_port()

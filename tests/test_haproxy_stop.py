@@ -23,13 +23,11 @@ from tests.support.procs import (
     Cluster,
     GatewayProc,
     free_port,
-    make_key,
-    put_model,
     routes,
     wait_for,
 )
 from tests.test_haproxy import haproxy_bin as haproxy_bin
-from tests.test_haproxy import running_haproxy, shipped_config
+from tests.test_haproxy import running_haproxy, shipped_config, slow_m_behind
 
 # Seconds per word of the stand-in engine's replies: "fake-vllm m echo: p1"
 # takes 1 s; a stream's reply of 30 words, 7.5 s: longer than the 5 s the
@@ -68,12 +66,7 @@ class Rig:
 @pytest.fixture
 def rig(cluster: Cluster, haproxy_bin: str) -> Iterator[Rig]:
     gws = [cluster.gateway(f"gw-{i}") for i in (1, 2, 3)]
-    cluster.agent("node-1", gws, "--gpus", "1",
-                  env_extra={"FAKE_VLLM_TOKEN_DELAY": str(TOKEN_DELAY)})
-    key = make_key(gws[0])
-    put_model(gws[0], "m", {"model": "acme/m", "gpus": 1})
-    for gw in gws:
-        wait_for(lambda g=gw: routes(g, key, "m"), 40, f"{gw.name} routing")
+    key = slow_m_behind(cluster, gws, TOKEN_DELAY, 40)
     port = free_port()
     with running_haproxy(haproxy_bin, cluster.tmp,
                          three_gateway_config(port, [g.port for g in gws]), port) as (url, log):

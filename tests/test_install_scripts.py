@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from app.wire.nodes import DEFAULT_VLLM_CPU_VERSION
+from tests.support.shell import link_real_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the scripts call that we let through to the real programs; gcc, cmake,
@@ -30,11 +31,7 @@ def rig(tmp: Path) -> tuple[Path, dict[str, str]]:
     log = tmp / "calls.log"
     stub = f'#!/bin/sh\necho "$(basename "$0") $*" >>{log}\n'
     bindir = tmp / "bin"
-    bindir.mkdir()
-    for name in REAL_TOOLS:
-        real = shutil.which(name)
-        assert real, name
-        (bindir / name).symlink_to(real)
+    link_real_tools(bindir, REAL_TOOLS)
     # `python3 -m venv DIR` (the real vLLM's environment, install-test.sh)
     # makes DIR with a stub python; the rest goes to the real python3.
     real_python3 = (bindir / "python3").resolve()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Collection, Iterator
@@ -35,11 +33,10 @@ from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import (
     ADMIN,
-    ROOT,
     SECRET,
     Cluster,
-    free_port,
     make_key,
+    outside_provider,
     put_model,
     until,
     wait_for,
@@ -49,20 +46,8 @@ from tests.support.procs import (
 @pytest.fixture
 def provider(tmp_path: Path) -> Iterator[str]:
     """The vLLM stand-in as an outside provider, demanding key sk-good."""
-    port = free_port()
-    with open(tmp_path / "provider.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests/fakes/fake_vllm.py"), "serve", "other-model",
-             "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-good"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
-                 10, "the provider")
+    with outside_provider(tmp_path / "provider.log") as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait(5)
 
 
 def chat(url: str, key: str, model: str, timeout: float) -> httpx.Response:

@@ -9,11 +9,8 @@ routes answer through the gateway, behind the key's model grants."""
 from __future__ import annotations
 
 import io
-import os
 import signal
 import struct
-import subprocess
-import sys
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +20,10 @@ import openai
 import pytest
 
 from tests.support.procs import (
-    ROOT,
     Cluster,
     GatewayProc,
-    free_port,
     make_key,
+    outside_provider,
     put_model,
     replicas,
     wait_for,
@@ -150,21 +146,8 @@ def test_vllm_s_other_routes_answer_through_the_gateway_behind_the_key(
 def keeping_provider(tmp_path: Path) -> Iterator[str]:
     """The vLLM stand-in as an outside provider that keeps its responses
     (key sk-good), as OpenAI's Responses API does."""
-    port = free_port()
-    with open(tmp_path / "provider.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests/fakes/fake_vllm.py"), "serve", "other-model",
-             "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-good"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=os.environ | STORE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
-                 10, "the provider")
+    with outside_provider(tmp_path / "provider.log", **STORE) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait(5)
 
 
 def test_a_provider_s_response_is_continued_by_its_key_alone_through_any_gateway(

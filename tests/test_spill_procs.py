@@ -7,9 +7,6 @@ replica as before (docs/architecture.md, Catalog, *Spill-over*)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,10 +18,9 @@ import pytest
 
 from app.router.estimates import DEFAULT_RESERVE, reservation
 from tests.support.procs import (
-    ROOT,
     Cluster,
-    free_port,
     make_key,
+    outside_provider,
     put_model,
     replicas,
     wait_for,
@@ -122,21 +118,8 @@ def test_a_saturated_fleet_spills_to_the_provider(
 def slow_provider(tmp_path: Path) -> Iterator[str]:
     """The vLLM stand-in as an outside provider (key sk-good), 0.1 s a word:
     answers stay in flight while others arrive."""
-    port = free_port()
-    with open(tmp_path / "slow-provider.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests/fakes/fake_vllm.py"), "serve", "other-model",
-             "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-good"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=os.environ | {"FAKE_VLLM_TOKEN_DELAY": "0.1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
-                 10, "the provider")
+    with outside_provider(tmp_path / "slow-provider.log", FAKE_VLLM_TOKEN_DELAY="0.1") as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait(5)
 
 
 def billed(provider: str) -> int:

@@ -50,7 +50,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
@@ -72,21 +72,29 @@ def _text_of(item: Any) -> str:
     return ""
 
 
-async def _form(raw: bytes, content_type: str
-                ) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]] | web.Response:
-    """A multipart form read as vLLM reads it: Starlette's `Request.form()`
-    (python-multipart underneath), a name given twice taking its last value
-    (`FormData.get`, which FastAPI's `Form()` model reads); a form it cannot
-    parse is a 400, as FastAPI answers. (The middleware stack has read the
-    body already, so aiohttp's `post()` cannot.)"""
+async def starlette_form(raw: bytes, content_type: str) -> FormData:
+    """`raw` read by Starlette's `Request.form()`, as vLLM's FastAPI reads a
+    form (python-multipart underneath); raises MultiPartException where it
+    cannot parse it. The caller closes the form. (tests/test_forms.py reads
+    forms as the engine does with it too.)"""
     scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
              "headers": [(b"content-type", content_type.encode("latin-1"))]}
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": raw, "more_body": False}
 
+    return await Request(scope, receive).form()
+
+
+async def _form(raw: bytes, content_type: str
+                ) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]] | web.Response:
+    """A multipart form read as vLLM reads it (`starlette_form`), a name
+    given twice taking its last value (`FormData.get`, which FastAPI's
+    `Form()` model reads); a form it cannot parse is a 400, as FastAPI
+    answers. (The middleware stack has read the body already, so aiohttp's
+    `post()` cannot.)"""
     try:
-        form = await Request(scope, receive).form()
+        form = await starlette_form(raw, content_type)
     except MultiPartException as e:
         return _err(400, e.message)
     fields: dict[str, str] = {}

@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,28 @@ async def until(pred: Callable[[], Any], what: str, timeout: float = 10.0) -> No
     while not pred():
         assert loop.time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def outside_provider(log: Path, **env: str) -> Iterator[str]:
+    """The vLLM stand-in as an outside provider serving "other-model" and
+    demanding key sk-good, `env` added to its environment, its output in
+    `log`; yields its URL once it is healthy, and kills it after."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/fakes/fake_vllm.py"), "serve", "other-model",
+             "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-good"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=os.environ | env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
+                 10, "the provider")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(5)
 
 
 @dataclass
