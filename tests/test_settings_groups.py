@@ -109,6 +109,7 @@ def environment(tmp: Path) -> dict[str, tuple[str, Any]]:
         "node_ttl": ("20", 20),
         "assignment_wait": ("10", 10.0),
         "vllm_version": ("0.10.1", "0.10.1"),
+        "vllm_cpu_version": ("0.31.0", "0.31.0"),
         "node_api_timeout": ("20", 20.0),
         "node_api_connect_timeout": ("2", 2.0),
         "stats_peer_timeout": ("3", 3.0),
