@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The benchmarks users run, through llmgw and straight to the engine, on the
-# quickstart's llama.cpp engine (SmolLM2-135M): inference-perf and GuideLLM,
-# the two paths interleaved. See bench/README.md.
+# The benchmarks users run, through llmgw and straight to the engine, on
+# SmolLM2-135M: inference-perf and GuideLLM, the two paths interleaved, on the
+# quickstart's llama.cpp engine or (--engine vllm) on real vLLM's CPU build
+# (scripts/install-test.sh installs it). See bench/README.md.
 #
 #   bench/serve.sh                      # installs the tools on first run, then ~6 min
 #   bench/serve.sh --concurrency 32 --seconds 60 --pairs 2 --tools guidellm
+#   bench/serve.sh --engine vllm        # concurrency 1 and 8; ~35 min on 2 cores
 #
 # Each tool lives in a venv of its own under $LLMGW_BENCH_CACHE
 # (~/.cache/llmgw/bench-serve), never the project's. Its results go to
 # $CACHE/RESULTS.md (LLMGW_BENCH_RESULTS; `--results bench/RESULTS.md` to
 # update the repository's record on purpose). Last line:
-# serve: ttft_added_p50_ms= itl_added_p50_ms= throughput_ratio= tools=...
+# serve: engine= concurrency= tool= throughput_ratio= ttft_added_p50_ms= ...
+# (one line per concurrency).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${LLMGW_BENCH_CACHE:-$HOME/.cache/llmgw/bench-serve}"
@@ -34,6 +37,8 @@ python312() {
 PY312="${LLMGW_BENCH_PY312:-$(python312 || true)}"
 PY="${LLMGW_BENCH_PY:-.venv/bin/python}"
 [ -x "$PY" ] || { say "$PY not found: run scripts/install.sh first (or set LLMGW_BENCH_PY)"; exit 1; }
+# The arguments and the engine's install checked before minutes of installing.
+"$PY" bench/serve.py --cache "$CACHE" --check "$@"
 
 # install VENV PACKAGE...: a venv of its own, once (a marker says it finished).
 install() {

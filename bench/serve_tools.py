@@ -53,6 +53,10 @@ class Run:
     itl_p50_ms: float
     tokens_per_s: float
     wall_s: float
+    # CPU seconds the gateway's process and the engine's used during the run
+    # (bench/serve.py measures them around the tool).
+    gateway_cpu_s: float = float("nan")
+    engine_cpu_s: float = float("nan")
 
 
 def _run(cmd: list[str], job: Job) -> float:
