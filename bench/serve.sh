@@ -6,7 +6,7 @@
 #
 #   bench/serve.sh                      # installs the tools on first run, then ~6 min
 #   bench/serve.sh --concurrency 32 --seconds 60 --pairs 2 --tools guidellm
-#   bench/serve.sh --engine vllm        # concurrency 1 and 8; ~35 min on 2 cores
+#   bench/serve.sh --engine vllm        # concurrency 1 and 8; ~25 min on 2 cores
 #
 # Each tool lives in a venv of its own under $LLMGW_BENCH_CACHE
 # (~/.cache/llmgw/bench-serve), never the project's. Its results go to

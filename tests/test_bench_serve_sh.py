@@ -236,67 +236,87 @@ def test_cpu_is_read_for_a_process_and_everything_below_it(tmp_path: Path) -> No
     assert math.isnan(own) and below == 0
 
 
-def recorded(tool: str, target: str, pair: int, ttft: float, itl: float,
-             tok_s: float) -> serve_tools.Run:
-    return serve_tools.Run(tool, target, pair, 40, 0, ttft, ttft * 2, itl, tok_s, 60.0,
-                           gateway_cpu_s=9.0 if target == "llmgw" else 0.1,
-                           engine_cpu_s=110.0)
+def recorded(row: str) -> serve_tools.Run:
+    """A row of the table bench/serve.py writes, read back."""
+    tool, pair, target, ok_failed, ttft, p99, itl, tok_s, wall, cpu = (
+        c.strip() for c in row.strip("| ").split("|"))
+    ok, failed = ok_failed.split("/")
+    gw_cpu, engine_cpu = cpu.split("/")
+    return serve_tools.Run(tool, target, int(pair), int(ok), int(failed), float(ttft),
+                           float(p99), float(itl), float(tok_s), float(wall),
+                           gateway_cpu_s=float(gw_cpu), engine_cpu_s=float(engine_cpu))
 
 
-# Figures of a run at concurrency 8 (two tools, two pairs each).
-RUNS = [
-    recorded("inference-perf", "llmgw", 1, 120.5, 40.2, 180.0),
-    recorded("inference-perf", "direct", 1, 119.0, 40.0, 190.0),
-    recorded("inference-perf", "llmgw", 2, 118.0, 39.8, 188.0),
-    recorded("inference-perf", "direct", 2, 118.5, 39.9, 186.0),
-    recorded("guidellm", "llmgw", 1, 130.0, 41.0, 170.0),
-    recorded("guidellm", "direct", 1, 128.0, 40.5, 175.0),
-    recorded("guidellm", "llmgw", 2, 131.0, 41.5, 168.0),
-    recorded("guidellm", "direct", 2, 129.0, 41.0, 172.0),
-]
+# A run on real vLLM at concurrency 1 (2026-12-03, the first of
+# bench/README.md's "On real vLLM"), as its table recorded it.
+TABLE = """
+| inference-perf | 1 | llmgw | 23/0 | 137.0 | 163.0 | 38.42 | 25.47 | 72 | 1.0/81.0 |
+| inference-perf | 1 | direct | 23/0 | 125.7 | 170.2 | 36.77 | 24.94 | 68 | 0.7/82.7 |
+| inference-perf | 2 | llmgw | 23/0 | 136.4 | 228.7 | 39.99 | 22.31 | 74 | 1.1/84.5 |
+| inference-perf | 2 | direct | 23/0 | 130.8 | 193.5 | 39.96 | 22.55 | 75 | 0.7/98.3 |
+| guidellm | 1 | llmgw | 19/0 | 149.8 | 298.7 | 41.88 | 20.27 | 77 | 1.1/73.0 |
+| guidellm | 1 | direct | 22/0 | 137.2 | 244.4 | 39.28 | 23.47 | 75 | 0.7/86.3 |
+| guidellm | 2 | llmgw | 21/0 | 138.4 | 955.2 | 41.67 | 22.40 | 72 | 1.1/80.3 |
+| guidellm | 2 | direct | 22/0 | 139.2 | 193.4 | 38.59 | 23.47 | 74 | 0.7/80.2 |
+"""
+RUNS = [recorded(row) for row in TABLE.strip().splitlines()]
 
 
 def test_the_summary_line_and_the_section_from_a_runs_figures(tmp_path: Path) -> None:
     summary = serve.summarise(RUNS)
-    # Per pair llmgw minus direct: TTFT +1.5, -0.5 (inference-perf), +2.0,
-    # +2.0 (guidellm); ITL +0.2, -0.1, +0.5, +0.5; throughput 180/190, 188/186,
-    # 170/175, 168/172.
-    assert summary["inference-perf"]["ttft_added"] == [1.5, -0.5]
-    assert summary["guidellm"]["ttft_added"] == [2.0, 2.0]
-    line = serve.last_line(summary, ["inference-perf", "guidellm"], "vllm", 8)
-    ratio = (170 / 175 + 168 / 172) / 2  # the middle two of the four ratios
-    assert line == (f"serve: engine=vllm concurrency=8 tool=inference-perf,guidellm "
-                    f"throughput_ratio={ratio:.3f} ttft_added_p50_ms=1.75 "
-                    "itl_added_p50_ms=0.350 pairs=4")
+    # Per pair llmgw minus direct, inference-perf then guidellm: TTFT +11.3,
+    # +5.6, +12.6, -0.8 (median 8.45); ITL +1.65, +0.03, +2.60, +3.08 (2.125);
+    # throughput 25.47/24.94, 22.31/22.55, 20.27/23.47, 22.40/23.47: the
+    # middle two 0.954 and 0.989.
+    assert [round(x, 2) for x in summary["inference-perf"]["ttft_added"]] == [11.3, 5.6]
+    assert [round(x, 2) for x in summary["guidellm"]["ttft_added"]] == [12.6, -0.8]
+    ratio = (22.40 / 23.47 + 22.31 / 22.55) / 2
+    line = serve.last_line(summary, ["inference-perf", "guidellm"], "vllm", 1)
+    assert line == (f"serve: engine=vllm concurrency=1 tool=inference-perf,guidellm "
+                    f"throughput_ratio={ratio:.3f} ttft_added_p50_ms=8.45 "
+                    "itl_added_p50_ms=2.125 pairs=4")
+    # Beside the engine's own noise: direct runs of 24.94 and 22.55 tok/s
+    # (inference-perf), TTFT p50s of 137.2 and 139.2 ms (guidellm), 125.7
+    # and 130.8 (inference-perf).
     assert serve.goals(summary) == (
-        f"Goals: throughput llmgw/direct {ratio:.3f} (goal >= 0.97: met); "
-        "TTFT p50 added +1.75 ms (goal <= 1.0 ms: missed).")
+        f"Goals: throughput llmgw/direct {ratio:.3f} (goal >= 0.97: met; the direct runs' "
+        f"own throughputs lie up to {100 * (24.94 / 22.55 - 1):.1f}% apart); TTFT p50 added "
+        "+8.45 ms (goal <= 1.0 ms: missed; the direct runs' own TTFT p50s lie up to 5.1 ms "
+        "apart).")
+    # The throughput goal missed too, once the last pair's llmgw run is slower:
+    # the middle ratios then 20.27/23.47 and 22.31/22.55.
+    slower = [*RUNS[:6], serve_tools.Run("guidellm", "llmgw", 2, 21, 0, 138.4, 955.2,
+                                         41.67, 20.0, 72), RUNS[7]]
+    assert "throughput llmgw/direct 0.927 (goal >= 0.97: missed;" in serve.goals(
+        serve.summarise(slower))
 
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n")
     args = serve.parse_args(["--cache", str(tmp_path), "--engine", "vllm"])
     engine = serve.Engine("vllm", tmp_path, tmp_path, {}, describe="SmolLM2 on vLLM")
-    serve.write_results(results, args, engine, 8, RUNS, summary, "1.0 1.0 1.0",
-                        "2.0 1.5 1.2", 700, line, {}, 136)
-    serve.write_results(results, args, engine, 1, RUNS[:4], serve.summarise(RUNS[:4]),
-                        "0.5", "0.7", 300, "serve: c=1", {"guidellm": "exited 1\nboom"}, 40)
+    serve.write_results(results, args, engine, 1, RUNS, summary, "1.99 1.75 1.86",
+                        "3.72 3.87 2.97", 598, line, {}, 23)
+    serve.write_results(results, args, engine, 8, RUNS[:4], serve.summarise(RUNS[:4]),
+                        "0.5", "0.7", 300, "serve: c=8", {"guidellm": "exited 1\nboom"}, 121)
     text = results.read_text()
-    c8 = text[text.index("<!-- serve.sh vllm inference-perf guidellm c=8: begin -->"):
-              text.index("<!-- serve.sh vllm inference-perf guidellm c=8: end -->")]
+    c1 = text[text.index("<!-- serve.sh vllm inference-perf guidellm c=1: begin -->"):
+              text.index("<!-- serve.sh vllm inference-perf guidellm c=1: end -->")]
     assert "## The benchmarks users run (`bench/serve.sh`, engine vllm, inference-perf " \
-        "guidellm, concurrency 8)" in c8
-    assert "SmolLM2 on vLLM, concurrency 8, prompts of 64 tokens, 64 tokens out, 60 s per " \
-        "GuideLLM run, 136 requests per inference-perf run" in c8
-    assert "| guidellm | 2 | llmgw | 40/0 | 131.0 | 262.0 | 41.50 | 168.00 | 60 | 9.0/110.0 |" \
-        in c8
-    assert "| inference-perf | +1.5, -0.5 | +0.2, -0.1 | 0.947, 1.011 |" in c8
-    assert serve.goals(summary) in c8 and c8.rstrip().endswith(line)
-    c1 = text[text.index("<!-- serve.sh vllm inference-perf guidellm c=1: begin -->"):]
-    assert "guidellm did not finish: `boom`" in c1 and text.startswith("# Results\n")
+        "guidellm, concurrency 1)" in c1
+    assert "load average 1.99 1.75 1.86 before, 3.72 3.87 2.97 after" in c1
+    assert "SmolLM2 on vLLM, concurrency 1, prompts of 64 tokens, 64 tokens out, 60 s per " \
+        "GuideLLM run, 23 requests per inference-perf run" in c1
+    # The table written is the one recorded, row for row.
+    assert "\n".join(serve.table(RUNS)[2:]) == TABLE.strip()
+    assert TABLE.strip() in c1
+    assert "| inference-perf | +11.3, +5.6 | +1.6, +0.0 | 1.021, 0.989 |" in c1
+    assert serve.goals(summary) in c1 and c1.rstrip().endswith(line)
+    c8 = text[text.index("<!-- serve.sh vllm inference-perf guidellm c=8: begin -->"):]
+    assert "guidellm did not finish: `boom`" in c8 and text.startswith("# Results\n")
     # The same run on llama.cpp keeps the sections' names of before.
-    serve.write_results(results, args, replace_engine(engine, "llamacpp"), 8, RUNS, summary,
+    serve.write_results(results, args, replace_engine(engine, "llamacpp"), 1, RUNS, summary,
                         "1", "1", 1, line, {}, 32)
-    assert "<!-- serve.sh inference-perf guidellm c=8: begin -->" in results.read_text()
+    assert "<!-- serve.sh inference-perf guidellm c=1: begin -->" in results.read_text()
 
 
 def replace_engine(engine: serve.Engine, name: str) -> serve.Engine:
