@@ -22,7 +22,7 @@ from tests.support.procs import (
     wait_ready,
 )
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig, started
-from tests.support.scrape import samples, scrape_text, served_names
+from tests.support.scrape import Samples, samples, scrape_text, served_names
 from tests.test_ctl import admin_get, ok_on
 
 NODE = "node-1"
@@ -84,12 +84,20 @@ def test_token_metrics_per_model_through_the_openai_client(cluster: Cluster,
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=messages)
 
-    after = samples(scrape_text(gw.url))
-
     def grew(name: str, **labels: str) -> float:
         k = (name, tuple(sorted({"model": "m", **labels}.items())))
         return after.get(k, 0.0) - before.get(k, 0.0)
 
+    # A request is counted once it has ended, after its last byte went out:
+    # the client can read a stream's end (and ask again) before the gateway
+    # has counted it. Four requests counted: the three above and the 404.
+    def all_counted() -> Samples | None:
+        now = samples(scrape_text(gw.url))
+        counted = sum(v - before.get(k, 0.0) for k, v in now.items()
+                      if k[0] == "llmgw_requests_total")
+        return now if counted >= 4 else None
+
+    after = wait_for(all_counted, 5, "the four requests counted")
     assert grew("llmgw_requests_total", code="200") == 3
     assert after[("llmgw_requests_total", (("code", "404"), ("model", "(unknown)")))] == 1
     # Tokens as the engine reported them, the stripped usage's included.
