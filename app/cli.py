@@ -1,4 +1,4 @@
-"""The `llmgw` command: `serve`, `agent` and `ctl`."""
+"""The `llmgw` command: `serve`, `stop`, `agent` and `ctl`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ from app.wire.names import check_name
 if TYPE_CHECKING:
     # Imported by the gateway's commands only: the agent and ctl load none of
     # the control plane or the store (docs/architecture.md, "Processes").
+    import uvicorn
+
+    from app.gateway.gateway import Gateway
     from app.gateway.settings import Settings
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
@@ -127,7 +130,34 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
 
     fdlimit.raise_soft()
     app = create_app(settings, campaign=campaign, ready_first=ready_first, worker=worker)
-    gateway = app.state.gateway
+    grace = settings.shutdown_grace_seconds
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            # Its loggers propagate to ours (app/logs.py), so
+                            # they take LLMGW_LOG_FORMAT; its access log stays
+                            # off: the router writes its own (app.access).
+                            log_config=None, log_level=args.log_level, access_log=False,
+                            # A backstop: the cut (_stopping_server) ends /v1 requests at
+                            # `grace`; whatever is still open after this is
+                            # cancelled without a word.
+                            timeout_graceful_shutdown=int(grace + _CUT_SLACK),
+                            # httptools, cutting slow clients (app/gateway/slowclients.py).
+                            http=protocol(settings.header_timeout, settings.body_timeout),
+                            # uvloop, taking a burst of connections in a turn
+                            # (app/gateway/accept.py).
+                            loop="app.gateway.accept:Loop",
+                            timeout_keep_alive=settings.keep_alive_timeout,
+                            # Checked at start (Settings): both or neither.
+                            ssl_certfile=settings.tls_cert_file,
+                            ssl_keyfile=settings.tls_key_file)
+    server = _stopping_server(config, app.state.gateway, settings, stopped)
+    server.run(sockets=None if sock is None else [sock])
+
+
+def _stopping_server(config: uvicorn.Config, gateway: Gateway, settings: Settings,
+                     stopped: Callable[[], None]) -> uvicorn.Server:
+    """uvicorn's server for `config` with our stop of `gateway`; `stopped`
+    is called once it is over."""
+    import uvicorn
 
     notice = settings.shutdown_notice_seconds
     grace = settings.shutdown_grace_seconds
@@ -187,25 +217,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                 if cut:
                     log.warning("stopping: grace period over, %d open requests cut", cut)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            # Its loggers propagate to ours (app/logs.py), so
-                            # they take LLMGW_LOG_FORMAT; its access log stays
-                            # off: the router writes its own (app.access).
-                            log_config=None, log_level=args.log_level, access_log=False,
-                            # A backstop: the cut above ends /v1 requests at
-                            # `grace`; whatever is still open after this is
-                            # cancelled without a word.
-                            timeout_graceful_shutdown=int(grace + _CUT_SLACK),
-                            # httptools, cutting slow clients (app/gateway/slowclients.py).
-                            http=protocol(settings.header_timeout, settings.body_timeout),
-                            # uvloop, taking a burst of connections in a turn
-                            # (app/gateway/accept.py).
-                            loop="app.gateway.accept:Loop",
-                            timeout_keep_alive=settings.keep_alive_timeout,
-                            # Checked at start (Settings): both or neither.
-                            ssl_certfile=settings.tls_cert_file,
-                            ssl_keyfile=settings.tls_key_file)
-    Server(config).run(sockets=None if sock is None else [sock])
+    return Server(config)
 
 
 def stop(args: argparse.Namespace) -> None:

@@ -296,7 +296,7 @@ def limit_exceeded(calls: Iterable[Call], limit: int, slack: float = 0.5) -> lis
     once it has sent it). Seen to fail: three overlapping streams of a key
     limited to two (tests/test_chaos.py). Broken llmgw: each gateway
     admitting the whole concurrency limit, its claim ignored
-    (app/router/limits.py): 5 streams held at once against the bound of 4,
+    (app/router/usage/limits.py): 5 streams held at once against the bound of 4,
     3 times in a one-fault run."""
     spans = sorted((c.answered, c.finished - slack, c.id) for c in calls
                    if c.stream and c.status == 200 and not c.cut and c.answered

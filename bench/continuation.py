@@ -45,8 +45,8 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant  # noqa: E402
-from app.router.proxy import Proxy  # noqa: E402
+from app.router.proxy import Proxy, ProxyOptions  # noqa: E402
+from app.router.published import CatalogEntry, Endpoint, KeyGrant  # noqa: E402
 from app.router.table import RouteTable  # noqa: E402
 from app.router.timeouts import Timeouts  # noqa: E402
 
@@ -150,7 +150,7 @@ async def main() -> None:
     table.set_client_keys({hash_key(CLIENT_KEY): KeyGrant("k1", "bench")})
     # The gateway's default timeouts but a short cooldown: each engine here
     # is killed often, and started again at once.
-    proxy = Proxy(table, hash_key, Timeouts(cooldown=1.0), affinity=False)
+    proxy = Proxy(table, hash_key, Timeouts(cooldown=1.0), options=ProxyOptions(affinity=False))
     engines = {f"r{i}": Engine(f"r{i}", args.token_delay) for i in range(args.engines)}
     await asyncio.gather(*(e.start() for e in engines.values()))
     route(table, engines)

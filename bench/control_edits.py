@@ -157,7 +157,7 @@ async def preload(endpoint: str, prefix: str, f: Any) -> None:
     transaction."""
     from app.control import state as s
     from app.store.base import Put
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     store = await EtcdStore.open([endpoint], prefix)
     try:

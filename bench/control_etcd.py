@@ -118,7 +118,7 @@ _TLS: Any = None
 async def _count_puts(endpoint: str, prefix: str, kinds: dict[str, int]) -> None:
     """Counts the keys written under `prefix` by their first part (nodes,
     status, usage...): which writes the agents cause."""
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     store = await EtcdStore.open([endpoint], prefix)
     try:
@@ -173,7 +173,7 @@ async def agent_rates(endpoint: str, prefix: str, url: str, secret: str, agents:
 async def _load(endpoint: str, kind: str, seconds: float, clients: int, size: int,
                 worker: int) -> int:
     from app.store.base import Put
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     store = await EtcdStore.open([endpoint], f"/sustain{worker}/")
     value = b"x" * size
@@ -220,7 +220,7 @@ async def mirror_mib(endpoint: str, prefix: str) -> tuple[float, int]:
     """MiB of Python heap a mirror loaded from etcd holds, with every typed
     view the control plane reads built, and the keys it holds."""
     from app.control.mirror import Mirror
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     store = await EtcdStore.open([endpoint], prefix)
     try:

@@ -16,7 +16,8 @@ import itertools
 import time
 
 from app.control import state as s
-from app.control.plan import Plan, plan
+from app.control.plan.phases import Plan
+from app.control.plan.planner import PlanInput, PlanPolicy, plan
 
 GPUS_PER_REPLICA = 4
 
@@ -48,9 +49,10 @@ def timed(models: dict[str, s.StoredModel], nodes: dict[str, s.NodeInfo],
           loads: dict[str, float], now: float, secret_id: str) -> tuple[float, float, Plan]:
     counter = itertools.count()
     start, cpu = time.perf_counter(), time.thread_time()
-    p = plan(models, nodes, replicas, now=now, drain_seconds=60.0,
-             new_suffix=lambda: f"new{next(counter):05d}", statuses=statuses, loads=loads,
-             secret_id=secret_id)
+    p = plan(PlanInput(
+            models, nodes, replicas, now=now, statuses=statuses, loads=loads,
+            secret_id=secret_id),
+            PlanPolicy(drain_seconds=60.0, new_suffix=lambda: f"new{next(counter):05d}"))
     return (time.perf_counter() - start) * 1000, (time.thread_time() - cpu) * 1000, p
 
 

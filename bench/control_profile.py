@@ -15,8 +15,8 @@ import pstats
 from collections.abc import Callable
 from typing import Any
 
-# The pass's phases (app/control/plan.py, plan_phases.py, plan_place.py,
-# placement.py, scaling.py): their time with what they call.
+# The pass's phases (app/control/plan/: planner.py, phases.py, placing.py,
+# scaling.py; app/control/placement/placer.py): their time with what they call.
 PHASES = ("plan", "sweep", "sick_by_node", "placing_order", "sort_out", "trim",
           "place_missing", "_index", "_quick", "_fit", "step", "wanted")
 

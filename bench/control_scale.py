@@ -1,6 +1,6 @@
 """The control plane at fleet scale: figures, not a timed test.
 
-1. One placement + reconcile pass (`plan()`, app/control/plan.py, with its
+1. One placement + reconcile pass (`plan()`, app/control/plan/planner.py, with its
    inputs built as the reconciler builds them: models, nodes, replicas,
    statuses, engine loads, scaling targets, floors) on a synthetic fleet of
    10,000 nodes x 8 GPUs carrying 5,000 models x 4 replicas of one GPU
@@ -65,8 +65,9 @@ from control_profile import pass_profile  # noqa: E402
 from control_publish import publish_stream, publish_times  # noqa: E402
 
 from app.control import state as s  # noqa: E402
-from app.control.plan import Plan, plan, wanted  # noqa: E402
-from app.control.scaling import Scaler  # noqa: E402
+from app.control.plan.phases import Plan  # noqa: E402
+from app.control.plan.planner import PlanInput, PlanPolicy, plan, wanted  # noqa: E402
+from app.control.plan.scaling import Scaler  # noqa: E402
 
 GPUS_PER_NODE = 8
 MODELS = 5000
@@ -125,11 +126,11 @@ def one_pass(f: Fleet, replicas: Mapping[str, s.Replica], suffix: Callable[[], s
     floors = {name: wanted(spec, None, NOW) for name, spec in f.models.items()}
     scaler = Scaler(window=300.0, default_target=16)
     targets = scaler.step(f.models, replicas, f.loads, floors, 0.0)
-    return plan(
-        f.models, f.nodes, replicas, now=NOW, drain_seconds=60.0, new_suffix=suffix,
-        absent_for={}, node_grace=30.0, statuses=f.statuses, failed=set(),
-        inflight={}, last_used={}, idle_slack=0.0, nodeconfs={}, quotas={},
-        targets=targets, loads=f.loads)
+    return plan(PlanInput(
+            f.models, f.nodes, replicas, now=NOW, absent_for={}, statuses=f.statuses,
+            failed=set(), inflight={}, last_used={}, nodeconfs={}, quotas={}, targets=targets,
+            loads=f.loads),
+            PlanPolicy(drain_seconds=60.0, new_suffix=suffix, node_grace=30.0, idle_slack=0.0))
 
 
 def tenth_gone(f: Fleet) -> dict[str, s.Replica]:

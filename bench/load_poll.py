@@ -45,7 +45,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
 import peers  # noqa: E402
 
 from app.router.engine_load import EngineLoadPoller, NodeAgent  # noqa: E402
-from app.router.entries import Endpoint  # noqa: E402
+from app.router.published import Endpoint  # noqa: E402
 from app.router.table import RouteTable  # noqa: E402
 from app.router.upstream import UpstreamClient  # noqa: E402
 from app.wire.loads import loads_answer, read_capped  # noqa: E402

@@ -41,7 +41,7 @@ for _p in (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve(
         sys.path.insert(0, _p)
 from peers import http, wait_for  # noqa: E402
 
-from app.router.estimates import DEFAULT_RESERVE, reservation  # noqa: E402
+from app.router.usage.estimates import DEFAULT_RESERVE, reservation  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from app.control.adapters import AdapterLoop, BaseReplica, decide, size_for
 from app.control.keys import SecretRing
 from app.control.leader import Elector
 from app.control.mirror import Mirror
-from app.control.plan_phases import _matches, _spec_runs
+from app.control.plan.phases import _matches, _spec_runs
 from app.control.usage import UsagePublisher
 from app.gateway.publish import Publisher
 from app.router.table import RouteTable

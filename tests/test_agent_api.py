@@ -120,7 +120,7 @@ async def test_assignments_carry_the_revision_they_were_read_at(
         bodies = []
         for app in (a, b):
             await app.state.gateway.mirror.wait_for(rev, 5)
-            # Made at start, in the background (app/gateway/parts.py).
+            # Made at start, in the background (app/gateway/assembly.py).
             await until(app.state.gateway.mirror.store_id, "the store id mirrored")
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as c:

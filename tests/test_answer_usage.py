@@ -1,5 +1,5 @@
 """A whole answer's usage read without decoding the answer
-(app/router/answer_usage.py): always the top-level `usage` a full decode
+(app/router/usage/answer_usage.py): always the top-level `usage` a full decode
 finds, whatever else the answer holds."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from app.router import answer_usage as au
-from app.router.answer_usage import answer_usage
+from app.router.usage import answer_usage as au
+from app.router.usage.answer_usage import answer_usage
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
          "prompt_tokens_details": None}

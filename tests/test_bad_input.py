@@ -97,7 +97,9 @@ def test_admin_errors_are_problem_json(gw: GatewayProc) -> None:
     assert m1["aliases"] == ["a1"]
     # No node to run it: any gateway can say why (placement is pure).
     assert m1["status"] == {"wanted": 1, "replicas": 0, "ready": 0, "failed": [],
-                           "unplaced": "no nodes", "health": {
+                           "unplaced": "no nodes", "placement": {
+                               "nodes_evaluated": 0, "nodes_filtered": {}, "nodes_exhausted": {},
+                               "reasons": [], "text": "no nodes"}, "health": {
                                "state": "unplaceable", "reasons": {},
                                "detail": "0 of 1 replicas placed; no nodes"}}
 

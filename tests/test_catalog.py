@@ -22,9 +22,9 @@ from pydantic import ValidationError
 
 from app.control import catalog
 from app.control import state as s
-from app.control.plan import plan
+from app.control.plan.planner import PlanInput, PlanPolicy, plan
+from app.gateway.gateway import Gateway
 from app.gateway.main import GatewayApp, create_app
-from app.gateway.parts import Gateway
 from app.gateway.settings import Settings
 from app.wire import catalog as rules
 from tests.support.etcd import EtcdServer, ExternalEtcd
@@ -216,7 +216,7 @@ async def test_full_specs_are_stored_as_given_and_exported(
             break
         await asyncio.sleep(0.05)
     assert remote["status"] == {"wanted": 0, "replicas": 0, "ready": 0, "failed": [],
-                                "unplaced": None, "health": {
+                                "unplaced": None, "placement": None, "health": {
                                     "state": "unplaceable", "reasons": {}, "detail": (
                                         "the key file of external model 'remote' cannot be "
                                         "used: it does not exist")}}
@@ -283,7 +283,7 @@ async def test_two_gateways_starting_together_seed_once(
     apps = [create_app(settings(tmp_path, name, port=port, **shared))
             for name, port in (("g1", 18101), ("g2", 18102))]
     gateways: list[Gateway] = [a.state.gateway for a in apps]
-    caplog.set_level(logging.INFO, logger="app.gateway.parts")
+    caplog.set_level(logging.INFO, logger="app.gateway.assembly")
     await asyncio.gather(*(g.start() for g in gateways))
     try:
         for g in gateways:
@@ -311,7 +311,7 @@ async def test_an_unreachable_store_defers_the_seed_and_exports_nothing(tmp_path
     gw: Gateway = app.state.gateway
     await gw.start()  # serves meanwhile; the seed is retried in the background
     try:
-        assert any(t.get_name() == "catalog-seed" and not t.done() for t in gw._tasks)
+        assert any(t.get_name() == "catalog-seed" and not t.done() for t in gw.supervisor.spawned)
         async with client(app) as c:
             r = await c.get("/admin/catalog")
             # Not an empty catalog, which saved as a file would seed nothing.
@@ -373,8 +373,9 @@ def gpu_node(name: str, gpus: int) -> s.NodeInfo:
 
 def run_plan(models: dict[str, s.StoredModel], nodes: list[s.NodeInfo],
              replicas: dict[str, s.Replica]) -> Any:
-    return plan(models, {n.name: n for n in nodes}, replicas, now=100.0, drain_seconds=2.0,
-                new_suffix=lambda: "a1")
+    return plan(PlanInput(
+            models, {n.name: n for n in nodes}, replicas, now=100.0),
+            PlanPolicy(drain_seconds=2.0, new_suffix=lambda: "a1"))
 
 
 def test_old_stored_specs_and_replicas_load_and_mean_the_same() -> None:

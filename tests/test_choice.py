@@ -21,7 +21,7 @@ from app.router.choice import (
     ring_shares,
 )
 from app.router.engine_load import EngineLoadPoller
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.table import RouteTable
 from app.router.upstream import UpstreamClient
 from app.wire.loads import Counts, parse_vllm_metrics

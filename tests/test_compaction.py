@@ -15,7 +15,7 @@ from etcd3aio import Etcd3Client
 
 from app.control.compaction import Compactor
 from app.store.base import StoreUnavailable
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import until
 from tests.test_agent_api import gateways

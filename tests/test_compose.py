@@ -18,7 +18,7 @@ import yaml
 
 from app.cli import _CUT_SLACK
 from app.gateway.settings import Settings
-from app.store.etcd_endpoints import parse_endpoints
+from app.store.etcd.endpoints import parse_endpoints
 from tests.support.procs import ROOT
 from tests.test_haproxy import SHIPPED_CONFIG
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.gateway.parts import Gateway
+from app.gateway.gateway import Gateway
 from tests.test_catalog import client, settings, started
 from tests.test_fleet_api import _add_node
 

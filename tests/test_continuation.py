@@ -19,7 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from app.router.continuation import Splice, resumable
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.timeouts import Timeouts
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args

@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 
 from app.control.keys import hash_client_key
+from app.gateway.gateway import Gateway
 from app.gateway.main import create_app
-from app.gateway.parts import Gateway
 from app.gateway.settings import Settings
 from tests.support.procs import free_port, until
 

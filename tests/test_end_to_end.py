@@ -40,7 +40,8 @@ def test_vllm_replica_serves_through_every_gateway(
     with gws[0].admin() as admin:
         status = admin.get("/admin/models/tiny-chat").json()["status"]
     assert status == {"wanted": 1, "replicas": 1, "ready": 1, "failed": [],
-                      "unplaced": None, "health": {"state": "ok", "detail": "", "reasons": {}}}
+                      "unplaced": None, "placement": None,
+                      "health": {"state": "ok", "detail": "", "reasons": {}}}
 
     for gw in gws:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)

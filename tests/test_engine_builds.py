@@ -24,7 +24,8 @@ from app.agent.engines import EngineSpec, command, environment
 from app.agent.gpus import Hardware, declared
 from app.agent.nodeops import NodeOpsConfig
 from app.control import state as s
-from app.control.placement import Fit, NoFit, place
+from app.control.placement.placer import place
+from app.control.placement.verdict import Fit, NoFit
 from app.control.state import DEFAULT_VLLM_CPU_VERSION, DEFAULT_VLLM_VERSION
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import FAKE_BIN, ROOT, until
@@ -105,7 +106,7 @@ async def test_a_failed_gpu_check_is_shown_with_its_output_and_not_retried(
                       vllm_build_check=b.status())
     fit = place("m", s.StoredModel(name="m", model="org/m"), {"h1": node}, {})
     assert isinstance(fit, NoFit)
-    assert fit.reasons == {"h1": f"no usable vLLM build (cu129 (vLLM {DEFAULT_VLLM_VERSION}): "
+    assert fit.texts() == {"h1": f"no usable vLLM build (cu129 (vLLM {DEFAULT_VLLM_VERSION}): "
                                  "GPU check failed (exit 3); output:)"}
 
 
@@ -197,7 +198,7 @@ def test_placement_keeps_vllm_off_nodes_without_a_usable_build() -> None:
     ok = s.NodeInfo(name="ok", gpus=declared(1), engines=["vllm"], vllm_build="cu13")
     old = s.NodeInfo(name="old", gpus=declared(1), engines=["vllm"])  # an older agent
     fit = place("m", spec, {"ok": ok}, {}, nodeconfs={"ok": s.NodeConf(engine_build="none")})
-    assert isinstance(fit, NoFit) and fit.reasons == {"ok": "engine build set to none"}
+    assert isinstance(fit, NoFit) and fit.texts() == {"ok": "engine build set to none"}
     assert place("m", spec, {"ok": ok}, {}) == Fit("ok", [0])
     assert place("m", spec, {"old": old}, {}) == Fit("old", [0])
 
@@ -290,7 +291,7 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
             with pytest.raises(OSError, match="no usable vLLM build"):
                 agent._vllm_bin(engine)
             assert "CUDA error: no kernel image" in info.vllm_build_check
-            assert isinstance(fit, NoFit) and fit.reasons["h1"].startswith(
+            assert isinstance(fit, NoFit) and fit.texts()["h1"].startswith(
                 f"no usable vLLM build (cu129 (vLLM {DEFAULT_VLLM_VERSION}): GPU check failed")
             assert info.vllm_version == ""
 
@@ -318,7 +319,7 @@ async def test_a_build_chosen_on_the_api_reaches_the_agent_and_placement(
         r = await c.put("/admin/nodes/h1/engine-build", json={"build": "none"})
         assert r.status_code == 200, r.text
         fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())
-        assert isinstance(fit, NoFit) and fit.reasons == {"h1": "engine build set to none"}
+        assert isinstance(fit, NoFit) and fit.texts() == {"h1": "engine build set to none"}
 
         r = await c.put("/admin/nodes/h1/engine-build", json={"build": "cu12"})
         assert r.status_code == 422, r.text
@@ -387,13 +388,13 @@ def test_a_gpus_0_vllm_replica_goes_to_a_node_with_the_cpu_build_only() -> None:
     assert place("c", cpu, nodes, {}) == Fit("c1", [])
     assert place("g", gpu, nodes, {}) == Fit("g1", [0])
     fit = place("c", cpu, {"g1": nodes["g1"]}, {})
-    assert isinstance(fit, NoFit) and fit.reasons == {
+    assert isinstance(fit, NoFit) and fit.texts() == {
         "g1": "vLLM build cu13 runs on GPUs: a gpus 0 replica needs the cpu build"}
     gpu_on_cpu = s.NodeInfo(name="g2", gpus=declared(1), engines=["vllm"], vllm_build="cpu")
     fit = place("g", gpu, {"g2": gpu_on_cpu}, {})
-    assert isinstance(fit, NoFit) and fit.reasons == {
+    assert isinstance(fit, NoFit) and fit.texts() == {
         "g2": "vLLM build cpu runs on CPUs: a GPU replica needs a CUDA build"}
     none_yet = s.NodeInfo(name="c2", engines=["llamacpp"], vllm_build="",
                           vllm_build_check="no CUDA driver found: no vLLM build can run here")
     fit = place("c", cpu, {"c2": none_yet}, {})
-    assert isinstance(fit, NoFit) and fit.reasons == {"c2": "engine vllm not available"}
+    assert isinstance(fit, NoFit) and fit.texts() == {"c2": "engine vllm not available"}

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig
 
 # What llama-cpp-python 0.3.36 answered (seen with SmolLM2) to OpenAI's

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from app.store.base import StoreUnavailable
-from app.store.etcd import EtcdStore
-from app.store.etcd_endpoints import EtcdEndpoint, grpc_target, parse_endpoint
+from app.store.etcd.endpoints import EtcdEndpoint, grpc_target, parse_endpoint
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer, ExternalEtcd, throwaway_etcd, unready_gateway
 from tests.support.procs import Cluster, make_key, put_model, wait_for
 

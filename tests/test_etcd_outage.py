@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from app.store.base import LeaseExpired, StoreError, StoreUnavailable
-from app.store.etcd_wire import translated
+from app.store.etcd.errors import translated
 from app.store.health import HealthTracker
 from tests.support.etcd import EtcdServer, free_port, unready_gateway
 from tests.support.procs import (

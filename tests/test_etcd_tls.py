@@ -17,8 +17,8 @@ import pytest
 import trustme
 
 from app.store.base import StoreUnavailable
-from app.store.etcd import EtcdStore
-from app.store.etcd_tls import EtcdTls, load
+from app.store.etcd.store import EtcdStore
+from app.store.etcd.tls import EtcdTls, load
 from tests.support.etcd import EtcdServer, EtcdTlsFiles, free_port, throwaway_etcd, unready_gateway
 from tests.support.procs import ROOT, Cluster, wait_for
 
@@ -164,9 +164,10 @@ async def test_each_host_gets_its_own_verified_channel_and_a_failed_one_hands_ov
         assert [type(f) for f in failures] == [StoreUnavailable, StoreUnavailable], failures
         assert await store.put("k", b"v") > 0
         assert store.health().state == "reachable"
-        assert store._channel is not None
-        assert store._channel.target.startswith("gone.example=ipv4:127.0.0.1:")
-        assert f"; localhost=ipv4:127.0.0.1:{tls_etcd.client_port}" in store._channel.target
+        channel = store._connection.channel
+        assert channel is not None
+        assert channel.target.startswith("gone.example=ipv4:127.0.0.1:")
+        assert f"; localhost=ipv4:127.0.0.1:{tls_etcd.client_port}" in channel.target
     finally:
         await store.close()
 

@@ -19,11 +19,11 @@ from app.control import state as s
 from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
+from app.gateway.gateway import Gateway
 from app.gateway.main import create_app
-from app.gateway.parts import Gateway
 from app.gateway.publish import Publisher
 from app.gateway.settings import Settings
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import free_port, until
@@ -238,7 +238,7 @@ def test_a_providers_responses_events_name_the_catalogs_model() -> None:
     """The Responses API's stream names the model inside each event's
     `response` (response.created, response.completed): renamed there too;
     chat chunks at the top; anything else untouched."""
-    from app.router.renamed import renamed_events
+    from app.router.answer_model import renamed_events
 
     created = {"type": "response.created", "response": {"id": "r1", "model": "gpt-x-2024"}}
     delta = {"type": "response.output_text.delta", "delta": "hi"}

@@ -15,6 +15,7 @@ from app.agent import fabric
 from app.agent.engines import EngineSpec
 from app.agent.nodeapi import NodeApi, NodeApiConfig
 from app.api.fabric import directions
+from app.wire.fabric import MAX_BYTES, MAX_SECONDS, SINK_PATH
 from app.wire.tokens import node_token
 from tests.support.procs import SECRET, Cluster, GatewayProc, wait_for
 from tests.test_ctl import ctl
@@ -43,9 +44,9 @@ def test_a_ticket_opens_the_sink_once_and_within_its_minute() -> None:
 
 def test_send_requests_are_capped() -> None:
     ok = {"sink_url": "http://127.0.0.1:1/node/v1/fabric/sink", "ticket": "t"}
-    assert fabric.check_send(ok) == (ok["sink_url"], "t", 1.0, fabric.MAX_BYTES)
-    for bad in ({**ok, "seconds": fabric.MAX_SECONDS + 0.1}, {**ok, "seconds": 0},
-                {**ok, "bytes": fabric.MAX_BYTES + 1}, {**ok, "bytes": True},
+    assert fabric.check_send(ok) == (ok["sink_url"], "t", 1.0, MAX_BYTES)
+    for bad in ({**ok, "seconds": MAX_SECONDS + 0.1}, {**ok, "seconds": 0},
+                {**ok, "bytes": MAX_BYTES + 1}, {**ok, "bytes": True},
                 {**ok, "sink_url": "file:///etc/passwd"}, {**ok, "ticket": ""}, []):
         with pytest.raises(fabric.FabricError) as exc:
             fabric.check_send(bad)
@@ -67,7 +68,7 @@ async def test_an_agent_streams_to_another_agents_sink_with_its_ticket(tmp_path:
             as_b = {"Authorization": "Bearer token-b"}
             ticket = (await c.post(url_b + "/node/v1/fabric/ticket", headers=as_b)).json()
             assert ticket["expires_in"] == fabric.TICKET_TTL
-            body = {"sink_url": url_b + fabric.SINK_PATH, "ticket": ticket["ticket"],
+            body = {"sink_url": url_b + SINK_PATH, "ticket": ticket["ticket"],
                     "seconds": 2, "bytes": 3 * fabric.CHUNK + 7}
             r = await c.post(url_a + "/node/v1/fabric/send", json=body, headers=as_a)
             assert r.status_code == 200, r.text
@@ -77,7 +78,7 @@ async def test_an_agent_streams_to_another_agents_sink_with_its_ticket(tmp_path:
             r = await c.post(url_a + "/node/v1/fabric/send", json=body, headers=as_a)
             assert r.status_code == 502 and "answered 401" in r.json()["detail"], r.text
             # B's node token does not open B's sink: only a ticket does.
-            r = await c.post(url_b + fabric.SINK_PATH, content=b"x", headers=as_b)
+            r = await c.post(url_b + SINK_PATH, content=b"x", headers=as_b)
             assert r.status_code == 401
     finally:
         for api in apis:
@@ -125,9 +126,9 @@ def test_fabric_test_between_two_agents_on_loopback(cluster: Cluster) -> None:
     auth = {"Authorization": f"Bearer {node_token(SECRET, 'node-2')}"}
     ticket = httpx.post(api + "/node/v1/fabric/ticket", headers=auth).json()["ticket"]
     sink = {"Authorization": f"Bearer {ticket}"}
-    first = httpx.post(api + fabric.SINK_PATH, content=b"x" * 1000, headers=sink)
+    first = httpx.post(api + SINK_PATH, content=b"x" * 1000, headers=sink)
     assert first.status_code == 200 and first.json()["bytes"] == 1000, first.text
-    again = httpx.post(api + fabric.SINK_PATH, content=b"x", headers=sink)
+    again = httpx.post(api + SINK_PATH, content=b"x", headers=sink)
     assert again.status_code == 401, again.text
 
     done = ctl("fabric-test", "node-2", "node-1", "--seconds", "0.2", "--json",

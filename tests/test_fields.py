@@ -1,5 +1,5 @@
 """The fields the gateway acts on, type-checked at the edge
-(app/router/fields.py; docs/architecture.md, "Security"): raw HTTP through a
+(app/router/body_fields.py; docs/architecture.md, "Security"): raw HTTP through a
 real all-in-one gateway serving the vLLM stand-in, whose pydantic-like
 laxness (`"stream": 1` streams) is what made a loose field escape usage."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.router.fields import checked_model
-from app.router.replies import Reply
+from app.router.body_fields import checked_model
+from app.router.own_answers import Reply
 from tests.support.procs import FAKE_BIN, Cluster, GatewayProc, serve_one, wait_for
 
 CHAT = "/v1/chat/completions"

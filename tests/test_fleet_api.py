@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 
 from app.control import state as s
-from app.control.placement import NoFit, place
+from app.control.placement.placer import place
+from app.control.placement.verdict import NoFit
 from app.gateway.main import create_app
 from app.gateway.settings import Settings
 from app.store.base import TxnResult
@@ -57,7 +58,7 @@ async def test_cordon_drain_and_uncordon_a_node(
         # Placement, on this gateway's mirror, now refuses the node and says why.
         spec = s.StoredModel(name="m", model="org/m")
         fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())
-        assert isinstance(fit, NoFit) and fit.reasons == {"h1": "cordoned"}
+        assert isinstance(fit, NoFit) and fit.texts() == {"h1": "cordoned"}
 
         r = await c.post("/admin/nodes/h1/drain")
         assert (r.json()["cordoned"], r.json()["draining"]) == (True, True)
@@ -198,7 +199,7 @@ async def test_clearing_a_sick_gpu_puts_it_back_into_placement(
         spec = s.StoredModel(name="m", model="org/m")
         fit = place("m", spec, gw.mirror.nodes(), {}, nodeconfs=gw.mirror.nodeconfs())
         assert isinstance(fit, NoFit)
-        assert fit.reasons == {"h1": "needs 1 free GPUs, has 0 of 1; GPU 0 unhealthy"}
+        assert fit.texts() == {"h1": "needs 1 free GPUs, has 0 of 1; GPU 0 unhealthy"}
         nodes = (await c.get("/admin/nodes")).json()
         assert nodes[0]["gpus_unhealthy"] == 1 and nodes[0]["gpus"][0]["unhealthy"] is True
 

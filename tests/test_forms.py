@@ -1,5 +1,5 @@
 """Speech to text's form, read by the gateway as the engine reads it
-(app/router/forms.py; docs/architecture.md, "The Responses API and vLLM's
+(app/router/multipart_form.py; docs/architecture.md, "The Responses API and vLLM's
 other routes"): the in-process router in front of the vLLM stand-in, whose
 form is read by Starlette's own `Request.form()`, as vLLM's is. A form the
 two could read two ways is refused before it reaches an engine."""
@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestServer
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant
-from app.router.forms import Form, form_fields
-from app.router.replies import Reply
+from app.router.multipart_form import Form, form_fields
+from app.router.own_answers import Reply
+from app.router.published import CatalogEntry, Endpoint, KeyGrant
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args
 from tests.fakes.fake_vllm_responses import starlette_form

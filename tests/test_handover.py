@@ -19,9 +19,9 @@ import pytest
 from app.control import state as s
 from app.control.leader import Elector
 from app.control.mirror import Mirror
-from app.control.reconciler import Reconciler
+from app.control.reconciler import Reconciler, ReconcileSettings
 from app.store.base import Compare, Op, Store, StoreUnavailable, TxnResult, WatchBatch
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer, ExternalEtcd
 
 
@@ -80,8 +80,8 @@ def side(store: Store, name: str, suffixes: list[str]) -> Side:
                                            started=0), ttl=10)
     it = iter(suffixes)
     wall = Clock(1000.0)
-    rec = Reconciler(store, mirror, elector, drain_seconds=5, interval=1, node_grace=30,
-                     wall=wall, new_suffix=lambda: next(it))
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=5, interval=1, node_grace=30, new_suffix=lambda: next(it)), wall=wall)
     return Side(store, mirror, elector, rec, wall)
 
 

@@ -25,8 +25,8 @@ from app.control.keyfiles import (
 )
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
+from app.gateway.gateway import Gateway
 from app.gateway.main import create_app
-from app.gateway.parts import Gateway
 from app.gateway.publish import Publisher
 from app.gateway.settings import Settings
 from app.router.table import RouteTable

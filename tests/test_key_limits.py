@@ -1,4 +1,4 @@
-"""Client key limits, router side (app/router/limits.py), in-process with an
+"""Client key limits, router side (app/router/usage/limits.py), in-process with an
 injected clock: each gateway's share, the windows, what a refusal says, and
 the usage read from answers and streams."""
 
@@ -11,15 +11,9 @@ import time
 
 import pytest
 
-from app.router.limits import (
-    Limiter,
-    Limits,
-    OverLimit,
-    Ticket,
-    ask_for_usage,
-    estimate_usage,
-    share,
-)
+from app.router.usage.estimates import ask_for_usage, estimate_usage
+from app.router.usage.limits import Limiter, Limits, Ticket
+from app.router.usage.overlimit import OverLimit, share
 from tests.support.proxy_rig import FakeClock
 
 
@@ -76,10 +70,10 @@ def test_tokens_are_charged_when_the_answer_ends_and_may_overshoot_by_it() -> No
     tpm = Limits(tokens_per_minute=100)
     t1 = lim.admit("k", "m", tpm)
     t2 = lim.admit("k", "m", tpm)  # under the limit while nothing is charged
-    t1.note({"prompt_tokens": 30, "completion_tokens": 50})
+    t1.meter.note({"prompt_tokens": 30, "completion_tokens": 50})
     t1.release()
     clock.now += 5
-    t2.note({"prompt_tokens": 10, "completion_tokens": 40})
+    t2.meter.note({"prompt_tokens": 10, "completion_tokens": 40})
     t2.release()  # 130 charged: over by what was in flight, as documented
     with pytest.raises(OverLimit) as over:
         lim.admit("k", "m", tpm)
@@ -184,23 +178,23 @@ def test_a_streams_usage_is_read_and_cut_only_for_a_client_that_did_not_ask() ->
 
     stream = _sse(CHUNK, USAGE, b"[DONE]")
     cut = _ticket()
-    cut.strip_usage = True
-    assert cut.read_events(stream) == _sse(CHUNK, b"[DONE]")
-    assert (cut.prompt_tokens, cut.completion_tokens) == (7, 3)
+    cut.meter.strip_usage = True
+    assert cut.meter.read_events(stream) == _sse(CHUNK, b"[DONE]")
+    assert (cut.meter.prompt_tokens, cut.meter.completion_tokens) == (7, 3)
     kept = _ticket()
-    assert kept.read_events(stream) == stream
-    assert (kept.prompt_tokens, kept.completion_tokens) == (7, 3)
+    assert kept.meter.read_events(stream) == stream
+    assert (kept.meter.prompt_tokens, kept.meter.completion_tokens) == (7, 3)
     # A chunk naming usage but carrying choices is the client's, never cut.
     mixed = CHUNK | {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
-    assert cut.read_events(_sse(mixed)) == _sse(mixed)
+    assert cut.meter.read_events(_sse(mixed)) == _sse(mixed)
     # OpenAI's `"usage": null` on every chunk once asked: passed, nothing noted.
     nulls = _sse(CHUNK | {"usage": None}, b"[DONE]")
     fresh = _ticket()
-    fresh.strip_usage = True
-    assert fresh.read_events(nulls) == nulls and fresh.prompt_tokens == 0
+    fresh.meter.strip_usage = True
+    assert fresh.meter.read_events(nulls) == nulls and fresh.meter.prompt_tokens == 0
     # CRLF framing (sse-starlette, llama-cpp-python) is cut the same way.
     crlf = stream.replace(b"\n\n", b"\r\n\r\n")
-    assert cut.read_events(crlf) == _sse(CHUNK, b"[DONE]").replace(b"\n\n", b"\r\n\r\n")
+    assert cut.meter.read_events(crlf) == _sse(CHUNK, b"[DONE]").replace(b"\n\n", b"\r\n\r\n")
 
 
 def test_a_plain_answers_usage_is_read_even_compressed() -> None:
@@ -208,15 +202,15 @@ def test_a_plain_answers_usage_is_read_even_compressed() -> None:
                                                   "completion_tokens": 9}}).encode()
     for body, encoding in ((answer, None), (gzip.compress(answer), "gzip")):
         t = _ticket()
-        t.read_answer(body, encoding)
-        assert (t.prompt_tokens, t.completion_tokens) == (5, 9)
+        t.meter.read_answer(body, encoding)
+        assert (t.meter.prompt_tokens, t.meter.completion_tokens) == (5, 9)
     for junk, encoding in ((b"not json", None), (b"\x00", "gzip"), (answer, "br")):
         t = _ticket()
-        t.read_answer(junk, encoding)
-        assert (t.prompt_tokens, t.completion_tokens) == (0, 0)
+        t.meter.read_answer(junk, encoding)
+        assert (t.meter.prompt_tokens, t.meter.completion_tokens) == (0, 0)
     t = _ticket()
-    t.note({"prompt_tokens": -1, "completion_tokens": "3"})  # nonsense is not counted
-    assert (t.prompt_tokens, t.completion_tokens) == (0, 0)
+    t.meter.note({"prompt_tokens": -1, "completion_tokens": "3"})  # nonsense is not counted
+    assert (t.meter.prompt_tokens, t.meter.completion_tokens) == (0, 0)
 
 
 def test_a_stream_without_its_usage_event_is_estimated_and_counted_as_such() -> None:
@@ -225,12 +219,12 @@ def test_a_stream_without_its_usage_event_is_estimated_and_counted_as_such() -> 
     tpm = Limits(tokens_per_minute=100)
     cut = lim.admit("k", "m", tpm)
     whole = lim.admit("k", "m", tpm)
-    cut.body = {"messages": [{"role": "user", "content": "a" * 400}]}
+    cut.meter.body = {"messages": [{"role": "user", "content": "a" * 400}]}
     # 60 events and [DONE], no usage: llama-cpp-python's server, say.
-    cut.read_events(b'data: {"choices": []}\n\n' * 60 + b"data: [DONE]\n\n")
+    cut.meter.read_events(b'data: {"choices": []}\n\n' * 60 + b"data: [DONE]\n\n")
     cut.release()
-    whole.body = {"messages": [{"role": "user", "content": "hi"}]}
-    whole.read_events(b'data: {"choices": []}\n\n'
+    whole.meter.body = {"messages": [{"role": "user", "content": "hi"}]}
+    whole.meter.read_events(b'data: {"choices": []}\n\n'
                       b'data: {"choices": [], "usage": {"prompt_tokens": 3, '
                       b'"completion_tokens": 1}}\n\n')
     whole.release()
@@ -247,25 +241,25 @@ def test_a_llamacpp_stream_to_its_end_is_counted_its_prompt_added_later() -> Non
     lim = Limiter(clock=clock)
     tpm = Limits(tokens_per_minute=30)
     chat = lim.admit("k", "m", tpm)
-    chat.body, chat.chat = {"messages": [{"role": "user", "content": "a" * 400}]}, True
-    chat.count_at = ("http://engine", "engine-key")
+    chat.meter.body, chat.meter.chat = {"messages": [{"role": "user", "content": "a" * 400}]}, True
+    chat.meter.count_at = ("http://engine", "engine-key")
     role = b'data: {"choices": [{"delta": {"role": "assistant"}}]}\r\n\r\n'
     token = b'data: {"choices": [{"delta": {"content": "x"}}]}\r\n\r\n'
     end = b'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\r\n\r\n'
-    chat.read_events(role + token * 7)
-    chat.read_events(token * 5 + end + b"data: [DONE]\r\n\r\n")
+    chat.meter.read_events(role + token * 7)
+    chat.meter.read_events(token * 5 + end + b"data: [DONE]\r\n\r\n")
     chat.release()
-    assert chat.prompt_later and (chat.prompt_tokens, chat.completion_tokens) == (0, 12)
+    assert chat.prompt_later and (chat.meter.prompt_tokens, chat.meter.completion_tokens) == (0, 12)
     text = lim.admit("k", "m", tpm)  # a text completion: no role event
-    text.body, text.count_at = {"prompt": "hello"}, ("http://engine", "engine-key")
-    text.read_events(token * 3 + end + b"data: [DONE]\r\n\r\n")
+    text.meter.body, text.meter.count_at = {"prompt": "hello"}, ("http://engine", "engine-key")
+    text.meter.read_events(token * 3 + end + b"data: [DONE]\r\n\r\n")
     text.release()
-    assert text.prompt_later and text.completion_tokens == 3
+    assert text.prompt_later and text.meter.completion_tokens == 3
     # Cut before its [DONE]: estimated as before, its prompt not counted later.
     cut = lim.admit("k", "m", tpm)
-    cut.body, cut.chat = {"messages": [{"role": "user", "content": "12345678"}]}, True
-    cut.count_at = ("http://engine", "engine-key")
-    cut.read_events(role + token * 4)
+    cut.meter.body, cut.meter.chat = {"messages": [{"role": "user", "content": "12345678"}]}, True
+    cut.meter.count_at = ("http://engine", "engine-key")
+    cut.meter.read_events(role + token * 4)
     cut.release()
     assert not cut.prompt_later
     assert lim.take_usage() == {("k", "m"): (3, 2, 12 + 3 + 4, 1)}

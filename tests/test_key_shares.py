@@ -1,4 +1,4 @@
-"""Each gateway's claims on a client key's limits (app/router/shares.py, the
+"""Each gateway's claims on a client key's limits (app/router/usage/shares.py, the
 pure decisions; app/gateway/key_shares.py, the loop), in-process: three limiters,
 three mirrors of one embedded store, one injected clock, the loop's steps
 driven by hand. The cross-process checks are in tests/test_key_shares_procs.py."""
@@ -15,10 +15,11 @@ import pytest
 
 from app.control import state as s
 from app.control.mirror import Mirror
-from app.gateway.key_shares import SERIAL, KeyShares, claim_floors
-from app.router.entries import Limits
-from app.router.limits import Limiter, OverLimit, Ticket
-from app.router.shares import next_claim, split, targets
+from app.gateway.key_shares import SERIAL, Holder, KeyShares, claim_floors
+from app.router.published import Limits
+from app.router.usage.limits import Limiter, Ticket
+from app.router.usage.overlimit import OverLimit
+from app.router.usage.shares import next_claim, split, targets
 from app.store.embedded import EmbeddedStore
 from tests.support.proxy_rig import FakeClock
 
@@ -86,8 +87,9 @@ class Fleet:
                 lim.floor, lim.lapsed_floor = claim_floors(int(gw.partition("-w")[2] or 0))
         # Until when each gateway can prove its lease (Elector.proven_until).
         self.until = [float("inf") for _ in ids]
-        self.loops = [KeyShares(store, m, lim, gw, lambda: lease, refresh=0.5, clock=clock,
-                                until=lambda i=i: self.until[i], hold=HOLD, monotonic=clock)
+        self.loops = [KeyShares(store, m, lim, Holder(gw, lambda: lease,
+                                                      lambda i=i: self.until[i], HOLD),
+                                refresh=0.5, clock=clock, monotonic=clock)
                       for i, (m, lim, gw) in enumerate(zip(mirrors, self.limiters, ids,
                                                            strict=True))]
         for loop in self.loops:
@@ -387,7 +389,7 @@ def _try(limiter: Limiter, limits: Limits, gateways: int) -> Ticket | None:
 
 
 async def test_the_external_budget_is_claimed_as_the_other_limits_are(fleet: Fleet) -> None:
-    """Spill-over's `external_tokens_per_day` (app/router/budget.py) moves
+    """Spill-over's `external_tokens_per_day` (app/router/usage/budget.py) moves
     between gateways through the same claims."""
     rev = await fleet.store.put(s.KEYS + "h", s.ClientKey(
         id="k1", name="t", created=0, limits=s.KeyLimits(
@@ -399,7 +401,7 @@ async def test_the_external_budget_is_claimed_as_the_other_limits_are(fleet: Fle
     ticket = fleet.ask(0, Limits(external_tokens_per_day=100))
     assert ticket is not None
     ticket.external = True
-    ticket.note({"prompt_tokens": 5, "completion_tokens": 1})
+    ticket.meter.note({"prompt_tokens": 5, "completion_tokens": 1})
     ticket.release()
     with pytest.raises(OverLimit) as over:
         budget.reserve("k1", 100, 3, "m", "x", 0)

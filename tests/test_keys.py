@@ -24,10 +24,10 @@ from app.control.keys import hash_client_key
 from app.control.mirror import Mirror
 from app.gateway.main import GatewayApp, create_app
 from app.gateway.settings import Settings
-from app.router.entries import Limits
-from app.router.limits import Limiter
+from app.router.published import Limits
+from app.router.usage.limits import Limiter
 from app.store.embedded import EmbeddedStore
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args
 from tests.support.etcd import EtcdServer, ExternalEtcd

@@ -12,7 +12,7 @@ from app.control import state as s
 from app.control.leader import Elector, NotLeader
 from app.store.base import Compare, Op, Put, Store, StoreUnavailable, TxnResult
 from app.store.embedded import EmbeddedStore
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 
 
 class Clock:

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from tests.support.procs import until
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig
 
@@ -26,7 +26,7 @@ PROMPT = 21  # what the stand-in's count answers
 class Engine:
     """llama-cpp-python's stream: a role-only event (chat), one event a token,
     a last with the finish reason, `[DONE]`, never usage; its count of a chat's
-    prompt is the same chat unstreamed (app/router/counting.py). `counts`:
+    prompt is the same chat unstreamed (app/router/usage/prompt_count.py). `counts`:
     whether it answers counts (else 500, as a failing engine)."""
 
     def __init__(self) -> None:

@@ -11,9 +11,9 @@ import pytest
 from app.control import state as s
 from app.control.keys import SecretRing, engine_key, hash_client_key
 from app.control.mirror import Mirror
-from app.gateway.publish import Publisher
+from app.gateway.publish import Publisher, Timing
 from app.router.choice import ring_order
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
 from app.store.embedded import EmbeddedStore
@@ -69,7 +69,7 @@ async def test_mirror_follows_and_catches_up_after_a_stop(store: EmbeddedStore) 
 async def test_publisher_routes_only_ready_non_draining_replicas(store: EmbeddedStore) -> None:
     mirror = Mirror(store)
     table = RouteTable()
-    Publisher(mirror, table, SecretRing(SECRET), timer=lambda: 0.0)  # never paced
+    Publisher(mirror, table, SecretRing(SECRET), timing=Timing(timer=lambda: 0.0))  # never paced
     mirror.start()
 
     async def write(key: str, value: s.BaseModel) -> None:
@@ -113,7 +113,7 @@ async def test_publisher_routes_only_ready_non_draining_replicas(store: Embedded
 
 
 def test_choose_prefers_the_least_busy_replica() -> None:
-    from app.router.entries import Endpoint
+    from app.router.published import Endpoint
 
     table = RouteTable()
     a, b = Endpoint("a", "http://a", "ka"), Endpoint("b", "http://b", "kb")
@@ -209,7 +209,8 @@ async def test_other_gateways_in_flight_make_a_llamacpp_queue(store: EmbeddedSto
     gateway judges it saturated alike (docs/architecture.md, Choosing a replica)."""
     mirror = Mirror(store)
     table = RouteTable()
-    Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a", timer=lambda: 0.0)
+    Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a",
+              timing=Timing(timer=lambda: 0.0))
     mirror.start()
 
     async def write(key: str, value: s.BaseModel) -> None:
@@ -254,7 +255,8 @@ async def test_a_gateway_that_has_seen_others_never_takes_itself_for_alone(
     was back, and gw-a and gw-b each held the key's whole limit."""
     mirror = Mirror(store)
     table = RouteTable()
-    Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a", timer=lambda: 0.0)
+    Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a",
+              timing=Timing(timer=lambda: 0.0))
     mirror.start()
     digest = hash_client_key("sk-test")
 
@@ -298,8 +300,8 @@ async def test_a_node_whose_key_just_went_is_routed_for_one_heartbeat_more(
     mirror = Mirror(store)
     table = RouteTable()
     clock = FakeClock()
-    pub = Publisher(mirror, table, SecretRing(SECRET), node_grace=6.0, clock=clock,
-                    timer=lambda: 0.0)
+    pub = Publisher(mirror, table, SecretRing(SECRET),
+                    timing=Timing(node_grace=6.0, clock=clock, timer=lambda: 0.0))
     mirror.start()
 
     async def write(key: str, value: s.BaseModel) -> None:
@@ -369,7 +371,7 @@ async def test_publishing_takes_a_bounded_share_of_the_loop_under_a_stream_of_ch
     def model(name: str) -> s.StoredModel:
         return s.StoredModel(name=name, model="w")
 
-    pub = Publisher(mirror, table, SecretRing(SECRET), share=0.5, timer=timer)
+    pub = Publisher(mirror, table, SecretRing(SECRET), timing=Timing(share=0.5, timer=timer))
     mirror.start()
     try:
         await put(s.MODELS + "a", model("a"))

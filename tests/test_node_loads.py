@@ -24,7 +24,7 @@ from app.control.mirror import Mirror
 from app.gateway.node_agents import NodeAgents
 from app.router.choice import EngineLoad
 from app.router.engine_load import LEGACY_RECHECK, EngineLoadPoller, NodeAgent
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.table import RouteTable
 from app.router.upstream import UpstreamClient
 from app.store.embedded import EmbeddedStore

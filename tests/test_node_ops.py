@@ -17,6 +17,7 @@ import pytest
 from app.agent import logfiles
 from app.agent.engines import open_log
 from app.control.keys import engine_key
+from app.wire.masking import MASK, mask
 from app.wire.tokens import node_token
 from tests.support.procs import SECRET, Cluster, GatewayProc, put_model, wait_for, wait_ready
 
@@ -50,10 +51,10 @@ def test_masking_covers_known_and_key_shaped_secrets() -> None:
     key = engine_key(SECRET, "m-1")
     other = engine_key(SECRET, "gone-replica")
     line = f"api_key={key} old={other} token=llmgw-node-{'a' * 40} client=sk-llmgw-{'x' * 43}"
-    masked = logfiles.mask(line, [key])
+    masked = mask(line, [key])
     assert key not in masked and other not in masked
     assert "llmgw-node-" not in masked and "sk-llmgw-x" not in masked
-    assert masked.count(logfiles.MASK) == 4
+    assert masked.count(MASK) == 4
 
 
 def admin(gw: GatewayProc) -> httpx.Client:
@@ -99,7 +100,7 @@ def test_logs_of_the_agent_and_of_a_replica_through_another_gateway(cluster: Clu
         assert r.status_code == 200, r.text
         lines = r.json()["lines"]
         assert any("Application startup complete" in line for line in lines), lines
-        assert lines[-1] == f"args: api_key={logfiles.MASK}"
+        assert lines[-1] == f"args: api_key={MASK}"
         assert key not in r.text
 
         r = c.get("/admin/nodes/node-1/logs", params={"source": rid, "lines": 2})

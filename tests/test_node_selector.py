@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.control import state as s
-from app.control.placement import Fit, NoFit, Placer, place
+from app.control.placement.placer import Placer, place
+from app.control.placement.verdict import Fit, NoFit
 from tests.test_placement import gpu_node
 
 
@@ -27,7 +28,7 @@ def test_a_node_whose_labels_do_not_match_is_refused_with_the_pairs() -> None:
     assert fit == Fit("eu-1", [0])
     none = place("m", selecting("m", zone="ap", gpu="h100"), NODES, {}, nodeconfs=CONFS)
     assert isinstance(none, NoFit)
-    assert none.reasons == {"us-1": "labels do not match node_selector zone=ap",
+    assert none.texts() == {"us-1": "labels do not match node_selector zone=ap",
                             "eu-1": "labels do not match node_selector zone=ap",
                             "bare": "labels do not match node_selector gpu=h100,zone=ap"}
 

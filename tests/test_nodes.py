@@ -11,7 +11,7 @@ from pathlib import Path
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.gateway.publish import Publisher
+from app.gateway.publish import Publisher, Timing
 from app.router.table import RouteTable
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import Cluster, make_key, put_model, replicas, routes, wait_for
@@ -23,7 +23,8 @@ async def test_replicas_of_an_absent_node_leave_the_router_and_come_back_with_it
     store = await EmbeddedStore.open(tmp_path / "state.db", expiry_interval=None)
     mirror = Mirror(store)
     table = RouteTable()
-    Publisher(mirror, table, SecretRing("nodes-test-secret-0123456789"), timer=lambda: 0.0)
+    Publisher(mirror, table, SecretRing("nodes-test-secret-0123456789"),
+              timing=Timing(timer=lambda: 0.0))
     mirror.start()
 
     async def write(key: str, value: s.BaseModel | None) -> None:

@@ -15,7 +15,7 @@ from etcd3aio import Etcd3Client
 from etcd3aio.maintenance import AlarmType
 
 from app.store.base import StoreFull
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer, throwaway_etcd
 from tests.support.procs import until
 from tests.test_agent_api import gateways

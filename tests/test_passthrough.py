@@ -1,5 +1,5 @@
 """vLLM's other routes through the router, in-process (app/router/passthrough.py,
-responses.py, forms.py): the Responses API's ids and their replica, the
+responses.py, multipart_form.py): the Responses API's ids and their replica, the
 routes outside /v1, the form's fields (docs/architecture.md, "The Responses
 API and vLLM's other routes")."""
 
@@ -15,10 +15,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router import responses
-from app.router.entries import Endpoint, KeyGrant, Limits
-from app.router.forms import form_fields
-from app.router.limits import Limiter
-from app.router.replies import Reply
+from app.router.multipart_form import form_fields
+from app.router.own_answers import Reply
+from app.router.published import Endpoint, KeyGrant, Limits
+from app.router.usage.limits import Limiter
 from tests.fakes import fake_vllm
 from tests.fakes.fake_vllm import FakeVLLM, parse_args
 from tests.support.proxy_rig import CLIENT_KEY, Rig, hash_key
@@ -250,11 +250,11 @@ def test_a_form_the_gateway_cannot_read_one_way_is_refused(raw: bytes, kind: str
 def test_the_responses_api_s_usage_is_charged_to_the_key() -> None:
     limiter = Limiter(clock=lambda: 0.0, wall=lambda: 0.0)
     ticket = limiter.admit("k", "m", Limits(tokens_per_minute=1000))
-    ticket.read_answer(b'{"usage": {"input_tokens": 5, "output_tokens": 7, '
+    ticket.meter.read_answer(b'{"usage": {"input_tokens": 5, "output_tokens": 7, '
                        b'"total_tokens": 12}}', None)
     ticket.release()
     streamed = limiter.admit("k", "m", Limits(tokens_per_minute=1000))
-    streamed.read_events(b'event: response.created\ndata: {"type": "response.created", '
+    streamed.meter.read_events(b'event: response.created\ndata: {"type": "response.created", '
                          b'"response": {"usage": null}}\n\nevent: response.completed\ndata: '
                          b'{"type": "response.completed", "response": {"usage": '
                          b'{"input_tokens": 2, "output_tokens": 3}}}\n\n')

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 from app.control import state as s
-from app.control.placement import Fit, NoFit, place
-from app.control.plan import Plan, plan, wanted
+from app.control.placement.placer import place
+from app.control.placement.verdict import Fit, NoFit
+from app.control.plan.phases import Plan
+from app.control.plan.planner import PlanInput, PlanPolicy, plan, wanted
 
 
 def gpu_node(name: str, gpus: int) -> s.NodeInfo:
@@ -38,11 +40,13 @@ def run_plan(models: list[s.StoredModel], nodes: list[s.NodeInfo],
     counter = suffixes()
     statuses = {rid: s.ReplicaStatus(id=rid, node=replicas[rid].node, phase="ready")
                 for rid in ready}
-    return plan({m.name: m for m in models}, {n.name: n for n in nodes}, replicas,
-                now=now, drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}",
-                absent_for=absent_for, node_grace=node_grace, statuses=statuses,
-                inflight=inflight, last_used=last_used, idle_slack=idle_slack,
-                nodeconfs=nodeconfs, quotas=quotas, targets=targets, loads=loads)
+    return plan(PlanInput(
+            {m.name: m for m in models}, {n.name: n for n in nodes}, replicas, now=now,
+            absent_for=absent_for or {}, statuses=statuses, inflight=inflight or {},
+            last_used=last_used or {}, nodeconfs=nodeconfs or {}, quotas=quotas or {},
+            targets=targets or {}, loads=loads or {}),
+            PlanPolicy(drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}",
+                       node_grace=node_grace, idle_slack=idle_slack))
 
 
 def old_replica(rid: str, gpu: int = 0, node: str = "n1") -> s.Replica:
@@ -64,7 +68,7 @@ def test_fills_gpus_without_overlap_and_says_why_it_cannot() -> None:
     taken = {"r1": s.Replica(id="r1", model="x", node="n1", gpus=[1], weights="w")}
     nofit = place("m", spec, nodes, taken)
     assert isinstance(nofit, NoFit)
-    assert nofit.reasons == {"n1": "needs 2 free GPUs, has 1 of 2"}
+    assert nofit.texts() == {"n1": "needs 2 free GPUs, has 1 of 2"}
 
 
 def test_llamacpp_goes_to_cpu_nodes_only() -> None:
@@ -73,7 +77,7 @@ def test_llamacpp_goes_to_cpu_nodes_only() -> None:
     fit = place("m", model("m", engine="llamacpp"), nodes, {})
     assert fit == Fit("c", [])
     nofit = place("m", model("m", engine="llamacpp"), {"g": nodes["g"]}, {})
-    assert isinstance(nofit, NoFit) and "CPU nodes" in nofit.reasons["g"]
+    assert isinstance(nofit, NoFit) and "CPU nodes" in nofit.texts()["g"]
 
 
 def test_deleted_model_drains_then_deletes_after_the_drain_period() -> None:
@@ -293,12 +297,14 @@ def test_a_replica_its_agent_gave_up_on_is_placed_again_elsewhere() -> None:
     rep = s.Replica(id="r1", model="m", node="n1", gpus=[0], weights="org/m")
     p = run_plan([model("m")], nodes, {"r1": rep})
     assert p.empty  # failed but not given up (or still backing off): the agent's to restart
-    p = plan({"m": model("m")}, {n.name: n for n in nodes}, {"r1": rep}, now=100.0,
-             drain_seconds=2.0, new_suffix=lambda: "0001", failed={"r1"})
+    p = plan(PlanInput(
+            {"m": model("m")}, {n.name: n for n in nodes}, {"r1": rep}, now=100.0, failed={"r1"}),
+            PlanPolicy(drain_seconds=2.0, new_suffix=lambda: "0001"))
     assert p.drain == ["r1"] and [(r.node, r.gpus) for r in p.create] == [("n2", [0])]
     # Nowhere else to go: the same node again, beside it (its GPU is still held).
-    p = plan({"m": model("m")}, {"n1": nodes[0]}, {"r1": rep}, now=100.0,
-             drain_seconds=2.0, new_suffix=lambda: "0001", failed={"r1"})
+    p = plan(PlanInput(
+            {"m": model("m")}, {"n1": nodes[0]}, {"r1": rep}, now=100.0, failed={"r1"}),
+            PlanPolicy(drain_seconds=2.0, new_suffix=lambda: "0001"))
     assert p.drain == ["r1"] and [(r.node, r.gpus) for r in p.create] == [("n1", [1])]
 
 

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from app.control import state as s
-from app.control.displace import Displacement, displace
-from app.control.fleet import model_health, quota_report, quota_use
-from app.control.placement import Fit, NoFit, place
+from app.control.placement.displace import Displacement, displace
+from app.control.placement.fleet import model_health, quota_report, quota_use
+from app.control.placement.placer import place
+from app.control.placement.verdict import Constraint, Fit, NoFit, Refusal
 
 H100 = 81559  # MiB nvidia-smi reports for an H100 80GB
 L40S = 46068
@@ -142,12 +143,16 @@ def test_place(row: Row) -> None:
     if isinstance(row.want, Fit):
         assert got == row.want
     else:
-        assert isinstance(got, NoFit) and got.reasons == row.want
+        assert isinstance(got, NoFit) and got.texts() == row.want
+
+
+CORDONED = Refusal(Constraint.CORDONED, "cordoned")
+DRAINING = Refusal(Constraint.DRAINING, "draining")
 
 
 def test_nofit_reads_as_one_line_per_node() -> None:
     assert str(NoFit({})) == "no nodes"
-    assert str(NoFit({"b": "cordoned", "a": "draining"})) == "a: draining; b: cordoned"
+    assert str(NoFit.of({"b": CORDONED, "a": DRAINING})) == "a: draining; b: cordoned"
 
 
 # --- priorities: displacement ---------------------------------------------------------
@@ -234,7 +239,7 @@ def test_displace(row: DRow) -> None:
 def test_health_says_ok_degraded_or_unplaceable_with_each_nodes_reason() -> None:
     two = spec(mn=2, gpus=1)
     placed = [rep("m-1", "m", "h1", [0])]
-    why = NoFit({"h2": "cordoned"})
+    why = NoFit.of({"h2": CORDONED})
     assert model_health(two, [*placed, rep("m-2", "m", "h2", [0])], None).state == "ok"
     degraded = model_health(two, placed, why)
     assert (degraded.state, degraded.reasons) == ("degraded", {"h2": "cordoned"})

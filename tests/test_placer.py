@@ -1,4 +1,4 @@
-"""`Placer` (app/control/placement.py) places many replicas in one pass and
+"""`Placer` (app/control/placement/placer.py) places many replicas in one pass and
 must pick what a full scan of the fleet picks every time: the node that fits
 with the lowest (replicas of the model, replicas, -free GPUs, name)."""
 
@@ -9,7 +9,8 @@ import random
 import pytest
 
 from app.control import state as s
-from app.control.placement import Fit, NoFit, Placer, place
+from app.control.placement.placer import Placer, place
+from app.control.placement.verdict import Fit, NoFit
 
 
 def _fleet(rng: random.Random) -> tuple[dict[str, s.NodeInfo], dict[str, s.NodeConf]]:
@@ -57,7 +58,7 @@ def test_a_placer_picks_what_a_full_scan_picks_as_replicas_are_added(seed: int) 
         assert fit == place(name, spec, nodes, replicas, nodeconfs=confs)
         want = _expected(name, spec, nodes, replicas, confs)
         if want is None:
-            assert isinstance(fit, NoFit) and fit.reasons
+            assert isinstance(fit, NoFit) and fit.refusals
             refused += 1
             continue
         assert isinstance(fit, Fit) and fit.node == want, (step, name)

@@ -18,8 +18,9 @@ import itertools
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.placement import NoFit
-from app.control.plan import Plan, plan
+from app.control.placement.verdict import Constraint, NoFit, Refusal
+from app.control.plan.phases import Plan
+from app.control.plan.planner import PlanInput, PlanPolicy, plan
 from app.gateway.publish import Publisher
 from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
@@ -57,9 +58,9 @@ def full_fleet(nodes: int, waiting: int = 0
 def one_pass(nodes: int, waiting: int = 0, secret_id: str = "") -> tuple[int, Plan]:
     models, infos, replicas, statuses = full_fleet(nodes, waiting)
     suffix = itertools.count()
-    return calls(lambda: plan(models, infos, replicas, now=NOW, drain_seconds=60.0,
-                              new_suffix=lambda: f"new{next(suffix)}", statuses=statuses,
-                              secret_id=secret_id))
+    return calls(lambda: plan(PlanInput(
+            models, infos, replicas, now=NOW, statuses=statuses, secret_id=secret_id),
+            PlanPolicy(drain_seconds=60.0, new_suffix=lambda: f"new{next(suffix)}")))
 
 
 def test_a_rollout_on_a_full_fleet_drains_first_at_a_cost_linear_in_the_fleet() -> None:
@@ -90,10 +91,12 @@ def test_why_a_model_is_not_placed_stays_short_on_a_large_fleet() -> None:
 
 
 def test_distinct_reasons_are_each_said_with_their_nodes() -> None:
-    reasons = {"b": "cordoned", "a": "draining", "c": "cordoned"}
-    assert str(NoFit(reasons)) == "a: draining; b, c: cordoned"
-    many = {f"n{i:03d}": "cordoned" for i in range(40)} | {"x": "draining"}
-    said = str(NoFit(many))
+    cordoned = Refusal(Constraint.CORDONED, "cordoned")
+    draining = Refusal(Constraint.DRAINING, "draining")
+    reasons = {"b": cordoned, "a": draining, "c": cordoned}
+    assert str(NoFit.of(reasons)) == "a: draining; b, c: cordoned"
+    many = {f"n{i:03d}": cordoned for i in range(40)} | {"x": draining}
+    said = str(NoFit.of(many))
     assert said == ("40 nodes: cordoned (n000, n001, n002, n003, n004 and 35 more); "
                     "x: draining"), said
 

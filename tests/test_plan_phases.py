@@ -1,20 +1,21 @@
-"""The phases of a reconcile pass (app/control/plan_phases.py, plan_place.py),
+"""The phases of a reconcile pass (app/control/plan/phases.py, placing.py),
 each tested by calling it; tests/test_placement.py tests the whole pass."""
 
 from __future__ import annotations
 
 from app.control import state as s
-from app.control.placement import Placer
-from app.control.plan_phases import (
+from app.control.plan.phases import (
     Mine,
+    Owned,
     Plan,
+    Sweep,
     Trimmed,
     placing_order,
     sort_out,
     sweep,
     trim,
 )
-from app.control.plan_place import Fleet, place_missing
+from app.control.plan.placing import Fitting, Fleet, Placing, place_missing
 
 
 def gpu_node(name: str, gpus: int) -> s.NodeInfo:
@@ -41,9 +42,9 @@ def test_sweep_deletes_a_gone_node_s_replicas_past_grace_and_the_drains_that_are
         "capped": rep("capped", gpu=2, draining_since=90.0),  # past the cap, whatever
         "unheard": rep("unheard", gpu=3, draining_since=99.0),  # no count: waits for the cap
     }
-    swept = sweep(replicas, {"n1": gpu_node("n1", 4)}, absent_for={"away": 30.0, "lost": 60.0},
-                  node_grace=60.0, inflight={"idle": 0, "busy": 1, "capped": 3},
-                  now=100.0, drain_seconds=10.0)
+    swept = sweep(replicas, {"n1": gpu_node("n1", 4)}, Sweep(
+        absent_for={"away": 30.0, "lost": 60.0}, node_grace=60.0,
+        inflight={"idle": 0, "busy": 1, "capped": 3}, now=100.0, drain_seconds=10.0))
     assert swept.delete == ["gone", "idle", "capped"]
     # A finished drain is deleted but its GPUs stay counted for this pass.
     assert sorted(swept.live) == ["busy", "capped", "idle", "kept", "unheard"]
@@ -54,8 +55,9 @@ def test_ready_means_reported_ready_on_a_node_heard_from() -> None:
     statuses = {"a": s.ReplicaStatus(id="a", node="n1", phase="ready"),
                 "b": s.ReplicaStatus(id="b", node="n1", phase="starting"),
                 "c": s.ReplicaStatus(id="c", node="away", phase="ready")}
-    swept = sweep(live, {"n1": gpu_node("n1", 2)}, absent_for={}, node_grace=60.0,
-                  inflight={}, now=0.0, drain_seconds=10.0, statuses=statuses)
+    swept = sweep(live, {"n1": gpu_node("n1", 2)}, Sweep(
+        absent_for={}, node_grace=60.0, inflight={}, now=0.0, drain_seconds=10.0,
+        statuses=statuses))
     assert swept.ready == {"a"} and sorted(swept.live) == ["a", "b", "c", "d"]
 
 
@@ -63,8 +65,9 @@ def test_orphans_are_the_replicas_of_a_deleted_or_external_model_not_yet_drainin
     live = {"z": rep("z", model="deleted"), "x": rep("x", model="ext"),
             "m": rep("m"), "d": rep("d", model="deleted", draining_since=1.0)}
     models = {"m": model("m"), "ext": s.StoredModel(name="ext")}
-    swept = sweep(live, {"n1": gpu_node("n1", 4)}, absent_for={}, node_grace=60.0,
-                  inflight={}, now=2.0, drain_seconds=10.0, models=models)
+    swept = sweep(live, {"n1": gpu_node("n1", 4)}, Sweep(
+        absent_for={}, node_grace=60.0, inflight={}, now=2.0, drain_seconds=10.0,
+        models=models))
     assert swept.orphans == ["x", "z"]
     # Each model's replicas, draining ones included, in the order given.
     assert swept.by_model == {"deleted": ["z", "d"], "ext": ["x"], "m": ["m"]}
@@ -88,18 +91,18 @@ def test_sort_out_splits_current_from_stale_ready_then_busiest_first() -> None:
                              secret="s0"),
         "leaving": rep("leaving", gpu=5, draining_since=1.0),  # neither: already going
     }
-    mine = sort_out(model("m"), list(live), live,
-                    ready={"idle", "busy", "unknown", "old", "moving", "dying", "rotated",
-                           "leaving"},
-                    loads={"idle": 0.0, "busy": 7.0}, nodeconfs={"n2": s.NodeConf(draining=True)},
-                    failed={"dying"}, secret_id="", unrecorded_secret_id="")
+    mine = sort_out(model("m"), list(live), Owned(
+        live, ready={"idle", "busy", "unknown", "old", "moving", "dying", "rotated", "leaving"},
+        loads={"idle": 0.0, "busy": 7.0}, nodeconfs={"n2": s.NodeConf(draining=True)},
+        failed={"dying"}, secret_id="", unrecorded_secret_id=""))
     # A load not known counts as the busiest; one not ready serves nothing.
     assert mine.current == ["unknown", "busy", "idle", "starting"]
     assert mine.stale == ["dying", "moving", "old", "rotated"]
     assert mine.avoid == {"n3"}
     # A replica recording no secret is of the one `unrecorded_secret_id` names.
-    assert sort_out(model("m"), ["idle"], live, ready=(), loads={}, nodeconfs={}, failed=(),
-                    secret_id="s1", unrecorded_secret_id="s1").current == ["idle"]
+    assert sort_out(model("m"), ["idle"], Owned(
+        live, ready=(), loads={}, nodeconfs={}, failed=(), secret_id="s1",
+        unrecorded_secret_id="s1")).current == ["idle"]
 
 
 def test_trim_drains_the_surplus_and_keeps_ready_old_replicas_for_new_ones_not_ready() -> None:
@@ -116,9 +119,9 @@ def test_trim_drains_the_surplus_and_keeps_ready_old_replicas_for_new_ones_not_r
 
 def fleet(nodes: list[s.NodeInfo], live: dict[str, s.Replica],
           models: dict[str, s.StoredModel]) -> Fleet:
-    fitting = {"nodeconfs": {}, "quotas": {}, "models": models, "agent_versions": None}
+    fitting = Fitting(nodeconfs={}, quotas={}, models=models)
     by_name = {n.name: n for n in nodes}
-    return Fleet(models, by_name, live, Placer(by_name, live, **fitting), fitting, 100.0)
+    return Fleet(models, by_name, live, fitting.placer(by_name, live), fitting, 100.0)
 
 
 def test_place_missing_places_away_from_failed_nodes_and_counts_each_placed_replica() -> None:
@@ -126,8 +129,8 @@ def test_place_missing_places_away_from_failed_nodes_and_counts_each_placed_repl
     f = fleet([gpu_node("n1", 2), gpu_node("n2", 1)], {"r1": rep("r1")}, {"m": spec})
     out = Plan()
     suffix = iter(["a", "b", "c"])
-    place_missing(out, f, "m", spec, 3, Trimmed(current=[], keep=[], drain=[]), {"n1"}, (),
-                  new_suffix=lambda: next(suffix), secret_id="s1")
+    place_missing(out, f, Placing("m", spec, 3, Trimmed(current=[], keep=[], drain=[]), {"n1"},
+                                  ()), new_suffix=lambda: next(suffix), secret_id="s1")
     # n2 first (away from n1), then n1 beside its failed replica, whose GPU
     # stays held; a third finds no room and says why.
     assert [(r.id, r.node, r.gpus, r.secret) for r in out.create] == [
@@ -159,6 +162,7 @@ def test_a_spec_put_back_as_show_printed_it_keeps_its_replicas_current() -> None
         shown = yaml.safe_dump(stored.spec_dump(), sort_keys=False, allow_unicode=True)
         back = s.StoredModel.model_validate_json(catalog.stored_value(
             "m", 1.0, s.ModelSpec.model_validate(yaml.safe_load(shown))))
-        mine = sort_out(back, ["m-1"], {"m-1": rep}, ready={"m-1"}, loads={}, nodeconfs={},
-                        failed=set(), secret_id="k", unrecorded_secret_id="k")
+        mine = sort_out(back, ["m-1"], Owned({"m-1": rep}, ready={"m-1"}, loads={},
+                                             nodeconfs={}, failed=set(), secret_id="k",
+                                             unrecorded_secret_id="k"))
         assert (mine.current, mine.stale) == (["m-1"], []), given

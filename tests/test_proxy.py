@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from app.router.entries import Endpoint, KeyGrant
+from app.router.published import Endpoint, KeyGrant
 from app.router.table import REASON_MAX
 from tests.support.procs import until
 from tests.support.proxy_rig import (

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from app.control import state as s
 from app.control.leader import Elector
 from app.control.mirror import Mirror
-from app.control.reconciler import Reconciler, TickResult
+from app.control.reconciler import Reconciler, ReconcileSettings, TickResult
 from app.gateway.settings import Settings
 from app.store.embedded import EmbeddedStore
 
@@ -49,8 +49,9 @@ async def test_tick_places_drains_then_removes(
     store, mirror, elector = parts
     wall = Clock(1000.0)
     suffixes = iter(["a", "b", "c"])
-    rec = Reconciler(store, mirror, elector, drain_seconds=5, interval=1, node_grace=0, wall=wall,
-                     new_suffix=lambda: next(suffixes))
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=5, interval=1, node_grace=0, new_suffix=lambda: next(suffixes)),
+            wall=wall)
 
     assert (await rec.tick()).skipped == "not leader"  # it only acts while it leads
     assert (await elector.tick()).is_leader
@@ -83,7 +84,8 @@ async def test_tick_reports_why_a_model_cannot_be_placed(
     parts: tuple[EmbeddedStore, Mirror, Elector],
 ) -> None:
     store, mirror, elector = parts
-    rec = Reconciler(store, mirror, elector, drain_seconds=5, interval=1, node_grace=0)
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=5, interval=1, node_grace=0))
     await elector.tick()
     await put(store, mirror, s.NODES + "n1", s.NodeInfo(
         name="n1", gpus=[s.GpuInfo(index=0)], engines=["vllm"]))
@@ -100,8 +102,9 @@ async def test_an_absent_nodes_replicas_are_kept_for_the_grace_and_a_handover_re
     store, mirror, a = parts
     b = Elector(store, s.GatewayInfo(id="gw-b", url="u", version="t", started=0), ttl=10)
     clock = Clock(0.0)
-    recs = {e: Reconciler(store, mirror, e, drain_seconds=5, interval=1, node_grace=10,
-                          clock=clock, new_suffix=lambda: "a") for e in (a, b)}
+    recs = {e: Reconciler(store, mirror, e, ReconcileSettings(
+            drain_seconds=5, interval=1, node_grace=10, new_suffix=lambda: "a"),
+            clock=clock) for e in (a, b)}
     assert (await a.tick()).is_leader
     node = s.NodeInfo(name="n1", gpus=[s.GpuInfo(index=0)], engines=["vllm"])
     await put(store, mirror, s.NODES + "n1", node)
@@ -179,8 +182,9 @@ async def test_a_spec_change_rolls_new_first_and_the_old_drains_when_its_work_is
     store, mirror, elector = parts
     wall = Clock(1000.0)
     suffixes = iter(["a", "b"])
-    rec = Reconciler(store, mirror, elector, drain_seconds=60, interval=1, node_grace=0,
-                     wall=wall, new_suffix=lambda: next(suffixes))
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=60, interval=1, node_grace=0, new_suffix=lambda: next(suffixes)),
+            wall=wall)
     assert (await elector.tick()).is_leader
     assert await mirror.wait_for(elector.lead_revision, 2)
     await put(store, mirror, s.NODES + "n1", s.NodeInfo(
@@ -218,8 +222,8 @@ async def test_a_drain_ends_at_the_cap_whatever_is_in_flight(
 ) -> None:
     store, mirror, elector = parts
     wall = Clock(1000.0)
-    rec = Reconciler(store, mirror, elector, drain_seconds=60, interval=1, node_grace=0,
-                     wall=wall, new_suffix=lambda: "a")
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=60, interval=1, node_grace=0, new_suffix=lambda: "a"), wall=wall)
     assert (await elector.tick()).is_leader
     assert await mirror.wait_for(elector.lead_revision, 2)
     await put(store, mirror, s.NODES + "n1", s.NodeInfo(
@@ -243,8 +247,9 @@ async def test_a_min_zero_model_stops_after_its_idle_timeout_and_a_handover_stop
 ) -> None:
     store, mirror, elector = parts
     wall = Clock(1000.0)
-    rec = Reconciler(store, mirror, elector, drain_seconds=60, interval=1, node_grace=0,
-                     idle_slack=5, wall=wall, new_suffix=lambda: "a")
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=60, interval=1, node_grace=0, idle_slack=5, new_suffix=lambda: "a"),
+            wall=wall)
     assert (await elector.tick()).is_leader
     assert await mirror.wait_for(elector.lead_revision, 2)
     await put(store, mirror, s.NODES + "n1", s.NodeInfo(
@@ -284,9 +289,9 @@ async def test_load_scales_up_at_once_and_down_one_least_loaded_replica_per_wind
     store, mirror, elector = parts
     clock = Clock(0.0)
     suffixes = iter(["a", "b", "c", "d"])
-    rec = Reconciler(store, mirror, elector, drain_seconds=600, interval=1, node_grace=0,
-                     scale_down_window=30, wall=Clock(1000.0), clock=clock,
-                     new_suffix=lambda: next(suffixes))
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=600, interval=1, node_grace=0, scale_down_window=30,
+            new_suffix=lambda: next(suffixes)), wall=Clock(1000.0), clock=clock)
     assert (await elector.tick()).is_leader
     assert await mirror.wait_for(elector.lead_revision, 2)
     await put(store, mirror, s.NODES + "n1", s.NodeInfo(
@@ -431,8 +436,9 @@ async def test_a_replica_given_up_on_is_placed_again_with_a_doubling_backoff(
     store, mirror, elector = parts
     wall = Clock(1000.0)
     suffixes = iter(f"{i:04d}" for i in range(100))
-    rec = Reconciler(store, mirror, elector, drain_seconds=0.0, interval=1, node_grace=30,
-                     wall=wall, new_suffix=lambda: next(suffixes))
+    rec = Reconciler(store, mirror, elector, ReconcileSettings(
+            drain_seconds=0.0, interval=1, node_grace=30, new_suffix=lambda: next(suffixes)),
+            wall=wall)
     for node in ("n1", "n2"):
         await put(store, mirror, s.NODES + node, s.NodeInfo(
             name=node, gpus=[s.GpuInfo(index=0)], engines=["vllm"]))

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 from tests.support.proxy_rig import (

@@ -9,7 +9,8 @@ import re
 
 from app.control import state as s
 from app.control.keys import SecretRing, engine_key, secret_id
-from app.control.plan import Plan, plan
+from app.control.plan.phases import Plan
+from app.control.plan.planner import PlanInput, PlanPolicy, plan
 from app.wire.tokens import node_token
 
 OLD = "old-secret-0123456789abcdef"
@@ -69,10 +70,11 @@ def _plan(replicas: dict[str, s.Replica], ready: tuple[str, ...], ring: SecretRi
     spec = {"model": "org/m", "gpus": 1, "replicas": {"min": 2, "max": 2}}
     models = {"m": s.StoredModel(name="m", **spec)}  # type: ignore[arg-type]
     statuses = {rid: s.ReplicaStatus(id=rid, node="n1", phase="ready") for rid in ready}
-    return plan(models, nodes, replicas, now=100.0, drain_seconds=2.0,
-                new_suffix=lambda: f"{next(counter):04d}", statuses=statuses,
-                secret_id=ring.fleet_secret_id(gateways),
-                unrecorded_secret_id=ring.replica_secret_id(""))
+    return plan(PlanInput(
+            models, nodes, replicas, now=100.0, statuses=statuses,
+            secret_id=ring.fleet_secret_id(gateways),
+            unrecorded_secret_id=ring.replica_secret_id("")),
+            PlanPolicy(drain_seconds=2.0, new_suffix=lambda: f"{next(counter):04d}"))
 
 
 def test_a_replica_of_the_previous_secret_rolls_new_before_old() -> None:

@@ -1,5 +1,5 @@
 """A publish works out again only the replicas a change touched
-(app/gateway/routed.py): through random batches of changes (statuses,
+(app/gateway/replica_endpoints.py): through random batches of changes (statuses,
 drains, moves, deletions, models edited and removed, nodes gone and back,
 node graces ending), a publisher told the changed keys routes exactly what
 one that walks every replica routes, and works out far fewer replicas."""
@@ -13,8 +13,8 @@ import pytest
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.gateway import routed
-from app.gateway.publish import Publisher
+from app.gateway.publish import Publisher, Timing
+from app.gateway.replica_endpoints import ReplicaEndpoints
 from app.router.table import RouteTable
 from app.store.base import Event, WatchBatch
 from tests.support.proxy_rig import FakeClock
@@ -93,19 +93,19 @@ async def test_a_publish_told_the_changed_keys_routes_what_a_full_walk_does(
                                                           _status(rng, rep.id, rep.node), 1)]
     mirror.apply(WatchBatch(start, 1))
     secrets = SecretRing("routed-test-secret-0123456789")
-    told = Publisher(mirror, RouteTable(), secrets, node_grace=6.0, clock=clock,
-                     timer=lambda: 0.0)
-    walks = Publisher(mirror, RouteTable(), secrets, node_grace=6.0, clock=clock,
-                      timer=lambda: 0.0)
+    told = Publisher(mirror, RouteTable(), secrets,
+                     timing=Timing(node_grace=6.0, clock=clock, timer=lambda: 0.0))
+    walks = Publisher(mirror, RouteTable(), secrets,
+                      timing=Timing(node_grace=6.0, clock=clock, timer=lambda: 0.0))
     worked = {"told": 0, "walks": 0}
     counting = "told"
-    real = routed.Routed._outcome
+    real = ReplicaEndpoints._outcome
 
-    def outcome(self: routed.Routed, *args: object, **kwargs: object) -> object:
+    def outcome(self: ReplicaEndpoints, *args: object, **kwargs: object) -> object:
         worked[counting] += 1
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(routed.Routed, "_outcome", outcome)
+    monkeypatch.setattr(ReplicaEndpoints, "_outcome", outcome)
     rev = 2
     for _ in range(150):
         assert mirror.apply(WatchBatch(_changes(rng, mirror, rev, clock), rev))

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.scaling import Scaler, wanted_now
+from app.control.plan.scaling import Scaler, wanted_now
 from app.control.usage import Queue, UsagePublisher, replica_loads, replica_queues
 from app.gateway.publish import Publisher
 from app.gateway.router_usage import LastUse, RouterUsage

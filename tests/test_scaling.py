@@ -13,7 +13,7 @@ import pytest
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.scaling import Scaler, desired
+from app.control.plan.scaling import Scaler, desired
 from app.control.usage import UsagePublisher, replica_loads
 from app.gateway.publish import Publisher
 from app.gateway.router_usage import LastUse, RouterUsage

@@ -7,7 +7,8 @@ import pytest
 
 from app.control import state as s
 from app.control.gpuhealth import NoSuchGpu, cleared, sick_gpus
-from app.control.placement import Fit, NoFit, place
+from app.control.placement.placer import place
+from app.control.placement.verdict import Fit, NoFit
 from tests.test_placement import model, run_plan
 
 XID = "XID 79: GPU has fallen off the bus (at 2026-11-18T11:06:40Z)"
@@ -29,7 +30,7 @@ def test_a_sick_gpu_is_not_placed_on_and_the_refusal_says_so() -> None:
     assert place("m", spec, {"n1": node("n1", 2, {0: XID})}, {}) == Fit("n1", [1])
     nofit = place("m", spec, {"n1": node("n1", 1, {0: XID})}, {})
     assert isinstance(nofit, NoFit)
-    assert nofit.reasons == {"n1": "needs 1 free GPUs, has 0 of 1; GPU 0 unhealthy"}
+    assert nofit.texts() == {"n1": "needs 1 free GPUs, has 0 of 1; GPU 0 unhealthy"}
 
 
 def test_a_cleared_gpu_is_placed_on_until_it_reports_another_fault() -> None:

@@ -18,13 +18,14 @@ from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
 from app.gateway.publish import Publisher
-from app.router.budget import ExternalBudget
 from app.router.choice import EngineLoad
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
-from app.router.estimates import reservation
-from app.router.limits import Limiter, OverLimit
+from app.router.published import CatalogEntry, Endpoint, KeyGrant, Limits
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
+from app.router.usage.budget import ExternalBudget
+from app.router.usage.estimates import reservation
+from app.router.usage.limits import Limiter
+from app.router.usage.overlimit import OverLimit
 from app.store.embedded import EmbeddedStore
 from app.wire.catalog import check_catalog, overflow_problem, overflowing_to
 from app.wire.spec import ModelSpec
@@ -313,7 +314,7 @@ def test_the_limiter_reports_the_budget_to_the_claims_loop() -> None:
     ticket = lim.admit("k", "remote", Limits(requests_per_minute=10,
                                               external_tokens_per_day=50))
     ticket.external = True
-    ticket.note({"prompt_tokens": 7, "completion_tokens": 3})
+    ticket.meter.note({"prompt_tokens": 7, "completion_tokens": 3})
     ticket.release()
     load = lim.key_loads()["k"]
     assert load.used == {"requests_per_minute": 1, "tokens_per_minute": 0,
@@ -442,7 +443,7 @@ def test_a_reservation_is_the_prompt_s_bound_and_the_completion_s_limit() -> Non
     assert reservation(body | {"max_tokens": 7, "max_completion_tokens": 9}, 40, 100) == 49
     assert reservation(body | {"max_tokens": 7, "n": 3}, 40, 100) == 40 + 3 * 7  # each choice
     assert reservation(body | {"best_of": 2, "n": 1, "max_tokens": 7}, 40, 100) == 54
-    # Not counts (fields.py refuses such `n` and `max_tokens`): ignored.
+    # Not counts (body_fields.py refuses such `n` and `max_tokens`): ignored.
     assert reservation(body | {"best_of": "5", "max_output_tokens": True}, 40, 100) == 140
     # An embedding completes nothing: its input, the body, is its prompt.
     assert reservation({"model": "m", "input": ["a"]}, 40, 100, completes=False) == 40

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from app.router.estimates import DEFAULT_RESERVE, reservation
+from app.router.usage.estimates import DEFAULT_RESERVE, reservation
 from tests.support.procs import (
     Cluster,
     make_key,

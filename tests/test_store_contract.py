@@ -35,7 +35,7 @@ from app.store.base import (
     WatchBatch,
 )
 from app.store.embedded import EmbeddedStore
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer, ExternalEtcd, throwaway_etcd
 
 # Small enough that a test can outrun it with a few dozen writes.

@@ -8,8 +8,8 @@ Scale), whatever is written between them.
 
 from __future__ import annotations
 
-from app.store.etcd import EtcdStore
-from app.store.etcd_channel import Services
+from app.store.etcd.channel import Services
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer, ExternalEtcd
 
 

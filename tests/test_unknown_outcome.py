@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from app.control import state as s
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from tests.support.etcd import EtcdServer
 from tests.support.holding_proxy import HoldingProxy
 from tests.support.procs import Cluster, GatewayProc, wait_for

@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from app.control import state as s
-from app.control.agentversion import default_window
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.plan import plan
-from app.gateway.publish import Publisher
+from app.control.placement.agentversion import default_window
+from app.control.plan.planner import PlanInput, PlanPolicy, plan
+from app.gateway.publish import Publisher, Timing
 from app.router.timeouts import Timeouts
 from app.store.embedded import EmbeddedStore
 from tests.support.procs import until
@@ -42,7 +42,7 @@ class Fleet:
         self.mirror = Mirror(store)
         self.window = default_window()
         Publisher(self.mirror, rig.table, SecretRing(SECRET), self.window,
-                  timer=lambda: 0.0)  # never paced
+                  timing=Timing(timer=lambda: 0.0))  # never paced
 
     async def put(self, key: str, value: s.BaseModel) -> None:
         rev = await self.store.put(key, value.model_dump_json().encode())
@@ -60,9 +60,10 @@ class Fleet:
         models = dict(self.mirror.models())
         models[name] = models[name].model_copy(update={"replicas": s.ReplicaRange(min=1,
                                                                                 max=1)})
-        p = plan(models, self.mirror.nodes(), self.mirror.replicas(), now=time.time(),
-                 drain_seconds=30, new_suffix=lambda: "x", nodeconfs=self.mirror.nodeconfs(),
-                 quotas=self.mirror.quotas(), agent_window=self.window)
+        p = plan(PlanInput(
+                models, self.mirror.nodes(), self.mirror.replicas(), now=time.time(),
+                nodeconfs=self.mirror.nodeconfs(), quotas=self.mirror.quotas()),
+                PlanPolicy(drain_seconds=30, new_suffix=lambda: "x", agent_window=self.window))
         return p.unplaced.get(name, "")
 
 

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 
 from app.router.access import Exchange
+from app.router.call import Call
+from app.router.own_answers import Reply
 from app.router.relay import Upstreams
-from app.router.replies import Reply
+from app.router.request_line import Unsendable
 from app.router.timeouts import Watch
-from app.router.upstream import Unsendable, UpstreamClient
+from app.router.upstream import UpstreamClient
 from tests.support.proxy_rig import CLIENT_KEY, Rig
 
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
@@ -105,9 +107,9 @@ async def test_the_attempt_loop_blames_the_client_for_what_cannot_be_sent(rig: R
     watch = Watch(receive, rig.timeouts, loop.time())
     try:
         with pytest.raises(Reply) as refused:
-            await upstreams.forward(watch, "small", "/v1/chat/completions?x=\x01",
-                                    {"model": "small"}, False, send,
-                                    ex=Exchange("POST", "/v1/chat/completions", loop.time()))
+            await upstreams.forward(Call(
+                Exchange("POST", "/v1/chat/completions", loop.time()), watch, send, "small",
+                "/v1/chat/completions?x=\x01", {"model": "small"}, stream=False))
     finally:
         watch.close()
     err = json.loads(refused.value.body)["error"]

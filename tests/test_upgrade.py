@@ -29,9 +29,10 @@ from app.agent.upgrade import (
     parse_source,
     reexec_argv,
 )
-from app.control import agentversion
 from app.control import state as s
-from app.control.placement import Fit, NoFit, Placer
+from app.control.placement import agentversion
+from app.control.placement.placer import Placer
+from app.control.placement.verdict import Fit, NoFit
 from app.wire.tokens import node_token
 from tests.support.procs import (
     ADMIN,
@@ -227,7 +228,7 @@ def test_placement_skips_agents_outside_the_window() -> None:
     nodes = {"old": node("old", "0.2.1"), "new": node("new", "0.4.0")}
     fit = Placer(nodes, {}, agent_versions=window).place("m", spec)
     assert isinstance(fit, NoFit)
-    assert fit.reasons == {
+    assert fit.texts() == {
         "old": "agent version 0.2.1 is outside the supported window [0.3.0, 0.3.4]",
         "new": "agent version 0.4.0 is outside the supported window [0.3.0, 0.3.4]"}
     nodes["ok"] = node("ok", "0.3.1")

@@ -15,8 +15,8 @@ import pytest
 from app import __version__
 from app.agent.codeorigin import code_origin_problem
 from app.agent.upgrade import UpgradeConfig, UpgradeError, Upgrader, parse_source
-from app.control import agentversion
 from app.control import state as s
+from app.control.placement import agentversion
 from tests.support.etcd import EtcdServer, ExternalEtcd
 from tests.support.procs import until
 from tests.test_agent_api import _join, gateways

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import trustme
 
-from app.router.upstream import UpstreamClient, UpstreamError, origin
+from app.router.request_line import UpstreamError
+from app.router.upstream import UpstreamClient, origin
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from app.control import state as s
 from app.control.mirror import Mirror
 from app.control.usage import Queue, UsagePublisher, drain_inflight, last_used
+from app.gateway.observers import Observers
 from app.gateway.router_usage import LastUse
 from app.store.embedded import EmbeddedStore
 
@@ -159,10 +160,11 @@ def test_last_use_notes_each_request_and_passes_it_on() -> None:
             seen.append((model, outcome))
 
     wall = Clock(5.0)
-    lu = LastUse(then=Then(), wall=wall)
-    lu.observe("m", 200, 0.5, 0.2, 7, 3)
+    lu = LastUse(wall=wall)
+    told = Observers([lu, Then()])
+    told.observe("m", 200, 0.5, 0.2, 7, 3)
     wall.now = 9.0
-    lu.observe("m", 503, 0.1)  # asked for, even unanswered: a use
-    lu.prompt_counted("m", 11)
+    told.observe("m", 503, 0.1)  # asked for, even unanswered: a use
+    told.prompt_counted("m", 11)
     assert lu.by_model == {"m": 9.0}
     assert seen == [("m", 200, 0.5, 0.2, 7, 3), ("m", 503, 0.1, None, 0, 0), ("m", 11)]

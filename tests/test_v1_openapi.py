@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from app.gateway.main import create_app
 from app.gateway.settings import Settings
-from app.router.fields import checked_model
-from app.router.forms import form_fields
+from app.router.body_fields import checked_model
+from app.router.multipart_form import form_fields
+from app.router.own_answers import Reply, error
 from app.router.passthrough import checked_previous
-from app.router.replies import Reply, error
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from app.gateway import worker_loads
 from app.gateway.worker_loads import WorkerLoads
 from app.router.choice import EngineLoad
 from app.router.engine_load import EngineLoadPoller, NodeAgent
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
 from app.router.table import RouteTable
 from app.router.upstream import UpstreamClient
 from tests.test_node_loads import DEAD, Clock, Directory, loads_body, servers  # noqa: F401

@@ -27,9 +27,7 @@ import aiohttp
 from aiohttp import web
 
 # The contract with the gateways that run a test (app/wire/fabric.py).
-from app.wire.fabric import MAX_BYTES as MAX_BYTES
-from app.wire.fabric import MAX_SECONDS as MAX_SECONDS
-from app.wire.fabric import SINK_PATH as SINK_PATH
+from app.wire.fabric import MAX_BYTES, MAX_SECONDS, SINK_PATH
 
 TICKET_TTL = 60.0
 MAX_TICKETS = 16

@@ -1,4 +1,6 @@
-"""The agent's log files: its own, and its engines'; read back, masked, rotated.
+"""The agent's log files: its own, and its engines'; read back and rotated.
+(The lines read back are masked by the node API, app/agent/nodeapi.py, with
+app/wire/masking.py.)
 
 Engines write their log through a file descriptor they inherited (stdout
 and stderr, opened O_APPEND by engines.open_log) and outlive the agent
@@ -22,10 +24,6 @@ import shutil
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-
-# Masking is shared with the gateway that relays these lines (app/wire/masking.py).
-from app.wire.masking import MASK as MASK
-from app.wire.masking import mask as mask
 
 # Most a log answer holds, whatever `lines` asks: an engine may log whole
 # prompts on one line.

@@ -17,7 +17,7 @@ and a token taken from one node opens that node's API only.
 
 Errors are RFC 9457 problem JSON, like the gateways' /admin. Log lines are
 returned with every engine key and key-shaped string masked
-(logfiles.mask; DESIGN invariant 6 in docs/architecture.md).
+(app/wire/masking.py; DESIGN invariant 6 in docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from app.agent import fabric, logfiles, upgrade, weights
 from app.agent.engines import EngineSpec
 from app.agent.loads import LoadGatherer
 from app.wire import loads as loadwire
+from app.wire.fabric import SINK_PATH
+from app.wire.masking import mask
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ class NodeApi:
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         auth = request.headers.get("Authorization", "")
         presented = auth[7:] if auth.startswith("Bearer ") else ""
-        if request.path == fabric.SINK_PATH:
+        if request.path == SINK_PATH:
             # A sink ticket, not the node token: the sending agent must not
             # learn this node's token (app/agent/fabric.py). Spent here, once.
             if not self.fabric.take(presented):
@@ -171,7 +173,7 @@ class NodeApi:
         secrets = [s.key for s in self.view.engine_specs()] + [self.cfg.token]
         return web.json_response({
             "node": self.cfg.node, "source": source, "sources": sorted(sources),
-            "lines": [logfiles.mask(line, secrets) for line in lines],
+            "lines": [mask(line, secrets) for line in lines],
         })
 
     # --- engine loads (loads.py) ----------------------------------------------------------

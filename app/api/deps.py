@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class MirrorState(Protocol):
     """A reader of the store's mirror, which exists once the gateway has
     started and answers only once loaded (`ready`; DESIGN invariant 9).
-    The gateway (app/gateway/parts.py) is one."""
+    The gateway (app/gateway/gateway.py) is one."""
 
     @property
     def ready(self) -> bool: ...

@@ -23,7 +23,7 @@ from typing import Any
 
 from app.api.errors import problem
 from app.control.keys import SecretRing
-from app.router.intake import ClientGone, TooLarge, receive_body
+from app.router.request_read import ClientGone, TooLarge, receive_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

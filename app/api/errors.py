@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from app.router.proxy import openai_error_body
+from app.router.own_answers import openai_error_body
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ request's deadline (docs/architecture.md, Catalog writes).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -30,9 +31,10 @@ from app.api.errors import Problem
 from app.api.openapi import problems
 from app.api.refusals import answered
 from app.api.writes import deadline, etag, precondition
-from app.control import fleet, gpuhealth
+from app.control import gpuhealth
 from app.control import state as s
 from app.control.ops.node_ops import FleetOps
+from app.control.placement import fleet
 
 
 class NodeConfBody(BaseModel):
@@ -74,6 +76,123 @@ class QuotaBody(BaseModel):
     max_gpus: int = Field(..., ge=0, le=100_000, description="GPUs the scope may hold")
 
 
+@dataclass(frozen=True)
+class FleetApi:
+    """The fleet's endpoints (its methods) and what they read and write
+    through; `routes` mounts them."""
+
+    state: MirrorState
+    ops: FleetOps
+    write_deadline: float  # LLMGW_ADMIN_WRITE_DEADLINE
+
+    # --- nodes -------------------------------------------------------------------
+
+    def known(self, node: str) -> None:
+        with answered():
+            self.ops.check_known(node)
+
+    def conf_view(self, node: str, response: Response) -> dict[str, Any]:
+        """The conf (defaults if none is stored), its ETag in the header."""
+        mirror = self.state.mirror
+        conf = mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
+        if (tag := etag(mirror.get(s.NODECONF + node))) is not None:
+            response.headers["ETag"] = tag
+        return {"node": node} | conf.model_dump()
+
+    async def change(self, node: str, edit: Callable[[s.NodeConf], s.NodeConf],
+                     request: Request, response: Response) -> dict[str, Any]:
+        self.known(node)
+        cond = precondition(request)
+        with answered():
+            await self.ops.change_conf(node, edit, cond,
+                                       deadline(request, self.write_deadline))
+        return self.conf_view(node, response)
+
+    async def get_conf(self, node: str, response: Response) -> dict[str, Any]:
+        self.known(node)
+        return self.conf_view(node, response)
+
+    async def put_conf(self, node: str, body: NodeConfBody, request: Request,
+                       response: Response) -> dict[str, Any]:
+        return await self.change(node, lambda c: c.model_copy(
+            update={"pool": body.pool, "labels": body.labels}), request, response)
+
+    async def put_engine_build(self, node: str, body: EngineBuildBody, request: Request,
+                               response: Response) -> dict[str, Any]:
+        """auto (the newest build the driver runs), cu13, cu129, cpu (vLLM's
+        CPU build, for `gpus: 0` vLLM replicas), or none (no vLLM replicas),
+        and the vLLM version it installs (omitted: the gateways'
+        LLMGW_VLLM_VERSION, or LLMGW_VLLM_CPU_VERSION for cpu). The node's
+        agent is told within its long poll."""
+        return await self.change(node, lambda c: c.model_copy(
+            update={"engine_build": body.build, "vllm_version": body.vllm_version}),
+            request, response)
+
+    async def cordon(self, node: str, request: Request, response: Response) -> dict[str, Any]:
+        """No new replicas go to the node; those on it stay."""
+        return await self.change(node, lambda c: c.model_copy(update={"cordoned": True}),
+                                 request, response)
+
+    async def uncordon(self, node: str, request: Request,
+                       response: Response) -> dict[str, Any]:
+        """Replicas may be placed on the node again; ends a drain."""
+        return await self.change(node, lambda c: c.model_copy(
+            update={"cordoned": False, "draining": False}), request, response)
+
+    async def drain(self, node: str, request: Request, response: Response) -> dict[str, Any]:
+        """Cordons the node and moves its replicas to other nodes."""
+        return await self.change(node, lambda c: c.model_copy(
+            update={"cordoned": True, "draining": True}), request, response)
+
+    async def clear_gpu(self, node: str, index: Annotated[int, PathParam(ge=0, lt=s.MAX_GPUS)],
+                        request: Request, response: Response) -> dict[str, Any]:
+        """Clears the fault a GPU reports: placement uses it again until its
+        agent reports another (docs/architecture.md, "GPUs that fall sick")."""
+        def edit(conf: s.NodeConf) -> s.NodeConf:
+            try:
+                return gpuhealth.cleared(conf, self.state.mirror.nodes().get(node), node, index)
+            except gpuhealth.NoSuchGpu as exc:
+                raise Problem(404, "No such GPU", str(exc)) from None
+
+        return await self.change(node, edit, request, response)
+
+    # --- quotas ------------------------------------------------------------------
+
+    async def quotas(self) -> list[dict[str, Any]]:
+        """Every scope: its limit (null: none), GPUs held by its models'
+        replicas (draining ones excluded) and those models."""
+        mirror = self.state.mirror
+        return [q | ({"etag": tag} if (tag := etag(mirror.get(s.QUOTAS + q["scope"])))
+                     else {})
+                for q in fleet.quota_report(mirror.models(), mirror.replicas(),
+                                            mirror.quotas())]
+
+    async def put_quota(self, scope: str, body: QuotaBody, request: Request,
+                        response: Response) -> dict[str, Any]:
+        check_scope(scope)
+        cond = precondition(request)
+        with answered():
+            await self.ops.set_quota(scope, body.max_gpus, cond,
+                                     deadline(request, self.write_deadline))
+        if (tag := etag(self.state.mirror.get(s.QUOTAS + scope))) is not None:
+            response.headers["ETag"] = tag
+        return {"scope": scope, "max_gpus": body.max_gpus}
+
+    async def delete_quota(self, scope: str, request: Request) -> Response:
+        cond = precondition(request)
+        with answered():
+            await self.ops.delete_quota(scope, cond,
+                                        deadline(request, self.write_deadline))
+        return Response(status_code=204)
+
+
+def check_scope(scope: str) -> None:
+    try:
+        s.check_name(scope, "quota scope")
+    except ValueError as exc:
+        raise Problem(400, "Invalid quota scope", str(exc)) from None
+
+
 def routes(state: MirrorState, ops: FleetOps, *, admin_token: str,
            write_deadline: float) -> APIRouter:
     """`write_deadline`: LLMGW_ADMIN_WRITE_DEADLINE."""
@@ -86,119 +205,18 @@ def routes(state: MirrorState, ops: FleetOps, *, admin_token: str,
             raise Problem(503, "State not loaded",
                           "this gateway has not loaded the fleet's state yet; ask another")
 
+    api = FleetApi(state, ops, write_deadline)
     r = APIRouter(prefix="/admin", tags=["fleet"], dependencies=[Depends(require_admin)])
-
-    # --- nodes -------------------------------------------------------------------
-
-    def known(node: str) -> None:
-        with answered():
-            ops.check_known(node)
-
-    def conf_view(node: str, response: Response) -> dict[str, Any]:
-        """The conf (defaults if none is stored), its ETag in the header."""
-        conf = state.mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
-        if (tag := etag(state.mirror.get(s.NODECONF + node))) is not None:
-            response.headers["ETag"] = tag
-        return {"node": node} | conf.model_dump()
-
-    async def change(node: str, edit: Callable[[s.NodeConf], s.NodeConf], request: Request,
-                     response: Response) -> dict[str, Any]:
-        known(node)
-        cond = precondition(request)
-        with answered():
-            await ops.change_conf(node, edit, cond,
-                                  deadline(request, write_deadline))
-        return conf_view(node, response)
-
-    @r.get("/nodes/{node}/conf", responses=problems(404))
-    async def get_conf(node: str, response: Response) -> dict[str, Any]:
-        known(node)
-        return conf_view(node, response)
-
-    @r.put("/nodes/{node}/conf", responses=problems(404, 409))
-    async def put_conf(node: str, body: NodeConfBody, request: Request,
-                       response: Response) -> dict[str, Any]:
-        return await change(node, lambda c: c.model_copy(
-            update={"pool": body.pool, "labels": body.labels}), request, response)
-
-    @r.put("/nodes/{node}/engine-build", responses=problems(404, 409))
-    async def put_engine_build(node: str, body: EngineBuildBody, request: Request,
-                               response: Response) -> dict[str, Any]:
-        """auto (the newest build the driver runs), cu13, cu129, cpu (vLLM's
-        CPU build, for `gpus: 0` vLLM replicas), or none (no vLLM replicas),
-        and the vLLM version it installs (omitted: the gateways'
-        LLMGW_VLLM_VERSION, or LLMGW_VLLM_CPU_VERSION for cpu). The node's
-        agent is told within its long poll."""
-        return await change(node, lambda c: c.model_copy(
-            update={"engine_build": body.build, "vllm_version": body.vllm_version}),
-            request, response)
-
-    @r.post("/nodes/{node}/cordon", responses=problems(404, 409))
-    async def cordon(node: str, request: Request, response: Response) -> dict[str, Any]:
-        """No new replicas go to the node; those on it stay."""
-        return await change(node, lambda c: c.model_copy(update={"cordoned": True}),
-                            request, response)
-
-    @r.post("/nodes/{node}/uncordon", responses=problems(404, 409))
-    async def uncordon(node: str, request: Request, response: Response) -> dict[str, Any]:
-        """Replicas may be placed on the node again; ends a drain."""
-        return await change(node, lambda c: c.model_copy(
-            update={"cordoned": False, "draining": False}), request, response)
-
-    @r.post("/nodes/{node}/drain", responses=problems(404, 409))
-    async def drain(node: str, request: Request, response: Response) -> dict[str, Any]:
-        """Cordons the node and moves its replicas to other nodes."""
-        return await change(node, lambda c: c.model_copy(
-            update={"cordoned": True, "draining": True}), request, response)
-
-    @r.post("/nodes/{node}/gpus/{index}/clear", responses=problems(404, 409))
-    async def clear_gpu(node: str, index: Annotated[int, PathParam(ge=0, lt=s.MAX_GPUS)],
-                        request: Request, response: Response) -> dict[str, Any]:
-        """Clears the fault a GPU reports: placement uses it again until its
-        agent reports another (docs/architecture.md, "GPUs that fall sick")."""
-        def edit(conf: s.NodeConf) -> s.NodeConf:
-            try:
-                return gpuhealth.cleared(conf, state.mirror.nodes().get(node), node, index)
-            except gpuhealth.NoSuchGpu as exc:
-                raise Problem(404, "No such GPU", str(exc)) from None
-
-        return await change(node, edit, request, response)
-
-    # --- quotas ------------------------------------------------------------------
-
-    @r.get("/quotas")
-    async def quotas() -> list[dict[str, Any]]:
-        """Every scope: its limit (null: none), GPUs held by its models'
-        replicas (draining ones excluded) and those models."""
-        return [q | ({"etag": tag} if (tag := etag(state.mirror.get(s.QUOTAS + q["scope"])))
-                     else {})
-                for q in fleet.quota_report(state.mirror.models(), state.mirror.replicas(),
-                                            state.mirror.quotas())]
-
-    def check_scope(scope: str) -> None:
-        try:
-            s.check_name(scope, "quota scope")
-        except ValueError as exc:
-            raise Problem(400, "Invalid quota scope", str(exc)) from None
-
-    @r.put("/quotas/{scope}", responses=problems(400, 409))
-    async def put_quota(scope: str, body: QuotaBody, request: Request,
-                        response: Response) -> dict[str, Any]:
-        check_scope(scope)
-        cond = precondition(request)
-        with answered():
-            await ops.set_quota(scope, body.max_gpus, cond,
-                                deadline(request, write_deadline))
-        if (tag := etag(state.mirror.get(s.QUOTAS + scope))) is not None:
-            response.headers["ETag"] = tag
-        return {"scope": scope, "max_gpus": body.max_gpus}
-
-    @r.delete("/quotas/{scope}", status_code=204, responses=problems(400, 404, 409))
-    async def delete_quota(scope: str, request: Request) -> Response:
-        cond = precondition(request)
-        with answered():
-            await ops.delete_quota(scope, cond,
-                                   deadline(request, write_deadline))
-        return Response(status_code=204)
-
+    node_write = problems(404, 409)
+    r.get("/nodes/{node}/conf", responses=problems(404))(api.get_conf)
+    r.put("/nodes/{node}/conf", responses=node_write)(api.put_conf)
+    r.put("/nodes/{node}/engine-build", responses=node_write)(api.put_engine_build)
+    r.post("/nodes/{node}/cordon", responses=node_write)(api.cordon)
+    r.post("/nodes/{node}/uncordon", responses=node_write)(api.uncordon)
+    r.post("/nodes/{node}/drain", responses=node_write)(api.drain)
+    r.post("/nodes/{node}/gpus/{index}/clear", responses=node_write)(api.clear_gpu)
+    r.get("/quotas")(api.quotas)
+    r.put("/quotas/{scope}", responses=problems(400, 409))(api.put_quota)
+    r.delete("/quotas/{scope}", status_code=204, responses=problems(400, 404, 409))(
+        api.delete_quota)
     return r

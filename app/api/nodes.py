@@ -37,8 +37,8 @@ from app.api.auth import admin_guard
 from app.api.deps import MirrorState
 from app.api.errors import Problem
 from app.api.openapi import problems
-from app.control.agentversion import default_window
 from app.control.keys import SecretRing
+from app.control.placement.agentversion import default_window
 from app.wire.masking import mask
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ An agent reports a GPU "unhealthy" with its latest fault and keeps doing
 so (app/agent/gpuhealth.py). The GPU is sick while that reason is not the
 one an admin cleared for it (`NodeConf.gpu_cleared`): placement keeps it
 out, and the replica on it is moved like one on a drained node
-(app/control/plan.py). A new fault is a new reason, so a cleared GPU that
+(app/control/plan/). A new fault is a new reason, so a cleared GPU that
 fails again is sick again; comparing reasons, not times, needs no clock
 shared by agents and gateways.
 """

@@ -1,7 +1,7 @@
 """Client key usage, written in batches: `keyusage/{key id}/{gateway}`.
 
 The router counts each key's usage per model in memory (a `UsageSource`;
-app/router/limits.py implements it, and this module never imports the
+app/router/usage/limits.py implements it, and this module never imports the
 router, DESIGN invariant 8). Every few seconds `KeyUsageWriter.flush()` adds
 what was counted since to this gateway's record of each key, in one
 transaction per batch of keys: store writes grow with the keys in use, not
@@ -12,7 +12,7 @@ still conditioned on the record's revision as read (DESIGN invariant 9), so
 a write based on a lagging mirror is refused and redone on a fresh read
 rather than losing counts. While the store is unreachable the counts wait in
 memory and go with the next flush that succeeds; a crash loses at most one
-interval's counts, a clean stop none (main.py flushes last).
+interval's counts, a clean stop none (app/gateway/assembly.py flushes last).
 """
 
 from __future__ import annotations

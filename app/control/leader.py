@@ -60,8 +60,14 @@ class Elector:
         ttl: int,
         clock: Callable[[], float] = time.monotonic,
         mirror: Mirror | None = None,
+        on_started_leading: Callable[[], None] | None = None,
+        on_stopped_leading: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
+        # Told when this gateway takes and loses the lead, as client-go's
+        # leaderelection callbacks: the leader-only loops start and stop
+        # (app/gateway/supervisor.py, `Leadership`).
+        self._on_started, self._on_stopped = on_started_leading, on_stopped_leading
         # Without a mirror (some tests), every campaign asks the store.
         self._mirror = mirror
         self._was_leader = False
@@ -189,10 +195,13 @@ class Elector:
 
     def _note(self) -> None:
         now = self.is_leader
-        if now != self._was_leader:
-            logger.info("gateway %s %s leadership", self._gateway.id,
-                        "took" if now else "lost")
+        if now == self._was_leader:
+            return
         self._was_leader = now
+        logger.info("gateway %s %s leadership", self._gateway.id, "took" if now else "lost")
+        told = self._on_started if now else self._on_stopped
+        if told is not None:
+            told()
 
     async def _campaign(self) -> None:
         value = s.LeaderInfo(id=self._gateway.id, url=self._gateway.url).model_dump_json()

@@ -17,7 +17,7 @@ it (or at the cap, `drain_seconds`), and a model with `replicas.min` 0
 stops after its idle timeout. Last use never counts from before this leader
 took the lead, nor goes back: a handover, or a gateway restart that lost
 its counts, must not make a model look idle. The snapshots' engine loads
-drive load-based scaling (app/control/scaling.py).
+drive load-based scaling (app/control/plan/scaling.py).
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 
 from app.control import state as s
 from app.control import usage
-from app.control.agentversion import Window
 from app.control.keys import SecretRing
 from app.control.leader import Elector, NotLeader
 from app.control.mirror import Mirror
-from app.control.plan import Plan, plan, wanted
-from app.control.scaling import Scaler
+from app.control.placement.agentversion import Window
+from app.control.plan.phases import Plan
+from app.control.plan.planner import PlanInput, PlanPolicy, plan, wanted
+from app.control.plan.scaling import Scaler
 from app.store.base import Compare, Delete, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -56,43 +57,57 @@ class TickResult:
     refused: str = ""
 
 
+@dataclass(frozen=True)
+class ReconcileSettings:
+    """The leader's loop's settings (app/gateway/settings): the drain cap,
+    the pass interval, the node grace, how late a use can reach the leader
+    (`idle_slack`: the usage snapshots' refresh and interval), load-based
+    scaling's window, default target and saturation delay, the agent
+    versions new replicas go to, and how new replica ids end."""
+
+    drain_seconds: float
+    interval: float
+    node_grace: float
+    idle_slack: float = 0.0
+    scale_down_window: float = 300.0
+    default_load_target: int = 16
+    saturated_after: float = 5.0
+    agent_window: Window | None = None
+    new_suffix: Callable[[], str] = field(default=lambda: secrets.token_hex(4))
+
+
 class Reconciler:
     def __init__(
         self,
         store: Store,
         mirror: Mirror,
         elector: Elector,
+        settings: ReconcileSettings,
         *,
-        drain_seconds: float,
-        interval: float,
-        node_grace: float,
-        idle_slack: float = 0.0,
-        scale_down_window: float = 300.0,
-        default_load_target: int = 16,
-        saturated_after: float = 5.0,
-        agent_window: Window | None = None,
         secrets: SecretRing | None = None,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
-        new_suffix: Callable[[], str] = lambda: secrets.token_hex(4),
     ) -> None:
         self._store = store
         self._mirror = mirror
         self._elector = elector
-        self._agent_window = agent_window
         # None: replicas are not held to a secret (tests of other rules).
         self._secrets = secrets
-        self._drain_seconds = drain_seconds
-        self._interval = interval
-        self._node_grace = node_grace
+        self._drain_seconds = settings.drain_seconds
+        self._interval = settings.interval
+        self._node_grace = settings.node_grace
         # How late a use can reach us (the usage snapshots' refresh and
         # interval): a model is idle only that much after its idle timeout.
-        self._idle_slack = idle_slack
+        self._idle_slack = settings.idle_slack
+        self._policy = PlanPolicy(
+            drain_seconds=settings.drain_seconds, new_suffix=settings.new_suffix,
+            node_grace=settings.node_grace, idle_slack=settings.idle_slack,
+            agent_window=settings.agent_window)
         self._wall = wall  # for draining_since, which every gateway reads
         self._clock = clock  # for the node grace and scaling, which only this leader counts
-        self._scaler = Scaler(window=scale_down_window, default_target=default_load_target,
-                              saturated_after=saturated_after)
-        self._new_suffix = new_suffix
+        self._scaler = Scaler(window=settings.scale_down_window,
+                              default_target=settings.default_load_target,
+                              saturated_after=settings.saturated_after)
         # The revision of our last write. It must be in the mirror before the
         # next pass plans on it, or a replica just created would be created
         # twice.
@@ -113,8 +128,38 @@ class Reconciler:
         self.last_reasons: dict[str, str] = {}
 
     async def tick(self) -> TickResult:
+        skipped = self._not_yet()
+        if skipped:
+            return TickResult(skipped=skipped)
+        state, read_at = self._read()
+        # plan() is pure and reads only what was taken above (the mirror's
+        # views are replaced, never changed, when a key changes): it runs in
+        # a worker thread, so a large fleet's pass (hundreds of ms at 10,000
+        # nodes) does not stall this gateway's router, which the GIL lets
+        # run every few milliseconds meanwhile (docs/architecture.md, Scale).
+        p = await asyncio.to_thread(plan, state, self._policy)
+        self._say(p)
+        result = TickResult(plan=p)
+        replicas = state.replicas
+        for rid in set(state.failed) & set(p.drain):
+            logger.warning("replica %s of %s kept dying on %s: placing it again elsewhere",
+                           rid, replicas[rid].model, replicas[rid].node)
+            self._replaced.setdefault(replicas[rid].model, []).append(self._wall())
+        if p.empty:
+            return result
+        try:
+            await self._apply(p, state, read_at)
+        except (NotLeader, WriteRefused) as exc:
+            logger.warning("stopped applying the plan: %s", exc)
+            result.refused = str(exc)
+        result.acted = True
+        return result
+
+    def _not_yet(self) -> str:
+        """Why this pass must not plan ("": it may): not leading, or the
+        mirror behind the lead's or our own last write."""
         if not self._elector.is_leader:
-            return TickResult(skipped="not leader")
+            return "not leader"
         lead = self._elector.lead_revision
         if lead != self._term:
             # A new lead (a handover, a restart): no node has had a chance to
@@ -125,11 +170,15 @@ class Reconciler:
             self._last_use.clear()
             self._scaler.reset()
         if not self._mirror.ready or self._mirror.revision < lead:
-            return TickResult(skipped=(
-                "mirror behind the revision at which we took the lead "
-                f"({self._mirror.revision} < {lead})"))
+            return ("mirror behind the revision at which we took the lead "
+                    f"({self._mirror.revision} < {lead})")
         if self._mirror.revision < self.written_revision:
-            return TickResult(skipped="mirror behind our last write")
+            return "mirror behind our last write"
+        return ""
+
+    def _read(self) -> tuple[PlanInput, dict[str, int]]:
+        """What a pass plans on, and the mod revision of each replica read
+        (its writes are conditioned on them)."""
         # One synchronous read of the mirror: the plan and the revisions its
         # writes are conditioned on come from the same state.
         models, nodes, replicas = (
@@ -137,11 +186,11 @@ class Reconciler:
         read_at = {rid: kv.mod_revision for rid in replicas
                    if (kv := self._mirror.get(s.REPLICAS + rid)) is not None}
         usages = self._mirror.usages()
+        gateways = self._mirror.parsed(s.GATEWAYS, s.GatewayInfo)
         # A drained replica's key was last written by its drain.
         inflight = usage.drain_inflight(
             {rid: read_at[rid] for rid, r in replicas.items()
-             if r.draining_since is not None and rid in read_at},
-            self._mirror.parsed(s.GATEWAYS, s.GatewayInfo), usages)
+             if r.draining_since is not None and rid in read_at}, gateways, usages)
         now = self._wall()
         last = self._last_uses(
             models, usages, {r.model for r in replicas.values() if r.draining_since is None})
@@ -155,29 +204,23 @@ class Reconciler:
         targets = self._scaler.step(models, replicas, loads, floors, self._clock(),
                                     usage.replica_queues(usages))
         statuses = self._mirror.statuses()
-        failed = self._failed_to_replace(replicas, statuses)
         # The secret replicas are held to: the new one only once every live
         # gateway derives with it (keys.SecretRing.fleet_secret_id).
         secret_id = unrecorded = ""
         if self._secrets is not None:
-            secret_id = self._secrets.fleet_secret_id(
-                g.secret for g in self._mirror.parsed(s.GATEWAYS, s.GatewayInfo).values())
+            secret_id = self._secrets.fleet_secret_id(g.secret for g in gateways.values())
             unrecorded = self._secrets.replica_secret_id("")
-        # plan() is pure and reads only what was taken above (the mirror's
-        # views are replaced, never changed, when a key changes): it runs in
-        # a worker thread, so a large fleet's pass (hundreds of ms at 10,000
-        # nodes) does not stall this gateway's router, which the GIL lets
-        # run every few milliseconds meanwhile (docs/architecture.md, Scale).
-        p = await asyncio.to_thread(
-            plan, models, nodes, replicas,
-            now=now, drain_seconds=self._drain_seconds, new_suffix=self._new_suffix,
+        return PlanInput(
+            models, nodes, replicas, now=now,
             absent_for=self._absences(nodes, {r.node for r in replicas.values()}),
-            node_grace=self._node_grace, statuses=statuses, failed=failed,
-            inflight=inflight, last_used=last, idle_slack=self._idle_slack,
-            nodeconfs=self._mirror.nodeconfs(), quotas=self._mirror.quotas(),
-            targets=targets, loads=loads, agent_window=self._agent_window,
-            secret_id=secret_id, unrecorded_secret_id=unrecorded,
-        )
+            statuses=statuses, failed=self._failed_to_replace(replicas, statuses),
+            inflight=inflight, last_used=last, nodeconfs=self._mirror.nodeconfs(),
+            quotas=self._mirror.quotas(), targets=targets, loads=loads,
+            secret_id=secret_id, unrecorded_secret_id=unrecorded), read_at
+
+    def _say(self, p: Plan) -> None:
+        """Logs what the plan could not place, and its rollout decisions,
+        when they change."""
         if p.unplaced != self.last_unplaced:
             for model, why in p.unplaced.items():
                 logger.warning("cannot place a replica of %s: %s", model, why)
@@ -186,43 +229,34 @@ class Reconciler:
             for model, why in p.reasons.items():
                 logger.info("rolling %s: %s", model, why)
         self.last_reasons = p.reasons
-        result = TickResult(plan=p)
-        for rid in failed & set(p.drain):
-            logger.warning("replica %s of %s kept dying on %s: placing it again elsewhere",
-                           rid, replicas[rid].model, replicas[rid].node)
-            self._replaced.setdefault(replicas[rid].model, []).append(self._wall())
-        if p.empty:
-            return result
-        try:
-            for rep in p.create:
-                logger.info("placing replica %s of %s on %s gpus=%s",
-                            rep.id, rep.model, rep.node, rep.gpus)
-                key = s.REPLICAS + rep.id
-                await self._write([Compare.absent(key)],
-                                  [Put(key, rep.model_dump_json().encode())])
-            for rid in p.drain:
-                logger.info("draining replica %s", rid)
-                key = s.REPLICAS + rid
-                drained = replicas[rid].model_copy(update={
-                    "draining_since": self._wall(),
-                    "drain_reason": p.drain_reasons.get(rid, "")})
-                await self._write([Compare.modified_at(key, read_at[rid])],
-                                  [Put(key, drained.model_dump_json().encode())])
-            for rid in p.delete:
-                if replicas[rid].draining_since is None or inflight.get(rid) == 0:
-                    logger.info("removing replica %s", rid)
-                else:
-                    logger.warning("removing replica %s: drain cap of %.0f s reached with %s "
-                                   "requests in flight", rid, self._drain_seconds,
-                                   inflight.get(rid, "unknown"))
-                key = s.REPLICAS + rid
-                await self._write([Compare.modified_at(key, read_at[rid])],
-                                  [Delete(key), Delete(s.STATUS + rid)])
-        except (NotLeader, WriteRefused) as exc:
-            logger.warning("stopped applying the plan: %s", exc)
-            result.refused = str(exc)
-        result.acted = True
-        return result
+
+    async def _apply(self, p: Plan, state: PlanInput, read_at: Mapping[str, int]) -> None:
+        """Writes the plan, each write fenced and conditioned on what was read."""
+        replicas, inflight = state.replicas, state.inflight
+        for rep in p.create:
+            logger.info("placing replica %s of %s on %s gpus=%s",
+                        rep.id, rep.model, rep.node, rep.gpus)
+            key = s.REPLICAS + rep.id
+            await self._write([Compare.absent(key)],
+                              [Put(key, rep.model_dump_json().encode())])
+        for rid in p.drain:
+            logger.info("draining replica %s", rid)
+            key = s.REPLICAS + rid
+            drained = replicas[rid].model_copy(update={
+                "draining_since": self._wall(),
+                "drain_reason": p.drain_reasons.get(rid, "")})
+            await self._write([Compare.modified_at(key, read_at[rid])],
+                              [Put(key, drained.model_dump_json().encode())])
+        for rid in p.delete:
+            if replicas[rid].draining_since is None or inflight.get(rid) == 0:
+                logger.info("removing replica %s", rid)
+            else:
+                logger.warning("removing replica %s: drain cap of %.0f s reached with %s "
+                               "requests in flight", rid, self._drain_seconds,
+                               inflight.get(rid, "unknown"))
+            key = s.REPLICAS + rid
+            await self._write([Compare.modified_at(key, read_at[rid])],
+                              [Delete(key), Delete(s.STATUS + rid)])
 
     def _last_uses(self, models: Collection[str], usages: Mapping[str, s.Usage],
                    running: set[str]) -> dict[str, float]:

@@ -279,7 +279,7 @@ class ModelUsage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Of `requests`, those whose tokens are estimates: streams that ended
-    # before the engine reported their usage (app/router/limits.py).
+    # before the engine reported their usage (app/router/usage/limits.py).
     estimated: int = 0
 
 
@@ -305,7 +305,7 @@ class KeyShare(_Stored):
     asked: int = 0  # requests asked for (admitted or refused) lately
     refused: list[str] = Field(default_factory=list)  # limits it refused on lately
     # Requests waiting now for its claim to be raised, by limit name: the
-    # part others leave idle goes to them first (app/router/shares.py).
+    # part others leave idle goes to them first (app/router/usage/shares.py).
     waiting: dict[str, int] = Field(default_factory=dict)
 
 

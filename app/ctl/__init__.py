@@ -11,10 +11,17 @@ is one line on stderr ("llmgw ctl: ...") and exit status 1; a usage error 2.
 A gateway URL is never printed with its credentials (user:password@), nor
 used with them.
 
-The commands live in fleet.py (nodes, models, ...: reads, mostly),
-catalog.py (`model put|delete`, `catalog export|apply`), nodeops.py (`node
-cordon|uncordon|drain|conf`, `quota list|set|delete`) and keys.py (`keys
-...`); this module only names them, in the order `--help` lists them.
+The commands live in the modules below; this module only names them, in
+the order `--help` lists them. They import app/wire/ and never the control
+plane or the gateway (import-linter, pyproject.toml).
+
+- `catalog`: `model put|delete`, `catalog export|apply`
+- `common`: what every command shares: the gateway, its token, one admin API call, output
+- `fleet`: nodes, models, replicas, a node's logs, weights, upgrade, engine build, fabric
+  tests, node tokens (reads, mostly)
+- `keys`: `keys ...`: client keys, over /admin/keys
+- `nodeops`: `node cordon|uncordon|drain|conf`, `quota list|set|delete`
+- `waiting`: `catalog apply --wait`: polls until every model applied is ready
 """
 
 from __future__ import annotations

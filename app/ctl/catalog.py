@@ -110,8 +110,8 @@ def put(name: ModelName, file: DocFile, gateway: Gateway = DEFAULT_GATEWAY,
     if if_match is not None:
         conditions["If-Match"] = quoted(if_match)
     before = current_catalog(gateway).get(name)
-    status, _ = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ",
-                     headers=conditions)
+    status = send(gateway, "PUT", model_path(name), body=spec, about=f"model {name}: ",
+                  headers=conditions).status
     data = request(gateway, "GET", model_path(name))
     # The gateway writes nothing for the spec it has (its ETag stays).
     result = "created" if status == 201 else "unchanged" if (
@@ -154,9 +154,8 @@ def export(
     gateway: Gateway = DEFAULT_GATEWAY,
 ) -> None:
     """Print the catalog in LLMGW_CATALOG_FILE's form (save it, edit it, `apply` it)."""
-    _, body = send(gateway, "GET", "/admin/catalog",
-                   accept="application/yaml" if as_yaml else "application/json")
-    text = body.decode()
+    text = send(gateway, "GET", "/admin/catalog", headers={
+        "Accept": "application/yaml" if as_yaml else "application/json"}).body.decode()
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
@@ -223,10 +222,10 @@ def apply(
         else:
             # Conditioned on what was compared: a model changed (or created)
             # meanwhile by someone else is a 412, not overwritten.
-            status, _ = send(gateway, "PUT", model_path(name), body=body,
-                             about=f"model {name}: ", headers=(
-                                 {"If-Match": seen[1]} if seen is not None
-                                 else {"If-None-Match": "*"}))
+            status = send(gateway, "PUT", model_path(name), body=body,
+                          about=f"model {name}: ", headers=(
+                              {"If-Match": seen[1]} if seen is not None
+                              else {"If-None-Match": "*"})).status
             result = "created" if status == 201 else "updated"
         sys.stdout.write(f"model {name}{':' if dry_run else ''} {result}\n")
     for name in sorted(set(current) - set(specs), key=lambda n: (

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -61,13 +62,25 @@ def _admin_token() -> str:
     return token
 
 
+@dataclass(frozen=True)
+class Answer:
+    """An admin API call's answer: its status, raw body and headers
+    (names lower-cased)."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+    def json(self) -> Any:
+        """The body as JSON; None for an empty one (a 204)."""
+        return json.loads(self.body or b"null")
+
+
 def send(gateway: str, method: str, path: str, body: Any = None,
          params: dict[str, str] | None = None, timeout: float = TIMEOUT,
-         accept: str | None = None, about: str = "",
-         headers: dict[str, str] | None = None,
-         answer_headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """One admin API call: its status and raw body (its headers, lower-cased,
-    put in `answer_headers` when given). Fails with the gateway's
+         about: str = "", headers: dict[str, str] | None = None) -> Answer:
+    """One admin API call (`headers`: sent besides the token's, an Accept
+    or a condition). Fails with the gateway's
     problem detail (each field named when the body did not match the schema),
     after `about` ("model m: ") when given. A write carries this call's
     deadline (X-Request-Deadline: now + `timeout`), so that a gateway does
@@ -80,16 +93,13 @@ def send(gateway: str, method: str, path: str, body: Any = None,
     data = json.dumps(body).encode() if body is not None else None
     sent = {"Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json",
             **(headers or {})}
-    if accept is not None:
-        sent["Accept"] = accept
     if method not in ("GET", "HEAD"):
         sent[DEADLINE_HEADER] = f"{time.time() + timeout:.3f}"
     req = urllib.request.Request(url, data=data, method=method, headers=sent)
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=_tls()) as resp:
-            if answer_headers is not None:
-                answer_headers.update((k.lower(), v) for k, v in resp.headers.items())
-            return resp.status, resp.read()
+            return Answer(resp.status, resp.read(),
+                          {k.lower(): v for k, v in resp.headers.items()})
     except urllib.error.HTTPError as exc:
         said = _problem_said(exc.read())
         if exc.code == 401:
@@ -151,7 +161,7 @@ _SCHEMA_MISMATCH = "the body does not match the schema"  # app/api/errors.py
 def request(gateway: str, method: str, path: str, body: Any = None,
             params: dict[str, str] | None = None, timeout: float = TIMEOUT) -> Any:
     """One admin API call, its JSON answer; fails with the gateway's problem detail."""
-    return json.loads(send(gateway, method, path, body, params, timeout)[1] or b"null")
+    return send(gateway, method, path, body, params, timeout).json()
 
 
 def sub_app(help_text: str) -> typer.Typer:

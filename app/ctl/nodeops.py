@@ -4,7 +4,6 @@ app/api/fleet.py. Registered by app/ctl/__init__.py."""
 
 from __future__ import annotations
 
-import json
 import sys
 import urllib.parse
 from typing import Annotated, Any
@@ -139,8 +138,8 @@ def conf(
         raise typer.BadParameter("conditions a change: give --pool, --label or --unlabel too",
                                  param_hint="--if-match")
     path = _node_path(node, "/conf")
-    got: dict[str, str] = {}
-    data = json.loads(send(gateway, "GET", path, answer_headers=got)[1] or b"null")
+    answer = send(gateway, "GET", path)
+    data = answer.json()
     if changing:
         # The PUT takes pool and labels whole: what is not changed is sent as
         # read. Without --if-match, another admin's change between the two
@@ -149,9 +148,9 @@ def conf(
         labels = {k: v for k, v in (data.get("labels") or {}).items() if k not in removing}
         body = {"pool": data.get("pool", "default") if pool is None else pool,
                 "labels": labels | setting}
-        got = {}
-        data = json.loads(send(gateway, "PUT", path, body=body, about=f"node {node}: ",
-                               headers=_conditions(if_match), answer_headers=got)[1] or b"null")
+        answer = send(gateway, "PUT", path, body=body, about=f"node {node}: ",
+                      headers=_conditions(if_match))
+        data = answer.json()
     if as_json:
         out(data, True)
         return
@@ -159,7 +158,7 @@ def conf(
     for key, value in (("node", data.get("node", node)), ("state", _state(data)),
                        ("pool", data.get("pool", "?")), ("labels", _labels(data)),
                        ("engine build", data.get("engine_build", "?")),
-                       *([("etag", got["etag"])] if "etag" in got else [])):
+                       *([("etag", answer.headers["etag"])] if "etag" in answer.headers else [])):
         grid.add_row(key, Text(str(value)))
     console().print(grid)
 
@@ -189,9 +188,8 @@ def set_quota(
     gateway: Gateway = DEFAULT_GATEWAY, as_json: AsJson = False, if_match: IfMatch = None,
 ) -> None:
     """Set SCOPE's limit: no replica is placed that would take its models past it."""
-    data = json.loads(send(gateway, "PUT", _quota_path(scope), body={"max_gpus": max_gpus},
-                           about=f"quota {scope}: ", headers=_conditions(if_match))[1]
-                      or b"null")
+    data = send(gateway, "PUT", _quota_path(scope), body={"max_gpus": max_gpus},
+                about=f"quota {scope}: ", headers=_conditions(if_match)).json()
     if as_json:
         out(data, True)
     else:

@@ -2,7 +2,7 @@
 
 Where the control plane meets the router's limiter (like app/gateway/publish.py,
 wiring: neither side imports the other). The decisions are pure, in
-app/router/shares.py; this loop gathers, decides and writes
+app/router/usage/shares.py; this loop gathers, decides and writes
 (docs/architecture.md, "Client keys").
 
 Every step reads this gateway's load per key from the limiter (what it holds,
@@ -19,7 +19,7 @@ sum past the limit. Lowers and plain updates do not touch it.
 Steps run every `interval`, and at once (at most every `_GAP`) when the
 limiter refuses a request on a claim below the key's limit, or another
 gateway's record changes. Such a request waits for the next step
-(`settle`, bounded by the limiter's deadline: app/router/limits.py,
+(`settle`, bounded by the limiter's deadline: app/router/usage/limits.py,
 `admit_or_wait`): every request waiting when a step starts is served by
 that one step, its raise one transaction. Writes: when claims or what was
 refused change, or more requests wait than last written, else at most
@@ -33,11 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from app.control import state as s
 from app.control.mirror import Mirror
-from app.router.shares import FLOOR, KINDS, KeyLoad, next_claim, targets
+from app.router.usage.shares import FLOOR, KINDS, KeyLoad, next_claim, targets
 from app.store.base import Compare, Put, Store, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ Claims = dict[str, dict[str, int]]
 
 def claim_floors(index: int) -> tuple[int, int]:
     """What worker `index` of a gateway of several (`llmgw serve --workers`)
-    admits of a client key on no claim (app/router/limits.py,
+    admits of a client key on no claim (app/router/usage/limits.py,
     `Limiter.floor` and `lapsed_floor`). Nothing while its claims stand:
     the gateway's workers admit only on their claims, which sum to at most
     the key's limit over every worker of every gateway, so a gateway of
@@ -77,20 +78,29 @@ def claim_floors(index: int) -> tuple[int, int]:
     return 0, (FLOOR if index == 0 else 0)
 
 
+@dataclass(frozen=True)
+class Holder:
+    """This gateway as the holder of its claims: its id, its election lease
+    (its record is bound to it), and until when (monotonic) its claims
+    stand: while its lease is proven, and `hold` more, the time the others
+    keep a vanished record's part (Elector.proven_until). Past it they may
+    be taken."""
+
+    gateway_id: str
+    lease: Callable[[], int]
+    until: Callable[[], float] = lambda: float("inf")
+    hold: float = 0.0
+
+
 class KeyShares:
     """Moves this gateway's claims. `step()` is one pass; `run()` repeats it."""
 
-    def __init__(self, store: Store, mirror: Mirror, limiter: ClaimSink, gateway_id: str,
-                 lease: Callable[[], int], *, refresh: float,
-                 clock: Callable[[], float] = time.time,
-                 until: Callable[[], float] = lambda: float("inf"), hold: float = 0.0,
+    def __init__(self, store: Store, mirror: Mirror, limiter: ClaimSink, holder: Holder, *,
+                 refresh: float, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self._store = store
-        # Until when (monotonic) this gateway's claims stand: while its lease
-        # is proven, and `hold` more, the time the others keep a vanished
-        # record's part (Elector.proven_until). Past it they may be taken.
-        self._until = until
-        self._hold = hold
+        self._until = holder.until
+        self._hold = holder.hold
         self._mono = monotonic
         # Every other gateway's record as last seen, and since when
         # (monotonic) it is gone (None: there): a record gone with its
@@ -98,8 +108,8 @@ class KeyShares:
         self._seen: dict[str, tuple[s.KeyShares, float | None]] = {}
         self._mirror = mirror
         self._limiter = limiter
-        self._me = gateway_id
-        self._lease = lease
+        self._me = holder.gateway_id
+        self._lease = holder.lease
         self._refresh = refresh
         self._clock = clock
         self.claims: Claims = {}

@@ -1,4 +1,6 @@
-"""The composition root: `create_app(settings)` builds one whole gateway.
+"""The gateway's ASGI app: `create_app(settings)` puts the HTTP routes
+around a gateway built by the composition root (app/gateway/assembly.py);
+its lifespan starts and stops the gateway's supervisor.
 
 Nothing here runs at import time and nothing is global, so a test can build
 three differently configured gateways in one process.
@@ -7,7 +9,6 @@ three differently configured gateways in one process.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,25 +24,19 @@ from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, no
 from app.api import openapi as api_openapi
 from app.api.edge import Edge
 from app.api.writes import RECEIVED
-from app.control.key_usage import KeyUsageWriter
 from app.control.ops.agent_ops import AgentOps
 from app.control.ops.catalog_ops import CatalogOps
 from app.control.ops.key_ops import KeyOps
 from app.control.ops.node_ops import FleetOps
-from app.gateway.key_shares import claim_floors
-from app.gateway.parts import Gateway
+from app.gateway.assembly import build_gateway
+from app.gateway.gateway import Gateway
 from app.gateway.settings import Settings
-from app.gateway.worker_loads import WorkerLoads
-from app.gateway.worker_metrics import WorkerMetrics
 from app.router import openapi as v1_openapi
 from app.router.passthrough import ROOT_PATHS
 from app.router.proxy import Proxy
 from app.store.base import StoreFull, StoreUnavailable
 
 logger = logging.getLogger(__name__)
-# Seconds between a worker's writes of its request figures (worker_metrics.py):
-# what the others' /metrics lag behind it by, at most, between scrapes.
-WORKER_METRICS_INTERVAL = 2.0
 
 
 class GatewayApp(FastAPI):
@@ -70,77 +65,18 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-async def _freeze_after_load(gw: Gateway) -> None:
-    """Once the mirror has first loaded: a collection, then everything
-    alive frozen (the collector never walks it again)."""
-    while not await gw.mirror.wait_past(0, 60.0):
-        pass
-    gw.metrics.gc.freeze_all()
-
-
 def create_app(settings: Settings, campaign: bool = True,
                ready_first: float = 0.0, worker: tuple[int, int] | None = None) -> GatewayApp:
-    """`campaign=False`: a gateway's worker other than its first, which
-    never leads; `ready_first`: a restarted worker, which waits up to that
-    many seconds for its mirror before its port takes connections, so the
-    other workers answer them meanwhile; `worker`: (index, count) of a
-    worker of `llmgw serve --workers`, whose /metrics is the gateway's
-    (docs/architecture.md, "Workers")."""
-    gw = Gateway(settings, campaign=campaign)
-    summed: WorkerMetrics | None = None
-    if worker is not None and worker[1] > 1:
-        index, count = worker
-        summed = WorkerMetrics(gw.metrics.requests, settings.data_dir, index, count)
-        # The engine-load poll split among the workers, not repeated by each.
-        gw.proxy.loads.share = WorkerLoads(settings.data_dir, index, count)
-        # No floor on a key's limits but the gateway's one: N counts gateways.
-        gw.proxy.limits.floor, gw.proxy.limits.lapsed_floor = claim_floors(index)
-        gw.metrics.gateway_id = (settings.gateway_id.removesuffix(f"-w{index}")
-                                 if index else settings.gateway_id)
+    """A gateway (assembly.py, `build_gateway`: what `campaign`,
+    `ready_first` and `worker` mean) and its HTTP routes."""
+    gw = build_gateway(settings, campaign=campaign, ready_first=ready_first, worker=worker)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await gw.start()
-        if ready_first:  # the mirror's first load (revision > 0), or the bound
-            await gw.mirror.wait_past(0, ready_first)
-        background: list[asyncio.Task[None]] = []
-        if settings.gc_threshold:
-            # Everything built so far lives as long as the gateway: frozen,
-            # the collector never walks it again (settings.gc_threshold).
-            gw.metrics.gc.freeze_all()
-            gc.set_threshold(settings.gc_threshold, 10, 10)
-            # The mirror's first load, in the background, is most of what a
-            # gateway keeps for good (10,000 nodes: ~200 MiB parsed): frozen
-            # too, once, or every full collection walks it, GIL held, the
-            # router stalled behind it (~270 ms at 10,000 nodes,
-            # bench/control_scale.py). And frozen again after each full
-            # collection, as the mirror's values are replaced
-            # (app/gateway/gc_keeper.py).
-            background.append(asyncio.create_task(_freeze_after_load(gw), name="gc-freeze"))
-            background.append(asyncio.create_task(gw.metrics.gc.run(), name="gc-keeper"))
-        # Client key usage: counted by the router, written in batches here,
-        # where control and router meet (DESIGN invariant 8).
-        usage = KeyUsageWriter(gw.store, gw.mirror, settings.gateway_id, gw.proxy.limits)
-        app.state.key_usage = usage
-        background.append(asyncio.create_task(usage.run(settings.key_usage_interval),
-                                              name="key-usage"))
-        if summed is not None:
-            background.append(asyncio.create_task(summed.run(WORKER_METRICS_INTERVAL),
-                                                  name="worker-metrics"))
-        gw.metrics.loop.watch_gc()
-        background.append(asyncio.create_task(gw.metrics.loop.run(), name="loop-lag"))
+        await gw.start(serving=True)
         try:
             yield
         finally:
-            gw.metrics.loop.unwatch_gc()
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            await gw.proxy.stop_counting()  # counts still running: estimated, then written
-            try:  # the last counts: a clean stop loses none while the store answers
-                await asyncio.wait_for(usage.flush(), settings.etcd_timeout)
-            except Exception:
-                logger.exception("last key usage write failed")
             await gw.stop()
 
     app = GatewayApp(
@@ -158,6 +94,23 @@ def create_app(settings: Settings, campaign: bool = True,
     errors.install(app, unavailable=StoreUnavailable, full=StoreFull)
     docs.install(app)
     cluster.install(app)
+    _probes(app, gw)
+    _admin(app, gw)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            v1_openapi.complete(schema)
+            api_openapi.complete(schema)
+        return app.openapi_schema or schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def _probes(app: GatewayApp, gw: Gateway) -> None:
+    """/health, /healthz, /metrics and /readyz."""
+    summed = gw.worker_metrics
 
     @app.get("/health", tags=["probes"], summary="The process is up (as vLLM's /health)",
              response_class=Response, responses={200: {"description": "an empty body"}})
@@ -203,10 +156,14 @@ def create_app(settings: Settings, campaign: bool = True,
             body["store"] = {"reachable": "ok", "unknown": "connecting"}[health.state]
         return JSONResponse(body, status_code=200 if ready else 503)
 
+
+def _admin(app: GatewayApp, gw: Gateway) -> None:
+    """/admin, the agents' and the nodes' routes, and the cluster's stats."""
+    settings = gw.settings
     admin_token, write_deadline = gw.admin_token, settings.admin_write_deadline
-    app.include_router(admin.routes(
-        gw, CatalogOps(gw, settings.gateway_id), gw.table, gw.provider_keys,
-        admin_token=admin_token, gateway_id=settings.gateway_id,
+    app.include_router(admin.routes(admin.AdminApi(
+        state=gw, ops=CatalogOps(gw, settings.gateway_id), table=gw.table,
+        provider_keys=gw.provider_keys, gateway_id=settings.gateway_id,
         # /admin/leader answers for the gateway, as /metrics' llmgw_leader,
         # whichever worker takes the connection (docs/architecture.md, "Workers").
         gateway=gw.metrics.gateway_id or settings.gateway_id, is_leader=gw.metrics.leads,
@@ -214,7 +171,7 @@ def create_app(settings: Settings, campaign: bool = True,
         write_deadline=write_deadline, model_roots=settings.model_root_list,
         provider_key_dir=settings.provider_key_dir,
         idle_slack=settings.usage_refresh + settings.usage_interval,
-        default_load_target=settings.default_load_target))
+        default_load_target=settings.default_load_target), admin_token=admin_token))
     app.include_router(keys.routes(gw, KeyOps(gw, gw.spawn), admin_token=admin_token,
                                    write_deadline=write_deadline))
     fleet_ops = FleetOps(gw)
@@ -234,13 +191,3 @@ def create_app(settings: Settings, campaign: bool = True,
     app.include_router(stats.routes(
         gw, gw.series.snapshot, admin_token=gw.admin_token, gateway_id=settings.gateway_id,
         peer_timeout=settings.stats_peer_timeout, tls_cert_file=settings.tls_cert_file))
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = FastAPI.openapi(app)
-            v1_openapi.complete(schema)
-            api_openapi.complete(schema)
-        return app.openapi_schema or schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-    return app

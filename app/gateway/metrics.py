@@ -21,25 +21,27 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.control import fleet, gpuhealth
-from app.control.placement import NoFit, place_any, placer_of
-from app.control.scaling import wanted_now
+from app.control import gpuhealth
+from app.control.placement import fleet
+from app.control.placement.placer import place_any, placer_of
+from app.control.placement.verdict import NoFit
+from app.control.plan.scaling import wanted_now
 from app.control.state import LEADER, LeaderInfo, Replica, replica_phase
 from app.gateway.gc_keeper import GcKeeper
 from app.gateway.loop_lag import LoopLag
 from app.gateway.request_metrics import RequestMetrics
 
 if TYPE_CHECKING:
-    from app.control.agentversion import Window
     from app.control.leader import Elector
     from app.control.mirror import Mirror
+    from app.control.placement.agentversion import Window
     from app.gateway.settings import Settings
     from app.router.table import RouteTable
     from app.store.base import Store
 
 
 class Observed(Protocol):
-    """What the metrics read at scrape time. The gateway (app/gateway/parts.py) is
+    """What the metrics read at scrape time. The gateway (app/gateway/gateway.py) is
     one; declared here so this module does not import the gateway that
     builds it (docs/architecture.md, Folders)."""
 

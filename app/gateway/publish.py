@@ -3,7 +3,7 @@
 The mirror says what changed; `Publisher.publish()` turns the mirrored state
 into the router's tables: catalog names and aliases, ready endpoints with
 their engine keys, client key grants. Neither side imports the other: this
-module, like main.py, is wiring.
+module, like assembly.py, is wiring.
 
 An unchanged endpoint list is not republished (its fingerprint is kept), so
 a heartbeat or a status rewrite costs the router nothing.
@@ -21,17 +21,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from app.control import state as s
-from app.control.agentversion import Window
 from app.control.keyfiles import ProviderKeys
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
-from app.control.placement import NoFit, Placer, place_any, placer_of
+from app.control.placement.agentversion import Window
+from app.control.placement.placer import Placer, place_any, placer_of
+from app.control.placement.verdict import NoFit
 from app.gateway.node_grace import NodeGrace
-from app.gateway.routed import Routed
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant, Limits
+from app.gateway.replica_endpoints import ReplicaEndpoints
+from app.router.published import CatalogEntry, Endpoint, KeyGrant, Limits
 from app.router.table import RouteTable
 
 logger = logging.getLogger(__name__)
@@ -49,16 +51,27 @@ SHARE = 0.2
 _EDITS = (s.MODELS, s.KEYS, s.NODECONF, s.QUOTAS)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How a publisher is timed: how long a node whose key just went stays
+    routed (`node_grace`, app/gateway/node_grace.py, on `clock`), and the
+    most of the event loop publishing takes under a stream of changes
+    (`share`, its publishes timed by `timer`: see `Publisher._schedule`)."""
+
+    node_grace: float = 0.0
+    share: float = SHARE
+    clock: Callable[[], float] = time.monotonic
+    timer: Callable[[], float] = time.perf_counter
+
+
 class Publisher:
     def __init__(self, mirror: Mirror, table: RouteTable, secrets: SecretRing,
                  agent_window: Window | None = None,
                  keys: ProviderKeys | None = None, *, gateway_id: str = "",
-                 node_grace: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 share: float = SHARE, timer: Callable[[], float] = time.perf_counter,
-                 ) -> None:
+                 timing: Timing = Timing()) -> None:
         self._agent_window = agent_window
         # Nodes whose key just went stay routed this long (app/gateway/node_grace.py).
-        self._node_grace = NodeGrace(node_grace, clock, self._schedule)
+        self._node_grace = NodeGrace(timing.node_grace, timing.clock, self._schedule)
         # This gateway's: the other gateways' snapshots feed the router their
         # in-flight counts ("" feeds none).
         self._gateway_id = gateway_id
@@ -72,15 +85,15 @@ class Publisher:
         # Publishing's most share of the event loop under a stream of
         # changes, timed by `timer`: after a publish that took t, the next
         # waits (1/share - 1) * t (see `_schedule`).
-        self.share = share
-        self._timer = timer
+        self.share = timing.share
+        self._timer = timing.timer
         self._quiet_until = 0.0
         self._urgent = False  # the publish scheduled is an edit's, not paced
         self._seen_others = False  # another gateway's registration was ever seen
         self._last: tuple[object, ...] = ()
         # Each replica's outcome, kept between publishes and worked out
-        # again only where the mirror says a key changed (routed.py).
-        self._routed = Routed(secrets.engine_key)
+        # again only where the mirror says a key changed (replica_endpoints.py).
+        self._routed = ReplicaEndpoints(secrets.engine_key)
         # The catalog as last built, and the models view it was built from.
         self._catalog: tuple[object, tuple[CatalogEntry, ...]] = (None, ())
         self._entries: dict[str, tuple[s.StoredModel, CatalogEntry]] = {}
@@ -183,8 +196,33 @@ class Publisher:
         m = self._mirror
         revision = m.revision
         models = m.models()
-        if self._catalog[0] is not models:  # the view is replaced when a model changes
-            # An entry per model spec, kept while the spec is the same object.
+        catalog = self._catalog_of(models)
+        endpoints, why, coming = self._endpoints(models)
+        unavailable, holdable = self._unavailable(models, endpoints, why, coming)
+        grants = self._grants_of()
+        # Spill-over: each model's overflow, while it names an external model.
+        overflow = tuple(sorted(
+            (name, spec.overflow) for name, spec in models.items()
+            if spec.overflow is not None and spec.external is None
+            and (target := models.get(spec.overflow)) is not None
+            and target.external is not None))
+        # Compared as dicts (in C; an Endpoint kept is the same object, so
+        # equal at a glance): sorting and copying them was ~10 ms of a
+        # publish at 10,000 nodes.
+        fingerprint = (catalog, endpoints, grants, unavailable, holdable, overflow)
+        changed = fingerprint != self._last
+        if changed:
+            self._set(fingerprint)
+            logger.debug("published %d models, %d endpoints",
+                         len(catalog), sum(len(v) for v in endpoints.values()))
+        self.published_revision = revision
+        return changed
+
+    def _catalog_of(self, models: Mapping[str, s.StoredModel]) -> tuple[CatalogEntry, ...]:
+        """The catalog's entries, rebuilt when the models' view is replaced
+        (as it is when a model changes); an entry is kept while its spec is
+        the same object."""
+        if self._catalog[0] is not models:
             was = self._entries
             self._entries = {name: kept if (kept := was.get(name)) is not None
                              and kept[0] is spec else (spec, _entry(name, spec))
@@ -194,7 +232,14 @@ class Publisher:
                                if sp.external is not None]
             self._adapters = [(n, sp.adapter.base) for n, sp in models.items()
                               if sp.adapter is not None]
-        catalog = self._catalog[1]
+        return self._catalog[1]
+
+    def _endpoints(self, models: Mapping[str, s.StoredModel]
+                   ) -> tuple[dict[str, list[Endpoint]], dict[str, list[str]], set[str]]:
+        """Each model's endpoints (its replicas', an external model's, an
+        adapter's), why its other replicas are not routable (for the 503 a
+        client gets when none is), and the models with a replica on its way."""
+        m = self._mirror
         nodes = m.nodes()
         held = self._node_grace.held(nodes)
         try:
@@ -204,10 +249,8 @@ class Publisher:
             raise
         # Copies: the external models and adapters below add to them.
         endpoints = dict(self._routed.endpoints)
-        # Why each model's other replicas are not routable, for the 503 a
-        # client gets when none is (kept only for models without endpoints).
-        why = dict(self._routed.why)
-        coming = set(self._routed.coming)  # models with a replica loading on a live node
+        why = dict(self._routed.why)  # kept only for models without endpoints
+        coming = set(self._routed.coming)  # a replica loading on a live node
         key_files: set[str] = set()
         for name, ext in self._externals:
             key = ""
@@ -228,16 +271,22 @@ class Publisher:
         self._keys.retain(key_files)
         _adapter_endpoints(models, self._adapters, m.parsed(s.ADAPTERS, s.AdapterSet),
                            endpoints, why, coming)
+        return endpoints, why, coming
+
+    def _unavailable(self, models: Mapping[str, s.StoredModel],
+                     endpoints: Mapping[str, list[Endpoint]], why: Mapping[str, list[str]],
+                     coming: set[str]) -> tuple[dict[str, str], frozenset[str]]:
+        """Why each model without endpoints has none: its replicas' states,
+        else whether any node can take one (`nofit`, the decision as data:
+        the text is only said to clients); and the models a request is held
+        for."""
         placers: list[Placer] = []
 
         def placer() -> Placer:
             if not placers:
-                placers.append(placer_of(m, self._agent_window))
+                placers.append(placer_of(self._mirror, self._agent_window))
             return placers[0]
 
-        # Why each model without endpoints has none: its replicas' states,
-        # else whether any node can take one (`nofit`, the decision as
-        # data: the text is only said to clients).
         unavailable: dict[str, str] = {}
         nofit: dict[str, NoFit] = {}
         for name, spec in models.items():
@@ -259,13 +308,20 @@ class Publisher:
             name for name in unavailable
             if name in coming or (name not in why and name not in nofit
                                   and _starts_on_use(models[name])))
-        # Live gateways (lease-bound keys): equal shares of each key's limits
-        # until the claims loop runs (app/gateway/key_shares.py); this one counts
-        # even before its own key is seen. Alone (1), a gateway admits a key's
-        # whole limit with no claim; once it has seen another it never takes
-        # itself for alone again: etcd back from an outage drops every lease at
-        # once and each gateway writes its own registration back first
-        # (docs/architecture.md, "Client keys").
+        return unavailable, holdable
+
+    def _grants_of(self) -> dict[str, KeyGrant]:
+        """The client keys' grants, rebuilt when the keys' view or the
+        gateway count changes.
+
+        Live gateways (lease-bound keys): equal shares of each key's limits
+        until the claims loop runs (app/gateway/key_shares.py); this one
+        counts even before its own key is seen. Alone (1), a gateway admits
+        a key's whole limit with no claim; once it has seen another it
+        never takes itself for alone again: etcd back from an outage drops
+        every lease at once and each gateway writes its own registration
+        back first (docs/architecture.md, "Client keys")."""
+        m = self._mirror
         gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
         self._seen_others = self._seen_others or gateways > 1
         if self._seen_others:
@@ -278,24 +334,14 @@ class Publisher:
                     rec.limits.concurrent_requests, rec.limits.external_tokens_per_day),
                     gateways, rec.expires)
                 for digest, rec in keys.items()})
-        grants = self._grants[2]
-        # Spill-over: each model's overflow, while it names an external model.
-        overflow = tuple(sorted(
-            (name, spec.overflow) for name, spec in models.items()
-            if spec.overflow is not None and spec.external is None
-            and (target := models.get(spec.overflow)) is not None
-            and target.external is not None))
-        # Compared as dicts (in C; an Endpoint kept is the same object, so
-        # equal at a glance): sorting and copying them was ~10 ms of a
-        # publish at 10,000 nodes.
-        fingerprint = (catalog, endpoints, grants, unavailable, holdable, overflow)
-        if fingerprint == self._last:
-            self.published_revision = revision
-            return False
-        # Only what changed is set again (a catalog edit rebuilt the
-        # endpoints' table at 10,000 nodes: ~6 ms).
+        return self._grants[2]
+
+    def _set(self, fingerprint: tuple[Any, ...]) -> None:
+        """Only what changed is set again (a catalog edit rebuilt the
+        endpoints' table at 10,000 nodes: ~6 ms)."""
         last = self._last or (None,) * len(fingerprint)
         self._last = fingerprint
+        catalog, endpoints, grants, unavailable, holdable, overflow = fingerprint
         t = self._table
         if catalog != last[0]:
             t.set_catalog(catalog)
@@ -309,11 +355,6 @@ class Publisher:
             t.set_holdable(holdable)
         if overflow != last[5]:
             t.set_overflow(dict(overflow))
-        self.published_revision = revision
-        logger.debug("published %d models, %d endpoints",
-                     len(catalog), sum(len(v) for v in endpoints.values()))
-        return True
-
 
 def _entry(name: str, spec: s.StoredModel) -> CatalogEntry:
     return CatalogEntry(name, tuple(spec.aliases), int(spec.created),
@@ -351,7 +392,7 @@ def _adapter_endpoints(models: Mapping[str, s.StoredModel],
 
 def _starts_on_use(spec: s.StoredModel) -> bool:
     """A model placed only while used (min 0, an idle timeout): a request for
-    it is what starts its replica (app/control/plan.py, `wanted`)."""
+    it is what starts its replica (app/control/plan/planner.py, `wanted`)."""
     rng = spec.replica_range
     return (spec.external is None and rng.min == 0 and rng.max > 0
             and spec.idle_timeout is not None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -66,20 +66,59 @@ class Histogram:
 
 
 class _Model:
-    """One model's figures."""
+    """One model's figures. A snapshot (`RequestMetrics.snapshot`) carries
+    each of `HISTOGRAMS` and `COUNTS` by name: a figure added to these is
+    summed over workers with nothing else to change."""
 
+    HISTOGRAMS: ClassVar[dict[str, tuple[float, ...]]] = {
+        "seconds": DURATION_BUCKETS, "ttft": TTFT_BUCKETS, "tpot": TPOT_BUCKETS}
+    COUNTS: ClassVar[tuple[str, ...]] = ("prompt", "completion")
     __slots__ = ("completion", "prompt", "seconds", "tpot", "ttft")
+    seconds: Histogram
+    ttft: Histogram
+    tpot: Histogram
+    prompt: int
+    completion: int
 
     def __init__(self) -> None:
-        self.seconds = Histogram(DURATION_BUCKETS)
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.prompt = 0
-        self.completion = 0
+        for name, bounds in self.HISTOGRAMS.items():
+            setattr(self, name, Histogram(bounds))
+        for name in self.COUNTS:
+            setattr(self, name, 0)
+
+    def snapshot(self) -> dict[str, Any]:
+        hists: dict[str, Any] = {name: [*getattr(self, name).counts, getattr(self, name).sum]
+                                 for name in self.HISTOGRAMS}
+        return hists | {name: getattr(self, name) for name in self.COUNTS}
+
+    @classmethod
+    def read(cls, fig: Any) -> dict[str, Any]:
+        """A snapshot's figures checked (ValueError, TypeError, KeyError...)."""
+        out: dict[str, Any] = {}
+        for name, bounds in cls.HISTOGRAMS.items():
+            hist = [float(x) for x in fig[name]]
+            if len(hist) != len(bounds) + 2:
+                raise ValueError(f"{name}: {len(hist)} values")
+            out[name] = hist
+        return out | {name: int(fig[name]) for name in cls.COUNTS}
+
+    def add(self, figures: dict[str, Any]) -> None:
+        for name in self.HISTOGRAMS:
+            hist, got = getattr(self, name), figures[name]
+            hist.counts = [a + int(b) for a, b in zip(hist.counts, got[:-1], strict=True)]
+            hist.sum += got[-1]
+        for name in self.COUNTS:
+            setattr(self, name, getattr(self, name) + figures[name])
+
+
+# The counters by label set, as a snapshot names them, with their labels'
+# types (the last value of a row is the count).
+_TALLIES = {"requests": (str, int), "continued": (str, str)}
 
 
 class RequestMetrics(Collector):
-    """The `RequestObserver` the proxy reports to, and their collector.
+    """The request figures the proxy reports (a `RequestObserver`, one of
+    the gateway's: app/gateway/observers.py), and their collector.
     Under `--workers N` a scrape shows every worker's figures summed
     (`snapshot()` and `add()`, app/gateway/worker_metrics.py)."""
 
@@ -88,48 +127,36 @@ class RequestMetrics(Collector):
         self._models: dict[str, _Model] = {}
         self._continued: dict[tuple[str, str], int] = {}
 
+    def _tallies(self) -> dict[str, dict[Any, int]]:
+        return {"requests": self._requests, "continued": self._continued}
+
     def snapshot(self) -> dict[str, Any]:
         """Everything counted, as JSON-ready values (`add` reads them back)."""
-        def hist(h: Histogram) -> list[float]:
-            return [*h.counts, h.sum]
-
-        return {
-            "requests": [[m, code, n] for (m, code), n in self._requests.items()],
-            "models": {m: {"seconds": hist(p.seconds), "ttft": hist(p.ttft),
-                           "tpot": hist(p.tpot), "prompt": p.prompt,
-                           "completion": p.completion}
-                       for m, p in self._models.items()},
-            "continued": [[m, outcome, n] for (m, outcome), n in self._continued.items()]}
+        out: dict[str, Any] = {name: [[*labels, n] for labels, n in tally.items()]
+                               for name, tally in self._tallies().items()}
+        out["models"] = {m: per.snapshot() for m, per in self._models.items()}
+        return out
 
     def add(self, snap: Any) -> bool:
         """Adds another worker's `snapshot()`; False (and nothing added) when
         it is not one: a file another process wrote is checked, not trusted."""
         try:
-            requests = [(str(m), int(code), int(n)) for m, code, n in snap["requests"]]
-            continued = [(str(m), str(o), int(n)) for m, o, n in snap["continued"]]
-            models: list[tuple[str, list[list[float]], int, int]] = []
-            for m, fig in snap["models"].items():
-                hists = [[float(x) for x in fig[k]] for k in ("seconds", "ttft", "tpot")]
-                for h, bounds in zip(hists, (DURATION_BUCKETS, TTFT_BUCKETS, TPOT_BUCKETS),
-                                     strict=True):
-                    if len(h) != len(bounds) + 2:
-                        return False
-                models.append((str(m), hists, int(fig["prompt"]), int(fig["completion"])))
-        except (TypeError, ValueError, KeyError, AttributeError):
+            rows = {name: [(tuple(t(v) for t, v in zip(types, row[:-1], strict=True)),
+                            int(row[-1])) for row in snap[name]]
+                    for name, types in _TALLIES.items()}
+            models = [(str(m), _Model.read(fig)) for m, fig in snap["models"].items()]
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError):
             return False
-        for m, code, n in requests:
-            self._requests[(m, code)] = self._requests.get((m, code), 0) + n
-        for m, o, n in continued:
-            self._continued[(m, o)] = self._continued.get((m, o), 0) + n
-        for m, hists, prompt, completion in models:
+        tallies = self._tallies()
+        for name, got in rows.items():
+            tally = tallies[name]
+            for labels, n in got:
+                tally[labels] = tally.get(labels, 0) + n
+        for m, figures in models:
             per = self._models.get(m)
             if per is None:
                 per = self._models[m] = _Model()
-            for hist, got in zip((per.seconds, per.ttft, per.tpot), hists, strict=True):
-                hist.counts = [a + int(b) for a, b in zip(hist.counts, got[:-1], strict=True)]
-                hist.sum += got[-1]
-            per.prompt += prompt
-            per.completion += completion
+            per.add(figures)
         return True
 
     def observe(self, model: str, status: int, seconds: float,

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from app.router.proxy import RequestObserver
 
 INTERVAL = 10.0  # seconds a sample covers
 SAMPLES = 90  # 15 minutes
@@ -59,13 +56,11 @@ class _Ring:
 
 
 class RequestSeries:
-    """A `RequestObserver`: counts each request in its model's ring, then
-    passes it on to `then` (the metrics)."""
+    """A `RequestObserver` (one of the gateway's, app/gateway/observers.py):
+    counts each request in its model's ring."""
 
-    def __init__(self, then: RequestObserver | None = None, *,
-                 clock: Callable[[], float] = time.time, interval: float = INTERVAL,
+    def __init__(self, *, clock: Callable[[], float] = time.time, interval: float = INTERVAL,
                  samples: int = SAMPLES, max_models: int = MAX_MODELS) -> None:
-        self._then = then
         self._clock = clock
         self.interval = interval
         self.samples = samples
@@ -93,18 +88,12 @@ class RequestSeries:
         if first_byte is not None:
             row[_TTFT_SUM] += first_byte
             row[_TTFT_N] += 1
-        if self._then is not None:
-            self._then.observe(model, status, seconds, first_byte, prompt, completion)
 
     def prompt_counted(self, model: str, tokens: int) -> None:
         self._row(model)[_PROMPT] += tokens
-        if self._then is not None:
-            self._then.prompt_counted(model, tokens)
 
     def continued(self, model: str, outcome: str) -> None:
-        # Not charted: passed on to the metrics (app/router/continuation.py).
-        if self._then is not None:
-            self._then.continued(model, outcome)
+        """Not charted (the metrics count it: app/router/continuation.py)."""
 
     def snapshot(self) -> Series:
         """The window ending with the current interval, oldest sample first."""

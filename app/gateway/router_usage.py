@@ -10,19 +10,15 @@ from collections.abc import Callable
 
 from app.control.usage import Queue
 from app.gateway.publish import Publisher
-from app.router.proxy import RequestObserver
 from app.router.table import RouteTable
 
 
 class LastUse:
-    """The proxy's request observer: notes when each model was last asked
-    for (at the request's end, so a long stream counts until it ends), then
-    passes the request on to `then` (the metrics). On the request path: one
-    dict write."""
+    """One of the proxy's request observers (app/gateway/observers.py):
+    notes when each model was last asked for (at the request's end, so a
+    long stream counts until it ends). On the request path: one dict write."""
 
-    def __init__(self, then: RequestObserver | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
-        self._then = then
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
         self._wall = wall
         self.by_model: dict[str, float] = {}
 
@@ -34,16 +30,12 @@ class LastUse:
         # Reconciler). An unknown model's label is dropped by the snapshot,
         # which keeps catalog models only.
         self.by_model[model] = self._wall()
-        if self._then is not None:
-            self._then.observe(model, status, seconds, first_byte, prompt, completion)
 
     def prompt_counted(self, model: str, tokens: int) -> None:
-        if self._then is not None:
-            self._then.prompt_counted(model, tokens)
+        pass  # a use was noted at the request's end
 
     def continued(self, model: str, outcome: str) -> None:
-        if self._then is not None:
-            self._then.continued(model, outcome)
+        pass
 
 
 class RouterUsage:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from app.logs import request_id
 
 if TYPE_CHECKING:
-    from app.router.limits import Ticket
+    from app.router.usage.limits import Ticket
 
 access_log = logging.getLogger("app.access")
 
@@ -121,10 +121,10 @@ class Exchange:
         prompt: int | None = None
         completion: int | None = None
         if ticket is not None:
-            completion = ticket.completion_tokens
+            completion = ticket.meter.completion_tokens
             # A llama.cpp stream's prompt is counted by its engine after it
-            # (counting.py): not known yet, so not told.
-            prompt = None if ticket.prompt_later else ticket.prompt_tokens
+            # (usage/prompt_count.py): not known yet, so not told.
+            prompt = None if ticket.prompt_later else ticket.meter.prompt_tokens
         access_log.info(
             "%s %s %d", self.method, self.path, self.status,
             extra={"request_id": self.request_id, "key_id": self.key_id, "model": self.model,

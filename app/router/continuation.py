@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any, NamedTuple
 
+from app.router import sse
 from app.router.access import Exchange
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
+from app.router.request_line import UpstreamError
 from app.router.table import Lease, RouteTable
 from app.router.timeouts import Watch, Why
-from app.router.upstream import Response, UpstreamClient, UpstreamError
+from app.router.upstream import Response, UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ MAX_KEPT = 4 * 1024 * 1024
 MIN_LEFT = 1.0
 # OpenAI's and vLLM's `max_tokens` when a text completion does not say.
 _COMPLETION_DEFAULT_MAX = 16
-_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
 _CHAT = "/v1/chat/completions"
 _COMPLETIONS = "/v1/completions"
 # Fields whose effect a continuation cannot reproduce: several choices, the
@@ -195,11 +195,9 @@ class Splice:
         return body
 
     def _rewrite(self, events: bytes) -> bytes:
-        parts = _EVENT_SPLIT.split(events)
         out: list[bytes] = []
-        for event, end in zip(parts[0::2], [*parts[1::2], b""], strict=True):
-            data = b"".join(line[5:].lstrip() for line in event.splitlines()
-                            if line.startswith(b"data:"))
+        for event, end in sse.events(events):
+            data = sse.data_of(event)
             try:
                 obj = json.loads(data) if data.startswith(b"{") else None
             except (ValueError, UnicodeDecodeError):
@@ -291,10 +289,4 @@ async def resume(splice: Splice, table: RouteTable, client: UpstreamClient, watc
 
 def _datas(events: bytes) -> list[bytes]:
     """The data of each SSE event with data (comments and [DONE] left out)."""
-    out = []
-    for event in _EVENT_SPLIT.split(events)[0::2]:
-        data = b"".join(line[5:].lstrip() for line in event.splitlines()
-                        if line.startswith(b"data:"))
-        if data and data != b"[DONE]":
-            out.append(data)
-    return out
+    return [data for data in sse.datas(events) if data != sse.DONE]

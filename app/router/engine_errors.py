@@ -35,7 +35,7 @@ import json
 import re
 from typing import NamedTuple
 
-from app.router.replies import Reply, error
+from app.router.own_answers import Reply, error
 from app.router.upstream import Response
 
 # The most of an engine's error answer read: its errors are a few hundred bytes.

@@ -6,9 +6,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 from app.router.access import Exchange
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
+from app.router.request_line import header_block
 from app.router.spill import served_by
-from app.router.upstream import Response, header_block
+from app.router.upstream import Response
 
 
 @lru_cache(maxsize=1024)

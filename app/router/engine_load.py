@@ -33,9 +33,10 @@ from functools import partial
 from typing import Literal, Protocol
 
 from app.router.choice import EngineLoad
-from app.router.entries import Endpoint
+from app.router.published import Endpoint
+from app.router.request_line import UpstreamError
 from app.router.table import RouteTable
-from app.router.upstream import UpstreamClient, UpstreamError
+from app.router.upstream import UpstreamClient
 from app.wire.loads import (
     LOADS_PATH,
     MAX_ANSWER,

@@ -6,31 +6,31 @@ from __future__ import annotations
 
 import asyncio
 
-from app.router import replies
-from app.router.access import Exchange
-from app.router.replies import Send, error
+from app.router import own_answers
+from app.router.call import Call
+from app.router.own_answers import error
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 
 
-async def hold(table: RouteTable, t: Timeouts, model: str, stream: bool, send: Send,
-               started: list[bool], ex: Exchange) -> None:
+async def hold(table: RouteTable, t: Timeouts, call: Call) -> None:
     """Scale from zero: holds a request while `model`'s replica is on its
     way, up to `cold_start` seconds. A stream's response starts at once
-    (`started[0]` set): its headers, then SSE comments every few seconds,
+    (`call.started` set): its headers, then SSE comments every few seconds,
     so that neither the client nor a proxy between gives up on it."""
+    model, send = call.model, call.send
     if not table.hold(model, t.cold_start_held):
         raise error(503, f"Too many requests are waiting for '{model}' to start here; "
                     "retry shortly.", "service_unavailable", "model_starting",
                     retry_after=max(1, int(t.cold_start / 10)))
     keepalive: asyncio.Task[None] | None = None
     try:
-        if stream:
+        if call.stream:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"x-llmgw-held", b"cold-start"), ex.header]})
-            started[0] = True
-            keepalive = asyncio.create_task(replies.keep_alive(send, model))
+                (b"x-llmgw-held", b"cold-start"), call.ex.header]})
+            call.started = True
+            keepalive = asyncio.create_task(own_answers.keep_alive(send, model))
         if not await table.wait_routable(model, t.cold_start):
             table.hold_timed_out(model)
             why = table.unavailable(model)

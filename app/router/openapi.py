@@ -1,7 +1,7 @@
 """OpenAPI entries for /v1, which FastAPI does not route (app/gateway/main.py).
 
 They say what the plain ASGI router (proxy.py) really takes and answers:
-the body fields it type-checks (fields.py) with the same types, the
+the body fields it type-checks (body_fields.py) with the same types, the
 statuses it answers itself, and OpenAI's error shape. Anything else in a
 body is the engine's to judge, and its own answers pass through.
 Schemathesis checks this against the running gateway in CI
@@ -34,7 +34,7 @@ _BODY: dict[str, Any] = {
 _RESPONSES_BODY: dict[str, Any] = {**_BODY, "properties": {
     **_BODY["properties"], "previous_response_id": _nullable({"type": "string"})}}
 # Speech to text: a form; the gateway reads the model and stream fields and
-# that a file is there (forms.py), the engine the rest.
+# that a file is there (multipart_form.py), the engine the rest.
 _FORM: dict[str, Any] = {
     "type": "object", "required": ["file", "model"],
     "properties": {"file": {"type": "string", "format": "binary"},

@@ -9,7 +9,7 @@ responses.py), reranking and scoring (`/v1/rerank`, `/rerank`,
 `/detokenize`, outside `/v1` as vLLM serves them) and speech to text
 (`/v1/audio/transcriptions`, `/v1/audio/translations`, a multipart form).
 `prepare()` turns a request into a `Plan` for the relay; it reads the
-fields the gateway acts on, with the one form it reads (fields.py), and
+fields the gateway acts on, with the one form it reads (body_fields.py), and
 leaves the rest to the engine.
 """
 
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
 from app.router import responses
-from app.router.entries import Endpoint, KeyGrant
-from app.router.fields import checked_model
-from app.router.forms import form_fields
-from app.router.intake import parse_json
-from app.router.replies import Send, error
+from app.router.body_fields import checked_model
+from app.router.call import Encoder
+from app.router.multipart_form import form_fields
+from app.router.own_answers import Send, error
+from app.router.published import Endpoint, KeyGrant
+from app.router.request_read import parse_json
 from app.router.table import RouteTable
 
 # Client path -> engine path, for JSON bodies POSTed with a `model`.
@@ -38,13 +38,12 @@ FORM_ROUTES = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 ROOT_PATHS = frozenset(p for p in JSON_ROUTES if not p.startswith("/v1/"))
 _STORED = "/v1/responses/"
 # A form's parse is two scans over its bytes and python-multipart's work on
-# its headers, bounded (forms.py; measured: 18 ms for 30 MiB, 0.11 ms for
+# its headers, bounded (multipart_form.py; measured: 18 ms for 30 MiB, 0.11 ms for
 # 256 KiB, at most 2.2 ms for the worst small form, a loaded 2-core
 # machine), its rewrite a copy (when an alias is renamed): past this size,
 # both run off the loop.
 _OFF_LOOP = 256 * 1024
 
-Encoder = Callable[[Endpoint], tuple[bytes, bytes, bytes]]
 
 
 @dataclass(slots=True)
@@ -58,7 +57,7 @@ class Plan:
     pin: str | None = None  # the one replica that may take it
     body: dict[str, Any] = field(default_factory=dict)  # JSON bodies: the affinity's input
     # A stream's usage is estimated from this if it is cut before its usage
-    # event (limits.py): the Responses API's input as chat messages or a prompt.
+    # event (usage/limits.py): the Responses API's input as chat messages or a prompt.
     estimate: dict[str, Any] | None = None
     # False: a request with no tokens of its own (a stored response's GET or
     # cancel, whose answer repeats the usage its create was charged).

@@ -27,26 +27,30 @@ import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.router import passthrough
 from app.router.access import Exchange, Tracer
+from app.router.body_fields import checked_model
+from app.router.call import Call
 from app.router.choice import affinity_key
-from app.router.counting import PromptCounter
 from app.router.engine_load import EngineLoadPoller
-from app.router.entries import KeyGrant
-from app.router.fields import checked_model
-from app.router.intake import MAX_BODY as MAX_BODY
-from app.router.intake import ClientGone, has_body, headers_of, parse_json, read_body
-from app.router.limits import Limiter, OverLimit, Ticket, ask_for_usage
-from app.router.relay import CLIENT_GONE, Upstreams
-from app.router.replies import Reply, error, send_whole
-from app.router.replies import openai_error_body as openai_error_body
+from app.router.own_answers import Reply, error, openai_error_body, send_whole
+from app.router.published import KeyGrant
+from app.router.relay import Upstreams
+from app.router.relay_stream import CLIENT_GONE
+from app.router.request_line import unsafe_target
+from app.router.request_read import ClientGone, has_body, headers_of, parse_json, read_body
 from app.router.responses import ProviderIds
 from app.router.spill import Spill
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch
-from app.router.upstream import UpstreamClient, unsafe_target
+from app.router.upstream import UpstreamClient
+from app.router.usage.estimates import ask_for_usage
+from app.router.usage.limits import Limiter, Ticket
+from app.router.usage.overlimit import OverLimit
+from app.router.usage.prompt_count import PromptCounter
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,24 @@ class RequestObserver(Protocol):
 UNKNOWN_MODEL = "(unknown)"
 
 
+@dataclass(frozen=True)
+class ProxyOptions:
+    """How the proxy routes and counts (app/gateway/settings/router.py).
+
+    `affinity`: a conversation's requests go to one replica (choice.py).
+    `count_concurrency`, `count_timeout`: the llama.cpp prompt counts
+    running at once, and how long one may take (usage/prompt_count.py).
+    `response_keys`: what provider response ids are bound to their keys
+    with (responses.tag_keys, from the shared secret, so alike on every
+    gateway); none: a key of this proxy's own.
+    """
+
+    affinity: bool = True
+    count_concurrency: int = 2
+    count_timeout: float = 120.0
+    response_keys: Sequence[bytes] = ()
+
+
 class Proxy:
     """The ASGI app mounted at /v1 (see `main.create_app`).
 
@@ -112,17 +134,12 @@ class Proxy:
         timeouts: Timeouts,
         observer: RequestObserver | None = None,
         limiter: Limiter | None = None,
-        affinity: bool = True,
         client: UpstreamClient | None = None,
-        count_concurrency: int = 2,
-        count_timeout: float = 120.0,
         tracer: Tracer | None = None,
-        response_keys: Sequence[bytes] = (),
+        options: ProxyOptions | None = None,
     ) -> None:
-        """`response_keys`: what provider response ids are bound to their
-        keys with (responses.tag_keys, from the shared secret, so alike on
-        every gateway); none: a key of this proxy's own."""
-        self._affinity = affinity
+        opts = options or ProxyOptions()
+        self._affinity = opts.affinity
         self._tracer = tracer  # None: no spans, and nothing of OpenTelemetry imported
         self._table = table
         # Client keys' limits and usage, decided here with no I/O.
@@ -134,7 +151,7 @@ class Proxy:
                                     tracer, observer.continued if observer else None)
         # The prompts of streams whose engine reports no usage (llama.cpp).
         self._counts = PromptCounter(self._upstreams.client, self.limits,
-                                     count_concurrency, count_timeout,
+                                     opts.count_concurrency, opts.count_timeout,
                                      observer.prompt_counted if observer else None)
         self._upstreams.prompts = self._counts  # a stream's asked-for usage (relay.py)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,7 +162,7 @@ class Proxy:
         # The watches of requests being forwarded, for `cut_open()`.
         self._open: set[Watch] = set()
         self._extra = passthrough.Passthrough(table, ProviderIds(
-            response_keys or (secrets.token_bytes(32),)))
+            opts.response_keys or (secrets.token_bytes(32),)))
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -184,82 +201,7 @@ class Proxy:
         started = self._loop.time()
         ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         try:
-            token, session = headers_of(scope, ex)
-            if self._tracer is not None:
-                self._tracer.begin(ex)
-            grant = self._authenticate(token)
-            ex.key_id = grant.id
-            if path == "/v1/models" or path.startswith("/v1/models/"):
-                if method != "GET":
-                    raise error(405, f"{method} is not allowed on {path}.",
-                                "invalid_request_error")
-                ident = path[len("/v1/models/"):]
-                await send_whole(send, 200, self._model(grant, ident) if ident
-                                 else self._models(grant), [ex.header])
-                ex.status = 200
-                return
-            other = path not in _FORWARDED  # vLLM's other routes (passthrough.py)
-            if other and not passthrough.serves(path):
-                raise error(404, f"Unknown path {path}.", "invalid_request_error",
-                            "unknown_url")
-            if other:
-                passthrough.check_method(method, path)
-            elif method != "POST":
-                raise error(405, f"{method} is not allowed on {path}.",
-                            "invalid_request_error")
-            raw = await read_body(receive)
-            ex.body_read = True
-            query = scope.get("query_string", b"").decode("latin-1")
-            if unsafe_target(query):
-                # The engine client could not send it; refused here, before
-                # any attempt, so that no replica is blamed (relay.py).
-                raise error(400, "The query string holds a character that cannot be "
-                            "forwarded (a space or a control character): percent-encode it.",
-                            "invalid_request_error", "invalid_query")
-            plan = await self._extra.prepare(grant, path, query, raw, _content_type(
-                scope)) if other else None
-            body, model, rewritten = (plan.body, plan.model, True) if plan else self._request(
-                grant, raw)
-            ex.model = model
-            target = plan.target if plan else path
-            url_tail = f"{target}?{query}" if query else target
-            # Released below, however it ends.
-            # A request refused below its key's limit first waits, bounded,
-            # for its claim to be raised (docs/architecture.md, "Client keys").
-            ticket = await self.limits.admit_or_wait(
-                grant.id, model, grant.limits, grant.gateways) \
-                if plan else await self._admit(grant, model, path, body)
-            ex.ticket = ticket
-            if plan and plan.stream:
-                ticket.body = plan.estimate  # estimated from, if cut short
-            # The client's bytes go on untouched when nothing was rewritten:
-            # no encode per request, which grows with the prompt.
-            untouched = None if rewritten or ticket.strip_usage else raw
-            watch = Watch(receive, self._timeouts, started)
-            self._open.add(watch)
-            try:
-                # OpenAI's own `prompt_cache_key` names a conversation too.
-                cache_key = body.get("prompt_cache_key")
-                affinity = affinity_key(
-                    body, session or (cache_key if isinstance(cache_key, str) else None),
-                ) if self._affinity and len(self._table.endpoints(model)) > 1 else None
-                ex.status = await self._upstreams.forward(
-                    watch, model, url_tail, body,
-                    plan.stream if plan else body.get("stream") is True,
-                    plan.sender(send) if plan else send, affinity,
-                    meter=ticket if plan is None or plan.metered else None, ex=ex,
-                    pin=plan.pin if plan else None,
-                    encode=plan.encode if plan else None, raw=untouched,
-                    # A pinned or non-chat route never spills (spill.py).
-                    spill=None if plan else Spill.of(self._table, self.limits,
-                                                     self._timeouts, grant, ex, model, body,
-                                                     len(raw)))
-            finally:
-                self._open.discard(watch)
-                watch.close()
-                ticket.release()
-                if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
-                    self._counts.submit(ticket)
+            await self._serve(scope, receive, send, ex)
         except OverLimit as over:
             ex.status = 429
             await send_whole(send, 429, openai_error_body(
@@ -285,16 +227,125 @@ class Proxy:
             except RuntimeError:
                 pass  # the response had started (a stream): the client sees it cut
         finally:
-            now = self._loop.time()
-            if self._observer is not None and (path in _FORWARDED or ex.model):
-                first, t = ex.first_byte, ex.ticket
-                self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started,
-                                       first - started if first else None,
-                                       t.prompt_tokens if t else 0,
-                                       t.completion_tokens if t else 0)
-            ex.log(now)
-            if self._tracer is not None and ex.span is not None:
-                self._tracer.end(ex)
+            self._ended(ex, started)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, ex: Exchange) -> None:
+        """The edge, in order: the key, the route, the body, the model and the
+        key's admission; then the `Call` goes to a replica (relay.py)."""
+        token, session = headers_of(scope, ex)
+        if self._tracer is not None:
+            self._tracer.begin(ex)
+        grant = self._authenticate(token)
+        ex.key_id = grant.id
+        path, method = ex.path, ex.method
+        if path == "/v1/models" or path.startswith("/v1/models/"):
+            await self._list_models(grant, send, ex)
+            return
+        other = path not in _FORWARDED  # vLLM's other routes (passthrough.py)
+        if other and not passthrough.serves(path):
+            raise error(404, f"Unknown path {path}.", "invalid_request_error", "unknown_url")
+        if other:
+            passthrough.check_method(method, path)
+        elif method != "POST":
+            raise error(405, f"{method} is not allowed on {path}.", "invalid_request_error")
+        raw = await read_body(receive)
+        ex.body_read = True
+        query = scope.get("query_string", b"").decode("latin-1")
+        if unsafe_target(query):
+            # The engine client could not send it; refused here, before
+            # any attempt, so that no replica is blamed (relay.py).
+            raise error(400, "The query string holds a character that cannot be "
+                        "forwarded (a space or a control character): percent-encode it.",
+                        "invalid_request_error", "invalid_query")
+        if other:
+            plan = await self._extra.prepare(grant, path, query, raw, _content_type(scope))
+            await self._send_other(grant, plan, query, session, receive, send, ex)
+        else:
+            await self._send_forwarded(grant, raw, query, session, receive, send, ex)
+
+    async def _send_forwarded(self, grant: KeyGrant, raw: bytes, query: str,
+                              session: str | None, receive: Receive, send: Send,
+                              ex: Exchange) -> None:
+        """A chat, completion or embeddings request."""
+        body, model, rewritten = self._request(grant, raw)
+        ex.model = model
+        affinity = self._affinity_of(body, session, model)
+        spill = Spill.of(self._table, self.limits, self._timeouts, grant, ex, model, body,
+                         len(raw))
+        # A request refused below its key's limit first waits, bounded, for
+        # its claim to be raised (docs/architecture.md, "Client keys").
+        ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
+        await self._send(Call(
+            ex, Watch(receive, self._timeouts, ex.started), send, model,
+            f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True,
+            meter=ticket.meter, affinity=affinity,
+            # The client's bytes go on untouched when nothing was rewritten:
+            # no encode per request, which grows with the prompt.
+            raw=None if rewritten or ticket.meter.strip_usage else raw, spill=spill))
+
+    async def _send_other(self, grant: KeyGrant, plan: passthrough.Plan, query: str,
+                          session: str | None, receive: Receive, send: Send,
+                          ex: Exchange) -> None:
+        """One of vLLM's other routes, as passthrough.py planned it. A pinned
+        or non-chat route never spills (spill.py)."""
+        ex.model = plan.model
+        affinity = self._affinity_of(plan.body, session, plan.model)
+        ticket = ex.ticket = await self.limits.admit_or_wait(
+            grant.id, plan.model, grant.limits, grant.gateways)
+        if plan.stream:
+            ticket.meter.body = plan.estimate  # estimated from, if cut short
+        await self._send(Call(
+            ex, Watch(receive, self._timeouts, ex.started), plan.sender(send), plan.model,
+            f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream,
+            meter=ticket.meter if plan.metered else None, affinity=affinity, pin=plan.pin,
+            encode=plan.encode))
+
+    def _affinity_of(self, body: dict[str, Any], session: str | None,
+                     model: str) -> str | None:
+        """The conversation the request continues, when `model` has a choice
+        of replicas; OpenAI's own `prompt_cache_key` names one too."""
+        if not self._affinity or len(self._table.endpoints(model)) <= 1:
+            return None
+        cache_key = body.get("prompt_cache_key")
+        return affinity_key(body, session or (cache_key if isinstance(cache_key, str)
+                                              else None))
+
+    async def _send(self, call: Call) -> None:
+        """Forwards `call`; its admission is released however it ends."""
+        ticket = call.ex.ticket
+        assert ticket is not None
+        self._open.add(call.watch)
+        try:
+            call.ex.status = await self._upstreams.forward(call)
+        finally:
+            self._open.discard(call.watch)
+            call.watch.close()
+            ticket.release()
+            if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
+                self._counts.submit(ticket)
+
+    async def _list_models(self, grant: KeyGrant, send: Send, ex: Exchange) -> None:
+        if ex.method != "GET":
+            raise error(405, f"{ex.method} is not allowed on {ex.path}.",
+                        "invalid_request_error")
+        ident = ex.path[len("/v1/models/"):]
+        await send_whole(send, 200, self._model(grant, ident) if ident
+                         else self._models(grant), [ex.header])
+        ex.status = 200
+
+    def _ended(self, ex: Exchange, started: float) -> None:
+        """The request's metrics, access line and span."""
+        assert self._loop is not None
+        now = self._loop.time()
+        if self._observer is not None and (ex.path in _FORWARDED or ex.model):
+            first, t = ex.first_byte, ex.ticket
+            self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started,
+                                   first - started if first else None,
+                                   t.meter.prompt_tokens if t else 0,
+                                   t.meter.completion_tokens if t else 0)
+        ex.log(now)
+        if self._tracer is not None and ex.span is not None:
+            self._tracer.end(ex)
 
     def _authenticate(self, token: str) -> KeyGrant:
         if not token:
@@ -318,12 +369,13 @@ class Proxy:
                      body: dict[str, Any]) -> Ticket:
         """The key's ticket for this request (OverLimit if over a limit). A
         stream asks the engine for its usage, which the client may not have:
-        usage is counted from it (app/router/limits.py)."""
+        usage is counted from it (app/router/usage/limits.py)."""
         ticket = await self.limits.admit_or_wait(grant.id, model, grant.limits, grant.gateways)
         if body.get("stream") is True and path != "/v1/embeddings":
-            ticket.strip_usage = ask_for_usage(body)
-            ticket.body = body  # its usage is estimated from it if cut short
-            ticket.chat = path == "/v1/chat/completions"
+            meter = ticket.meter
+            meter.strip_usage = ask_for_usage(body)
+            meter.body = body  # its usage is estimated from it if cut short
+            meter.chat = path == "/v1/chat/completions"
         return ticket
 
     def _listed(self, grant: KeyGrant) -> list[dict[str, Any]]:

@@ -45,17 +45,17 @@ import re
 import secrets
 from collections.abc import Sequence
 
-from app.router.replies import Message, Reply, Send, error
+from app.router import sse
+from app.router.own_answers import Message, Reply, Send, error
 from app.router.table import RouteTable
 
 PREFIX = "resp_"
 # resp_<nonce>.<replica id>: replica ids are a slug of [a-z0-9-] and 8 hex
-# digits (app/control/plan.py), never a dot.
+# digits (app/control/plan/placing.py), never a dot.
 _OURS = re.compile(r"resp_([0-9a-f]{32})\.([a-z0-9][a-z0-9-]{0,63})")
 # <provider id>.ext_<tag>: never one of ours (`_` is in no replica id).
 _WRAPPED = re.compile(r"(.{1,512})\.ext_([0-9a-f]{32})", re.DOTALL)
 _TAG_LABEL = b"llmgw response id\x00"
-_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
 
 
 def _tag(owner: str, nonce: str) -> str:
@@ -227,9 +227,7 @@ def _stream_id(chunk: bytes) -> str | None:
     (`response.created` does, the stream's first)."""
     if b'"response"' not in chunk:
         return None
-    for event in _EVENT_SPLIT.split(chunk)[0::2]:
-        data = b"".join(line[5:].lstrip() for line in event.splitlines()
-                        if line.startswith(b"data:"))
+    for data in sse.datas(chunk):
         if b'"response"' not in data:
             continue
         try:

@@ -15,7 +15,7 @@ short hold for a replica on its way:
   overflow the client gets the 503).
 
 A spill reserves the most it can cost from the key's external budget
-(`external_tokens_per_day`, budget.py; `estimates.reservation`) and is
+(`external_tokens_per_day`, usage/budget.py; `estimates.reservation`) and is
 settled to its answer's usage when it ends: refused with a 429
 `external_budget_exceeded` when the budget is spent or reserved. A key
 without that limit does not spill (its request goes on as if the model had
@@ -30,11 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 from app.router.access import Exchange
-from app.router.entries import KeyGrant
-from app.router.estimates import DEFAULT_RESERVE, reservation
-from app.router.limits import Limiter
+from app.router.published import KeyGrant
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
+from app.router.usage.estimates import DEFAULT_RESERVE, reservation
+from app.router.usage.limits import Limiter
 
 REASONS = ("saturated", "hold_timeout", "hold_full", "no_replica")
 
@@ -59,7 +59,7 @@ class Spill:
         self._grant = grant
         self._ex = ex
         self._body = body
-        self._size = size  # the body's bytes as sent: its prompt's bound (estimates.py)
+        self._size = size  # the body's bytes as sent: its prompt's bound (usage/estimates.py)
 
     @staticmethod
     def of(table: RouteTable, limiter: Limiter, timeouts: Timeouts, grant: KeyGrant,
@@ -110,6 +110,6 @@ class Spill:
             tokens)
         ticket.external = True  # settled when released (Limiter._finish)
         ticket.model = target  # its usage is the overflow's (GET /admin/keys/{id}/usage)
-        ticket.rename = model  # the answer names the model as our engines do
+        ticket.meter.rename = model  # the answer names the model as our engines do
         self._table.spilled(model, reason)
         return target

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from app.router import choice
 from app.router.choice import EngineLoad
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant
+from app.router.published import CatalogEntry, Endpoint, KeyGrant
 
 # Longest reason `set_unavailable` keeps: a log tail is not a 503 message.
 REASON_MAX = 300

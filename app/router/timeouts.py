@@ -55,6 +55,11 @@ class Timeouts:
     spill_hold: float = 10.0
 
 
+def past_deadline(t: Timeouts) -> str:
+    """What a client whose request ran out of its whole deadline is told."""
+    return f"The request did not finish within {t.request:g} s."
+
+
 class Why(enum.Enum):
     """Why a watch ended a request."""
 

@@ -1,6 +1,6 @@
 """Spans of `/v1` requests, exported with OpenTelemetry's SDK over OTLP/HTTP.
 
-Imported only when `LLMGW_OTLP_ENDPOINT` is set (app/gateway/parts.py): without
+Imported only when `LLMGW_OTLP_ENDPOINT` is set (app/gateway/assembly.py): without
 it nothing of OpenTelemetry is loaded and the router's only cost is one
 `is not None` test per request and per attempt (the optional dependencies:
 `pip install llmgw[otel]`). docs/architecture.md, "Logs".

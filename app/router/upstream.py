@@ -36,11 +36,14 @@ import httptools
 
 # What a request is made of, checked (request_line.py); its errors are those
 # of every caller of this client.
-from app.router.request_line import UNSAFE_TARGET, Origin, header_lines, origin
-from app.router.request_line import Unsendable as Unsendable
-from app.router.request_line import UpstreamError as UpstreamError
-from app.router.request_line import header_block as header_block
-from app.router.request_line import unsafe_target as unsafe_target
+from app.router.request_line import (
+    UNSAFE_TARGET,
+    Origin,
+    Unsendable,
+    UpstreamError,
+    header_lines,
+    origin,
+)
 
 # Buffered body bytes above which the socket stops being read until the
 # reader catches up.

@@ -153,5 +153,5 @@ class ReplicaStatus(Body):
     detail: str = Field(default="", max_length=MAX_DETAIL)
     updated: float = 0.0
     # Failed, and its agent no longer restarts it (it kept dying): the
-    # leader places it elsewhere (app/control/plan.py).
+    # leader places it elsewhere (app/control/plan/).
     given_up: bool = False

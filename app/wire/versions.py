@@ -1,6 +1,6 @@
 """Versions compared as both ends compare them: an agent checking which vLLM
 it installed (app/agent/builds.py), a gateway checking which agents it
-places replicas on (app/control/agentversion.py).
+places replicas on (app/control/placement/agentversion.py).
 
 As PEP 440 through `packaging` when it is installed, else by their release
 numbers alone (pre/post/dev parts ignored).

@@ -21,8 +21,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.access import Tracer
-from app.router.entries import CatalogEntry, Endpoint, KeyGrant
 from app.router.proxy import Proxy
+from app.router.published import CatalogEntry, Endpoint, KeyGrant
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 from app.router.upstream import UpstreamClient

@@ -1,5 +1,5 @@
 """What every operation writes through: the store and this gateway's
-mirror of it. Both exist only once the gateway has started (app/gateway/parts.py
+mirror of it. Both exist only once the gateway has started (app/gateway/assembly.py
 opens them), so an operation is handed something that yields them when a
 request runs, not the parts themselves."""
 
@@ -17,7 +17,7 @@ SETTLE = 2.0
 
 
 class State(Protocol):
-    """The started gateway (app/gateway/parts.py) is one."""
+    """The started gateway (app/gateway/gateway.py) is one."""
 
     @property
     def store(self) -> Store: ...

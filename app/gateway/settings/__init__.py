@@ -1,18 +1,26 @@
 """Every setting of a gateway, with its default and what changing it costs.
 
 Read from the environment with the prefix `LLMGW_` (e.g. `LLMGW_LEASE_TTL`).
-`Settings` is built once by the caller (the CLI or a test) and passed down:
-nothing reads the environment at import time, so one process can hold
-several differently configured gateways.
+`Settings` is built once by the caller (the CLI or a test) and passed down
+to the composition root (app/gateway/assembly.py): nothing reads the
+environment at import time, so one process can hold several differently
+configured gateways.
 
 The settings are grouped by the part of the gateway that reads them, one
-class per module of this package: the store (store.py), the secrets
-(trust.py), the control plane (control.py), the gateway's HTTP server and
-edge (edge.py), the router (router.py), tracing (tracing.py), the catalog
-(catalog.py), the agents as the gateway sees them (nodes.py) and the
-all-in-one mode's agent (local_agent.py). `Settings` is all of them at once,
+class per module of this package. `Settings` (here) is all of them at once,
 and checks here what spans groups; a new setting goes in the group of what
 reads it, with a comment saying what changing it costs.
+
+- `store`: the store: etcd (members, TLS, prefix, deadline, compaction) or the embedded one's folder
+- `trust`: the shared secret, the previous one during a rotation, the admin token
+- `control`: the control plane: the lease, reconcile passes, drains, usage snapshots, scaling
+- `edge`: the HTTP server: address, TLS, body caps, slow clients, how it stops
+- `router`: a /v1 request's time limits, replica choice, scale from zero's held requests
+- `tracing`: what the gateway tells an operator's collectors (OTLP)
+- `catalog`: model roots, provider key files, the seed catalog file, publish interval
+- `nodes`: the agents as the gateway sees them: heartbeats, vLLM version, node API calls
+- `local_agent`: the all-in-one mode's agent, run in the gateway's process
+- `_group`: the base of every group: the `LLMGW_` prefix, unknown variables ignored
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ class Settings(
             from app.tls import check_pair
 
             check_pair(self.tls_cert_file, self.tls_key_file)  # ValueError, one line
-        from app.store.etcd_tls import for_endpoints
+        from app.store.etcd.tls import for_endpoints
 
         # Reads and checks the etcd TLS files: ValueError, one line.
         for_endpoints(self.endpoints, self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file)

@@ -1,7 +1,7 @@
 """The gateway's HTTP server: where it listens and how others reach it, its
 TLS, what a connection and a request meet before a client is authenticated
 (body caps, slow clients, the admin write deadline), how it stops, and its
-process's garbage collector. Read by app/cli.py (uvicorn), app/gateway/main.py and
+process's garbage collector. Read by app/cli.py (uvicorn), app/gateway/assembly.py and
 app/gateway/slowclients.py."""
 
 from __future__ import annotations

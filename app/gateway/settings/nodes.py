@@ -53,7 +53,7 @@ class NodeSettings(Group):
     # 504 while the install may still succeed.
     node_upgrade_timeout: float = Field(330.0, gt=0)
     # The oldest agent version that gets new replicas (the newest: this
-    # gateway's own; app/control/agentversion.py). Default: this gateway's
+    # gateway's own; app/control/placement/agentversion.py). Default: this gateway's
     # major.minor.0. Lower keeps older agents in use through a rolling
     # upgrade; agents outside keep their replicas but get no new ones.
     min_agent_version: str | None = None

@@ -74,7 +74,7 @@ class RouterSettings(Group):
     # follow a client sooner, for more store writes from busy gateways.
     key_share_interval: float = Field(0.5, gt=0)
     # A llama.cpp stream's prompt is counted by its engine after the stream
-    # (app/router/counting.py): at most this many counts at once per
+    # (app/router/usage/prompt_count.py): at most this many counts at once per
     # gateway, each waiting its turn behind the engine's requests for up to
     # the timeout, then estimated instead. More: each count waits less
     # behind the others, while a chat's count may cost its engine a prefill;

@@ -47,7 +47,7 @@ class StoreSettings(Group):
     def _endpoints_shape(cls, v: str) -> str:
         # Checked here too (the store parses them again), so a typo stops
         # `llmgw serve` with one line naming the endpoint, not a traceback.
-        from app.store.etcd_endpoints import parse_endpoints
+        from app.store.etcd.endpoints import parse_endpoints
 
         if parts := [part for part in v.split(",") if part.strip()]:
             parse_endpoints(parts)  # also refuses http and https mixed

@@ -1,0 +1,61 @@
+"""One `/v1` request on its way to a replica: the `Call`.
+
+The proxy builds it once at the edge (proxy.py), after the key, the model
+and the admission are settled, and every stage after reads it: the spill
+and the hold (spill.py, hold.py), the attempts and the answer (relay.py),
+the stream's chunk chain (relay_stream.py). A stage that learns something
+the next one needs writes it here (`model` once spilled, `started` once a
+held stream's headers are out), never in an out-parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from app.router.access import Exchange
+from app.router.own_answers import Send
+from app.router.published import Endpoint
+from app.router.timeouts import Watch
+
+if TYPE_CHECKING:
+    from app.router.spill import Spill
+    from app.router.usage.meter import Meter
+
+# What one attempt sends to its replica when the body is not JSON to POST as
+# it is (passthrough.py): (method, body, content type).
+Encoder = Callable[[Endpoint], tuple[bytes, bytes, bytes]]
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """What every stage of one request's sending reads.
+
+    `url_tail`: the path and query string to ask the engine for. `body`'s
+    model is the catalog name, which our engines serve; an external model's
+    endpoint names the provider's model instead (encoded for that attempt
+    only). `meter` notes the usage the answer reports (None: not metered);
+    `ex` is told the replica and a stream's first byte, and gives the
+    request id and trace context sent to the engine. `pin`: only that
+    replica may take it; `encode`: the request each attempt sends; `raw`:
+    the client's bytes, when `body` is exactly what they say (sent as they
+    are). `spill`: the model's overflow may take the request instead.
+    """
+
+    ex: Exchange
+    watch: Watch
+    send: Send
+    model: str
+    url_tail: str
+    body: dict[str, Any]
+    stream: bool
+    meter: Meter | None = None
+    affinity: str | None = None
+    pin: str | None = None
+    encode: Encoder | None = None
+    raw: bytes | None = None
+    spill: Spill | None = None
+    # The response began while the request was held (hold.py): its headers
+    # are out, so only the body follows, and an error is its last event.
+    started: bool = False

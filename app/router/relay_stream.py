@@ -1,0 +1,256 @@
+"""A stream's answer relayed as it comes: a chain of chunk transforms, the
+engine dying mid-stream, the client leaving (docs/architecture.md, "Flows").
+
+A chunk read from the engine goes through, in order: `inflate` (gzip or
+deflate undone), `frame` (cut at the last whole SSE event, sse.py),
+`splice` (kept, or rewritten once the stream is continued elsewhere,
+continuation.py), `meter` (its usage noted, the usage-only event the client
+did not ask for cut, the answer's model renamed, usage/limits.py) and, for an
+engine that sends no usage event, `usage_before_done` (usage/stream_usage.py).
+Which transforms a stream has is decided once, from its first answer's
+headers, when `StreamRelay` is built.
+
+A stream's response starts only with the engine's first body byte (vLLM
+sends its headers before the prefill): until then nothing has reached the
+client, so a failure can still be retried by relay.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Protocol
+
+from app.router import own_answers, sse
+from app.router.call import Call
+from app.router.continuation import Resumed, resumable, resume
+from app.router.engine_headers import passed_on
+from app.router.published import Endpoint
+from app.router.request_line import UpstreamError
+from app.router.table import RouteTable
+from app.router.timeouts import Timeouts, Why, past_deadline
+from app.router.upstream import Response, UpstreamClient
+from app.router.usage import stream_usage
+from app.router.usage.prompt_count import PromptCounter
+
+logger = logging.getLogger(__name__)
+
+# Most bytes one chunk of a compressed stream may inflate to: a chunk read is
+# at most a few hundred KiB (upstream.py), SSE compresses some tenfold.
+_MAX_INFLATED = 16 * 1024 * 1024
+# The status a metric records for a client that left (nginx's convention).
+CLIENT_GONE = 499
+
+Transform = Callable[[bytes], bytes]
+
+
+class Upstreams(Protocol):
+    """What a stream's relay uses of relay.py's `Upstreams`."""
+
+    table: RouteTable
+    timeouts: Timeouts
+    client: UpstreamClient
+    prompts: PromptCounter | None
+    continued: Callable[[str, str], None] | None
+
+
+class StreamRelay:
+    """One stream's relay, from its engine's answer `upstream` on `ep`."""
+
+    def __init__(self, up: Upstreams, call: Call, upstream: Response, ep: Endpoint) -> None:
+        self._up = up
+        self._call = call
+        self._upstream = upstream
+        self._ep = ep
+        # The stream may be resumed on another replica if its engine dies.
+        self._splice = resumable(call.body, call.url_tail, call.model, ep)
+        self._resumed: Resumed | None = None  # closed at the end; one a request
+        # Asked for identity, an engine or provider may compress anyway: gzip
+        # and deflate are undone as the stream comes, so that its events are
+        # read for usage and it can end with an error event; it goes on in
+        # clear. Any other encoding passes as sent, unread.
+        encoding = upstream.headers.get("content-encoding")
+        self._decoder = (zlib.decompressobj(wbits=47)  # gzip or zlib, by its header
+                         if encoding is not None and encoding.lower() in ("gzip", "deflate")
+                         else None)
+        self._content_type = upstream.headers.get("content-type", "text/event-stream")
+        # Whole events only, so that an error event can follow a failure: not
+        # for a compressed body, which no event can be appended to in clear.
+        self._framed = (self._content_type.startswith("text/event-stream")
+                        and (encoding is None or self._decoder is not None))
+        if not self._framed or self._decoder is not None:
+            self._splice = None
+        self._tail = b""  # the start of an event not yet whole (framed only)
+        meter = call.meter
+        # A usage event the client asked for and the engine never sends, put
+        # before [DONE] (usage/stream_usage.py); `_earlier`: the events sent so far.
+        self._owed = (self._framed and meter is not None and up.prompts is not None
+                      and stream_usage.owed(meter, ep.engine))
+        self._earlier = b""
+        self._chain = self._transforms()
+
+    def _transforms(self) -> list[Transform]:
+        chain: list[Transform] = []
+        if self._decoder is not None:
+            chain.append(self._inflate)
+        if self._framed:
+            chain.append(self._frame)
+        if self._splice is not None:
+            chain.append(self._spliced)
+        if self._framed and self._call.meter is not None:
+            chain.append(self._call.meter.read_events)  # usage noted, maybe cut
+        return chain
+
+    async def run(self) -> int:
+        """Relays the stream to its end; returns the status for metrics."""
+        call, ep = self._call, self._ep
+        # A failure before this read completes propagates: nothing was sent
+        # yet, so the caller may still retry or answer with an error.
+        chunk = await self._upstream.readany()
+        call.ex.first_byte = asyncio.get_running_loop().time()
+        call.watch.streaming()
+        if call.meter is not None and ep.engine == "llamacpp":
+            call.meter.count_at = (ep.url, ep.key)  # no usage event: counted (usage/limits.py)
+        try:
+            if not call.started:
+                await call.send({"type": "http.response.start",
+                                 "status": self._upstream.status, "headers": self._headers()})
+            while True:
+                try:
+                    await self._pump(chunk)
+                    break
+                except (UpstreamError, zlib.error) as exc:
+                    again = await self._broken(exc)
+                    if again is None:
+                        return 502
+                    chunk = again
+        except asyncio.CancelledError:
+            why = call.watch.caught()
+            if why is None:
+                raise
+            return await self._ended_by(why)
+        finally:
+            self._close()
+        call.watch.close()
+        await call.send({"type": "http.response.body", "body": self._tail, "more_body": False})
+        return self._upstream.status
+
+    def _headers(self) -> list[tuple[bytes, bytes]]:
+        headers = passed_on(self._upstream, self._ep, self._call.ex,
+                            decoded=self._decoder is not None)
+        return [*headers, (b"content-type", self._content_type.encode()),
+                (b"cache-control", b"no-cache")]
+
+    async def _pump(self, chunk: bytes) -> None:
+        """Passes chunks on through the chain until the engine's answer ends."""
+        call = self._call
+        watch, send = call.watch, call.send
+        loop = asyncio.get_running_loop()
+        while chunk:
+            for transform in self._chain:
+                chunk = transform(chunk)
+            if self._owed:
+                chunk = await self._usage_before_done(chunk)
+            if chunk:
+                watch.send_since = loop.time()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                watch.send_since = 0.0
+            watch.read_since = loop.time()
+            chunk = await self._upstream.readany()
+            watch.read_since = 0.0
+        if self._splice is not None and self._splice.cut_short():
+            raise UpstreamError("the stream ended without [DONE]")
+
+    def _inflate(self, chunk: bytes) -> bytes:
+        assert self._decoder is not None
+        chunk = self._decoder.decompress(chunk, _MAX_INFLATED)
+        if self._decoder.unconsumed_tail:
+            raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} bytes")
+        return chunk
+
+    def _frame(self, chunk: bytes) -> bytes:
+        if self._tail or not chunk.endswith(sse.EVENT_ENDS):
+            chunk, self._tail = sse.whole_events(self._tail + chunk)
+        return chunk
+
+    def _spliced(self, chunk: bytes) -> bytes:
+        assert self._splice is not None
+        return self._splice.pass_on(chunk) if chunk else chunk  # kept, or rewritten
+
+    async def _usage_before_done(self, chunk: bytes) -> bytes:
+        meter = self._call.meter
+        assert meter is not None
+        if meter.ended:
+            self._owed = False
+            return await stream_usage.before_done(
+                chunk, self._earlier, meter, self._count)
+        if chunk:
+            self._earlier = chunk
+        return chunk
+
+    async def _count(self) -> int | None:
+        """The engine's count of a stream's prompt, while its client waits
+        for [DONE]: no longer than a silent engine is waited for (`idle`),
+        and ending a second before the request's deadline, which would cut
+        the stream with an error event instead."""
+        prompts, call = self._up.prompts, self._call
+        assert prompts is not None and call.meter is not None
+        return await prompts.count(call.meter, min(self._up.timeouts.idle,
+                                                   call.watch.left() - 1.0))
+
+    async def _broken(self, exc: Exception) -> bytes | None:
+        """The engine broke off: the continuation's first bytes, or None once
+        the stream has ended with an error event."""
+        call, ep, up = self._call, self._ep, self._up
+        logger.warning("replica %s broke off mid-stream: %s", ep.replica_id,
+                       exc or type(exc).__name__)
+        up.table.cool_down(ep.replica_id, up.timeouts.cooldown)
+        again = None if self._splice is None else await resume(
+            self._splice, up.table, up.client, call.watch, call.ex, ep)
+        if again is None:
+            await own_answers.end_badly(call.send, self._framed, f"Replica {ep.replica_id} "
+                                    "broke off the stream.", "upstream_error")
+            return None
+        self._resumed = again
+        self._upstream, self._ep, self._tail = again.upstream, again.ep, b""
+        call.watch.streaming()
+        return again.first
+
+    async def _ended_by(self, why: Why) -> int:
+        """The watch cut the stream: how it ends for the client; the status
+        for metrics."""
+        up, splice = self._up, self._splice
+        ep = splice.on if splice is not None and splice.on is not None else self._ep
+        if why is Why.CLIENT_GONE:
+            return CLIENT_GONE
+        if why is Why.CLIENT_STALLED:
+            # Nothing more can reach it; the server closes its connection
+            # as the response is left incomplete.
+            logger.warning("client of a stream from replica %s took nothing for %g s: "
+                           "stream dropped", ep.replica_id, up.timeouts.idle)
+            return CLIENT_GONE
+        send, framed = self._call.send, self._framed
+        if why is Why.SHUTDOWN:
+            logger.warning("stream from replica %s cut: the gateway's stop ran out of "
+                           "grace", ep.replica_id)
+            await own_answers.end_badly(send, framed, own_answers.STOPPING, "gateway_stopping")
+            return 503
+        if why in (Why.IDLE, Why.FIRST_BYTE):  # first byte: of a continuation
+            up.table.cool_down(ep.replica_id, up.timeouts.cooldown)
+            limit = up.timeouts.idle if why is Why.IDLE else up.timeouts.first_byte
+            message = f"Replica {ep.replica_id} sent nothing for {limit:g} s."
+        else:
+            message = past_deadline(up.timeouts)
+        logger.warning("stream from replica %s ended: %s", ep.replica_id, message)
+        await own_answers.end_badly(send, framed, message, "upstream_timeout")
+        return 504
+
+    def _close(self) -> None:
+        if self._resumed is not None:
+            self._resumed.upstream.close()
+            self._resumed.lease.release()
+        splice, continued = self._splice, self._up.continued
+        if splice is not None and splice.resumed and continued is not None:
+            continued(splice.model, splice.outcome(self._call.watch.why))

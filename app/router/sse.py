@@ -1,0 +1,54 @@
+"""Server-sent events, as engines and OpenAI frame their streams: the one
+parser of the router (docs/architecture.md, "Streams").
+
+An event ends at a blank line, written `\\n\\n`, `\\r\\n\\r\\n` or `\\r\\r`; its
+data is the text after `data:` on each of its data lines. The relay cuts a
+stream into whole events (`whole_events`) before anything reads it, so that
+every reader below sees events whole: the meter (usage), the renamer (an
+answer's model), the splice (a continued stream) and the Responses API's id
+binding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+# The three ways an event may end, as the SSE specification writes them.
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
+
+DONE = b"[DONE]"
+
+
+def whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` cut after its last complete event: (whole events, the rest)."""
+    cut = max(data.rfind(end) + len(end) if end in data else 0 for end in EVENT_ENDS)
+    return data[:cut], data[cut:]
+
+
+def events(chunk: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Each event of `chunk` with the blank line that ended it (b"" for the
+    last, unended part): joining the pairs gives `chunk` back."""
+    parts = _EVENT_SPLIT.split(chunk)
+    yield from zip(parts[0::2], [*parts[1::2], b""], strict=True)
+
+
+def data_of(event: bytes) -> bytes:
+    """The data of one event: its data lines' text, joined (b"": none, a
+    comment or a bare field)."""
+    return b"".join(line[5:].lstrip() for line in event.splitlines()
+                    if line.startswith(b"data:"))
+
+
+def datas(chunk: bytes) -> Iterator[bytes]:
+    """The data of each event of `chunk` that has some."""
+    for event, _ in events(chunk):
+        data = data_of(event)
+        if data:
+            yield data
+
+
+def event(data: bytes) -> bytes:
+    """One event carrying `data`."""
+    return b"data: " + data + b"\n\n"
