@@ -5,7 +5,7 @@ to engines (vLLM, llama.cpp) that agents (`llmgw agent`) start on the
 nodes; `llmgw ctl` is the operator's command over the admin API. The
 packages are layered, each importing only those below it (import-linter,
 pyproject.toml): cli; gateway and api; control, agent and ctl; router and
-store; wire, tls and logs (docs/architecture.md, "Folders").
+store; wire, tls and logs (docs/architecture.md, "Folders: the packages").
 
 - `agent/`: the node agent: reports its node, runs the engines assigned to it
 - `api/`: the gateway's HTTP API besides /v1: /admin, /agent/v1, the cluster page, /docs

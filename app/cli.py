@@ -53,7 +53,7 @@ def _positive(value: str) -> float:
 
 def _stop_wait(notice: str, grace: str) -> float:
     """What a stop of the gateway may take: the notice and grace periods,
-    then the cut's slack (docs/architecture.md, "Stopping")."""
+    then the cut's slack (docs/design/stopping.md)."""
     try:
         return float(notice) + float(grace) + _CUT_SLACK
     except ValueError:
@@ -164,7 +164,7 @@ def _stopping_server(config: uvicorn.Config, gateway: Gateway, settings: Setting
     log = logging.getLogger(__name__)
 
     class Server(uvicorn.Server):
-        """uvicorn's server with our stop (docs/architecture.md, "Stopping"):
+        """uvicorn's server with our stop (docs/design/stopping.md):
         a notice period before it stops accepting, a grace period for what
         is open, then a cut that ends streams with an error event."""
 

@@ -22,7 +22,7 @@ variable, so each request's task, and the tasks it starts, see their own.
 Uvicorn's loggers are made to propagate here (`uvicorn.Config(log_config=
 None)` in the CLI), so its lines take the same format. No secret is ever
 passed to a logger: the access line names a client key by its id.
-docs/architecture.md, "Logs".
+docs/design/logs.md.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def configure(level: str, fmt: str) -> None:
     The event loop only makes each record and queues it: a thread formats
     and writes it, so a slow stderr (a full pipe to a log shipper) never
     stalls requests, and a line costs the loop a few microseconds
-    (docs/architecture.md, "Logs"). The record's caller, thread and process
+    (docs/design/logs.md). The record's caller, thread and process
     names are not looked up (the logging HOWTO's "Optimization"): no line
     shows them. `stop()` writes what is queued (also run at exit)."""
     global _listener

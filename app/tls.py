@@ -1,6 +1,6 @@
 """TLS on the gateway's own port, and the contexts its clients verify it with.
 
-docs/architecture.md, "TLS": clients and agents -> gateway are encrypted and
+docs/design/tls.md: clients and agents -> gateway are encrypted and
 verified; there is no setting that turns verification off.
 """
 

@@ -80,7 +80,7 @@ def gpu_double_holds(events: Iterable[Event]) -> list[str]:
 def writes_after_lease(events: Iterable[Event], dead: dict[int, int]) -> list[str]:
     """Writes to `replicas/` by anyone but the live leader. Every fenced
     leader transaction puts `leader-write` `{id, lease}` beside its writes
-    (docs/architecture.md, State), so the history names each write's
+    (docs/architecture.md, "State"), so the history names each write's
     writer: it must be the lease the `leader` key was bound to at that
     revision (a transaction does not touch the key), that lease must not
     have been seen gone (`dead`: lease id -> the revision etcd answered
@@ -290,7 +290,7 @@ def limit_exceeded(calls: Iterable[Call], limit: int, slack: float = 0.5) -> lis
     """Moments at which more than `limit` of one key's streams were held
     at once across all the gateways, as its client saw them (`limit`: the
     bound the gateways promise together for a concurrency limit L, L + N - 1
-    with N gateways, docs/architecture.md "Client keys"): a stream is
+    with N gateways, docs/design/client-keys.md): a stream is
     held from its answer (the gateway admitted it before answering) until
     `slack` s before its finish_reason came (the gateway frees the slot
     once it has sent it). Seen to fail: three overlapping streams of a key

@@ -21,7 +21,7 @@ from peers import wait_for
 CLIENTS = 3
 LIMIT = 2  # the limited key's concurrent_requests
 # What the gateways together may admit of it at once: L + N - 1 with N = 3
-# gateways (docs/architecture.md, Client keys); its client asks one more.
+# gateways (docs/design/client-keys.md); its client asks one more.
 BOUND = LIMIT + 3 - 1
 
 

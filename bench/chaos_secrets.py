@@ -6,8 +6,8 @@ file the processes wrote under the run's directory (their logs, stdout and
 stderr, the engines' logs, etcd's data, the gateways' data dirs), every
 answer the clients and the admin got, every command line of the run's
 processes (read from /proc while they ran) and every etcd value, at the end
-and in its history. Any hit is a finding naming where (docs/architecture.md,
-"Security": secrets never appear in logs, responses or etcd in clear).
+and in its history. Any hit is a finding naming where (docs/design/security.md:
+secrets never appear in logs, responses or etcd in clear).
 
 Seen to fail: a node token planted in a captured log and an engine key in a
 command line are both reported (tests/test_chaos.py,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How many streams survive their engine: the measure issue 18 asks for
-(docs/architecture.md, "A stream that survives its engine").
+(docs/design/stream-continuation.md).
 
     python bench/continuation.py                 # 100 streams, 3 engines
     python bench/continuation.py --streams 20 --engines 2 --token-delay 0.02

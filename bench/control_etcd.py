@@ -1,5 +1,5 @@
 """bench/control_scale.py's etcd parts: what agents write, what etcd takes,
-what a gateway's mirror holds (docs/architecture.md, Scale).
+what a gateway's mirror holds (docs/design/scale.md).
 
 - `agent_rates()`: simulated agents (the real agent client, `GatewayClient`)
   beat and report through a real gateway on the real etcd at the agent's

@@ -1,6 +1,6 @@
 """bench/control_scale.py's garbage collections on a gateway whose mirror
 is replaced value by value, as a fleet reporting for a while replaces it
-(docs/architecture.md, "The mirror out of full collections").
+(docs/design/hot-path.md, "The mirror out of full collections").
 
 The 10,000-node fleet, frozen once loaded as a gateway freezes its mirror's
 first load; then `seconds` simulated seconds, each replacing

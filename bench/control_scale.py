@@ -22,7 +22,7 @@
    keys, lease renewals); and the Python heap a gateway's mirror takes
    loaded with the 10,000-node fleet.
 
-Goal (docs/architecture.md, Scale): a pass <= 200 ms at 10,000 nodes, edit
+Goal (docs/design/scale.md): a pass <= 200 ms at 10,000 nodes, edit
 p99 <= 300 ms at 2,000 models, heartbeats within what etcd sustains.
 
     python bench/control_scale.py                      # ~9 min on 2 loaded cores

@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""A key's limits across three gateways (docs/architecture.md, "Client keys",
-"Workers").
+"""A key's limits across three gateways (docs/design/client-keys.md and docs/design/workers.md).
 
 Starts etcd, the stand-in (bench/standin.py) as an external model's provider
 and three `llmgw serve --workers W` on that etcd (W = 2 unless `--workers`),

@@ -7,7 +7,7 @@ SmolLM2-135M on one engine: the quickstart's llama.cpp (`--engine llamacpp`,
 the default), or real vLLM's CPU build (`--engine vllm`), which the
 gateway's own agent starts as the operator's vLLM (LLMGW_VLLM_BIN). The
 direct path is the replica's own URL with its engine key
-(docs/architecture.md, "Engine keys are derived"). At each concurrency each
+(docs/design/invariants.md, invariant 4). At each concurrency each
 tool runs llmgw, direct, llmgw, direct ... (`--pairs` pairs), so the
 machine's noise falls on both; added figures are medians of the per-pair
 differences, one summary line per concurrency.

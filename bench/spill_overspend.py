@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Spill overspend: how far a burst of spills passes a key's external budget
-(docs/architecture.md, Catalog, *Spill-over*, and "Client keys").
+(docs/design/catalog.md, "Spill-over", and docs/design/client-keys.md).
 
 `measure(urls, admin, external)` takes running gateways (one store) whose
 catalog has the external model `external`; it adds a local model with no

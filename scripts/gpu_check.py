@@ -4,7 +4,7 @@
     .venv/bin/python scripts/gpu_check.py --model DIR [--work-dir DIR]
         [--build auto|cu13|cu129] [--keep]
 
-Run by hand on a GPU machine (docs/architecture.md, "Engines"); never by the
+Run by hand on a GPU machine (docs/design/engines.md); never by the
 tests or CI, which have no GPU. Each step runs the agent's own code:
 
 1. discovery: `gpus.probe()` (NVML, else nvidia-smi);

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m ruff check app tests bench
 .venv/bin/python -m mypy
-# The import rules in pyproject.toml ([tool.importlinter]; docs/architecture.md, "Folders").
+# The import rules in pyproject.toml ([tool.importlinter];
+# docs/architecture.md, "Folders: the packages").
 .venv/bin/lint-imports
 .venv/bin/python -m pytest -q --durations=10 "$@"

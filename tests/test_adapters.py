@@ -1,7 +1,7 @@
 """LoRA adapters in process: the catalog rules, the subset rule (grow under
 load, shrink when idle, time injected), the base's engine flags, and the
 router's view (endpoints of the subset only, the adapter's name upstream,
-`parent` in /v1/models). docs/architecture.md, LoRA adapters."""
+`parent` in /v1/models). docs/design/lora-adapters.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """LoRA adapters across real processes: a gateway on etcd, an agent, vLLM
-stand-ins, the `openai` client (docs/architecture.md, LoRA adapters)."""
+stand-ins, the `openai` client (docs/design/lora-adapters.md)."""
 
 from __future__ import annotations
 

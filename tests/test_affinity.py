@@ -1,7 +1,7 @@
 """Prompt affinity behind a load balancer: three gateways on one etcd, four
 vLLM stand-ins, each turn of a conversation sent to the next gateway. Every
 gateway must send the conversation to the same replica, whose prefix cache
-holds it (docs/architecture.md, "Choosing a replica"). The choice itself is
+holds it (docs/design/routing.md, "Choosing a replica"). The choice itself is
 tested in-process in tests/test_choice.py; here, what only several real
 gateways show: each judges the engines on its own scrapes and in-flight."""
 

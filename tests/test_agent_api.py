@@ -130,7 +130,7 @@ async def test_assignments_carry_the_revision_they_were_read_at(
             assert [r["id"] for r in body["replicas"]] == ["m-1"]
             assert body["revision"] >= rev
         # ... and the store's id, the same from every gateway of the store:
-        # revisions compare only within one store (docs/architecture.md).
+        # revisions compare only within one store (docs/design/store.md, "The store's id").
         kept = await gw.store.get(s.STORE_ID)
         assert kept is not None and len(storeid.parse(kept.value)) == 32
         assert [body["store"] for body in bodies] == [storeid.parse(kept.value)] * 2

@@ -57,7 +57,7 @@ async def test_a_heartbeat_after_its_lease_expired_takes_a_new_one(
 async def test_an_unchanged_heartbeat_within_a_third_of_the_ttl_asks_nothing(
         parts: tuple[EmbeddedStore, Mirror]) -> None:
     """The renewal a gateway made itself covers the agent's next beats for a
-    third of the TTL (docs/architecture.md, Scale): no keepalive, no read."""
+    third of the TTL (docs/design/scale.md): no keepalive, no read."""
     store, mirror = parts
     now_s = [0.0]
     ops = AgentOps(Parts(store, mirror), node_ttl=15, clock=lambda: now_s[0])

@@ -592,7 +592,7 @@ async def test_the_http_client_moves_on_from_a_503_and_names_a_refusal(
 
 async def test_reports_fit_the_gateways_caps(agent: tuple[Agent, MemoryGateway, Clock]) -> None:
     """A real agent is never refused for its own report's size
-    (docs/architecture.md, Security): a long detail is cut to its start and
+    (docs/design/security.md): a long detail is cut to its start and
     end, extra GPUs and a long discovery note are left out."""
     a, gw, _ = agent
     gw.answer = answer(1, replica("m-1", [0]))

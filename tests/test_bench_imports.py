@@ -1,5 +1,5 @@
 """Benchmarks run without tests/ and where pytest is not installed
-(docs/architecture.md, "Folders"): no bench/*.py imports tests/ or pytest,
+(docs/architecture.md, "Folders: the packages"): no bench/*.py imports tests/ or pytest,
 and what tests share with them (the throwaway etcd) is bench's."""
 
 from __future__ import annotations

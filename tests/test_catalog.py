@@ -108,7 +108,7 @@ INVALID: list[tuple[dict[str, Any], list[str | int], str]] = [
     (profile(engine_args=["--tensor-parallel-size=4"]), ["profiles", 0, "engine_args", 0],
      "set by llmgw"),
     # A middleware of the admin's would wrap llmgw's engine guard and could answer
-    # requests before the key is checked (docs/architecture.md, "The engine's port").
+    # requests before the key is checked (docs/design/security.md, "The engine's port").
     (profile(engine_args=["--middleware=x.Y"]), ["profiles", 0, "engine_args", 0],
      "set by llmgw"),
     (profile(engine_args=["--hf-token=hf_x"]), ["profiles", 0, "engine_args", 0], "secret"),
@@ -208,8 +208,8 @@ async def test_full_specs_are_stored_as_given_and_exported(
     assert got["profiles"] == FULL["profiled"]["profiles"]
     assert got["status"]["wanted"] == 0
     # Its key file is not on this host: withheld, and its status says why,
-    # once the read (off the event loop, docs/architecture.md "Files an admin
-    # names") has come back.
+    # once the read (off the event loop, docs/design/security.md, "Files an admin names")
+    # has come back.
     for _ in range(100):
         remote = (await c.get("/admin/models/remote")).json()
         if "does not exist" in str(remote["status"]["health"].get("detail")):

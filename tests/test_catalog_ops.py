@@ -122,8 +122,7 @@ async def test_a_put_of_the_spec_as_stored_writes_nothing(
         parts: tuple[EmbeddedStore, Mirror]) -> None:
     """`model show` then `model put` of what it printed: no write, so the
     ETag and the catalog serial stay and no mirror wakes for it; the
-    record's preconditions are still checked (docs/architecture.md,
-    Catalog writes)."""
+    record's preconditions are still checked (docs/design/admin-writes.md, "Catalog writes")."""
     store, mirror = parts
     ops = CatalogOps(Parts(store, mirror), "gw-a")
     made = await ops.put_model("m", spec("a1"), NO_PRECONDITION, no_deadline())

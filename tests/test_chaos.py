@@ -209,7 +209,7 @@ def test_a_short_schedule_keeps_every_guarantee(tmp_path: Path) -> None:
     assert r.streams_cut_unexplained == [], (r.streams_cut_unexplained, detail)
     # The key's concurrency limit across the three gateways: L + N - 1.
     # (Two rehearsals under load saw 5 here before leases lost with gateways
-    # alive were handled: docs/architecture.md, "Client keys".)
+    # alive were handled: docs/design/client-keys.md.)
     assert r.limit_exceeded == [], (r.limit_exceeded, detail)
     assert r.edits > 10 and r.edits_lost == [], r.edits_lost
     assert r.gpu_double_holds == [] and r.writes_after_lease == []

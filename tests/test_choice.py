@@ -185,7 +185,7 @@ async def test_the_poller_reads_each_engines_load_into_the_table(
     assert loads == {"v": EngineLoad(5.0, 4.0, 0.5, 42.0)}
 
 
-# --- sticky until saturated (docs/architecture.md, "Choosing a replica") ------
+# --- sticky until saturated (docs/design/routing.md, "Choosing a replica") ------
 
 FOUR = [Candidate(f"r{i}") for i in range(4)]
 # One fleet's engine figures, as every gateway scrapes them: none saturated.

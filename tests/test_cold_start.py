@@ -1,5 +1,5 @@
 """Scale from zero: a request for a model whose replica is on its way is
-held until it can be routed, not refused (docs/architecture.md, "Routing").
+held until it can be routed, not refused (docs/design/routing.md).
 In-process against the proxy, then through real processes."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The leader compacts etcd's history (app/control/compaction.py;
-docs/architecture.md, A month of uptime): in steps driven here with an
+docs/design/security-operations.md, "A month of uptime"): in steps driven here with an
 injected clock, on a real etcd, and as the gateways run it, with their
 mirrors following writes across compactions."""
 

@@ -28,7 +28,7 @@ GATEWAY_UNIT = ROOT / "deploy" / "systemd" / "llmgw-gateway.service"
 
 def stop_takes() -> float:
     """The longest a gateway's clean stop takes with the default settings:
-    the notice, the grace, the cut's slack (docs/architecture.md, "Stopping")."""
+    the notice, the grace, the cut's slack (docs/design/stopping.md)."""
     fields = Settings.model_fields
     notice = fields["shutdown_notice_seconds"].default
     grace = fields["shutdown_grace_seconds"].default
@@ -120,7 +120,7 @@ def test_etcd_compaction_is_chosen_and_the_way_out_of_nospace_is_written(
 ) -> None:
     """The leader compacts (LLMGW_ETCD_COMPACTION_INTERVAL), so every member
     says its own auto-compaction is off; and the file says how to get out of
-    a NOSPACE alarm (docs/architecture.md, A month of uptime)."""
+    a NOSPACE alarm (docs/design/security-operations.md, "A month of uptime")."""
     for name, service in etcd_services(compose).items():
         args = shlex.split(service["command"])
         assert "--auto-compaction-retention=0" in args, f"{name}: {args}"

@@ -1,6 +1,6 @@
 """Conditional catalog writes (If-Match, If-None-Match) and write deadlines
 (X-Request-Deadline, LLMGW_ADMIN_WRITE_DEADLINE), in-process on the
-embedded store (docs/architecture.md, Catalog writes)."""
+embedded store (docs/design/admin-writes.md, "Catalog writes")."""
 
 from __future__ import annotations
 

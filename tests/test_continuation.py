@@ -3,7 +3,7 @@ stand-ins (tests/fakes/fake_vllm.py run as aiohttp apps on loopback), the
 first told to drop its streams mid-way; the official `openai` client reads
 through the ASGI app. What only real processes show (a SIGKILLed engine, an
 agent's replicas) is in tests/test_continuation_procs.py.
-docs/architecture.md, "A stream that survives its engine"."""
+docs/design/stream-continuation.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 with three replicas of a model (vLLM stand-ins, 0.1 s a word), the official
 `openai` client streaming; the engine serving the stream is SIGKILLed
 mid-way. The logic is tested in-process in tests/test_continuation.py.
-docs/architecture.md, "A stream that survives its engine"."""
+docs/design/stream-continuation.md."""
 
 from __future__ import annotations
 

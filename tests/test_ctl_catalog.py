@@ -341,7 +341,7 @@ def test_apply_puts_overflows_first_and_prunes_them_last(gw: GatewayProc,
 def test_putting_back_what_show_printed_changes_nothing(gw: GatewayProc, tmp_path: Path) -> None:
     """`model show NAME > f; model put NAME f`: the spec round-trips, so no
     write (the ETag and the catalog serial stay), no rollout, the replica
-    stays (docs/architecture.md, Catalog writes)."""
+    stays (docs/design/admin-writes.md, "Catalog writes")."""
     before = get(gw, "/admin/models/m")
     replica = [r["id"] for r in get(gw, "/admin/replicas") if r["model"] == "m"]
     shown = tmp_path / "m.yaml"

@@ -1,7 +1,7 @@
 """deploy/prometheus/alerts.yml and deploy/grafana/llmgw.json: promtool
 accepts the rules, and every series an alert or a dashboard query names is
 one a real gateway serves, scraped after requests through the vLLM stand-in
-(docs/architecture.md, "Metrics")."""
+(docs/design/metrics.md)."""
 
 from __future__ import annotations
 

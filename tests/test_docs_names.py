@@ -22,6 +22,15 @@ is still read):
 
 The check is a function of a root folder (`missing_names(root)`), so a test
 can run it on a copy with a wrong name written in.
+
+The other way round, the code's comments cite the docs by page and section:
+in a file under app/, tests/, bench/, scripts/, compose/ or deploy/, each
+docs/*.md or docs/design/*.md named exists, and a citation
+`docs/<path>.md, "Name"` or `docs/<path>.md ("Name")` (the path and the
+quoted name on one line; further names joined by `and "Other"` are checked
+too) names one of that file's headings (`#`, `##`, ...), compared
+case-sensitively once backticks and emphasis are stripped
+(`bad_citations(root)`).
 """
 
 from __future__ import annotations
@@ -237,3 +246,90 @@ def test_a_wrong_name_fails(tmp_path: Path) -> None:
                   setting):
         assert wrong in text, text
     assert len(new) == 6, text
+
+
+CITED_FROM = ("app", "tests", "bench", "scripts", "compose", "deploy")
+# Our docs' layout: docs/*.md and docs/design/*.md (an upstream project's
+# docs/usage/x.md, cited in a comment, is not ours to check).
+OUR_DOC = r"docs/((?:design/)?[\w.-]+\.md)"
+PAGE_RE = re.compile(r"\b" + OUR_DOC + r"\b")
+CITE_RE = re.compile(r"\b" + OUR_DOC + r'(?:, | \()"([^"\n]+)"((?:,? and "[^"\n]+")*)')
+MORE_RE = re.compile(r'"([^"\n]+)"')
+HEADING_RE = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+MARKUP = "`*_ "
+
+
+def headings(doc: Path) -> set[str]:
+    """The headings of a markdown file, markup stripped; none inside a fence."""
+    found: set[str] = set()
+    fenced = False
+    for line in doc.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := HEADING_RE.match(line)):
+            found.add(m.group(1).strip(MARKUP))
+    return found
+
+
+def bad_citations(root: Path) -> list[str]:
+    """Each `docs/<path>.md` the code under `root` names that is missing, and
+    each `docs/<path>.md, "Name"` whose file has no heading Name, with
+    where."""
+    problems: list[str] = []
+    cache: dict[str, set[str] | None] = {}
+    for top in CITED_FROM:
+        for path in sorted((root / top).rglob("*")) if (root / top).is_dir() else ():
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            for lineno, line in enumerate(text.splitlines(), 1):
+                at = f"{path.relative_to(root)}:{lineno}"
+                for doc in {"docs/" + page for page in PAGE_RE.findall(line)}:
+                    if doc not in cache:
+                        cache[doc] = headings(root / doc) if (root / doc).is_file() else None
+                    if cache[doc] is None:
+                        problems.append(f"{at}: {doc} does not exist")
+                for m in CITE_RE.finditer(line):
+                    found = cache["docs/" + m.group(1)]
+                    if found is None:
+                        continue
+                    doc = "docs/" + m.group(1)
+                    for name in [m.group(2), *MORE_RE.findall(m.group(3))]:
+                        if name.strip(MARKUP) not in found:
+                            problems.append(f'{at}: {doc} has no heading "{name}"')
+    return problems
+
+
+def test_every_cited_section_is_a_heading() -> None:
+    problems = bad_citations(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wrong_citation_fails(tmp_path: Path) -> None:
+    """A small tree whose code cites headings that are there (one in
+    backticks, one the page's title) and wrong ones: a name that is not a
+    heading, one differing only in case, a line inside a fence, a second name
+    joined by `and`, a page that does not exist. Each wrong one is reported,
+    and nothing else."""
+    (tmp_path / "docs" / "design").mkdir(parents=True)
+    (tmp_path / "docs" / "design" / "page.md").write_text(
+        "# The page\n\n## `Real section`\n\n```\n# Fenced, not a heading\n```\n")
+    (tmp_path / "app").mkdir()
+    # Not written whole with a name: this file is itself in tests/.
+    page, gone = "docs/design/" + "page.md", "docs/design/" + "gone.md"
+    (tmp_path / "app" / "mod.py").write_text(
+        f'# Right ({page}, "Real section"), and ({page} ("The page")).\n'
+        f'# Wrong ({page}, "No such section") and\n'
+        f'# ({page}, "real section"), ({page}, "Fenced, not a heading"),\n'
+        f'# ({page}, "Real section" and "Not there"), ({gone}, "X").\n')
+    text = "\n".join(bad_citations(tmp_path))
+    for wrong in (f'app/mod.py:2: {page} has no heading "No such section"',
+                  f'app/mod.py:3: {page} has no heading "real section"',
+                  f'app/mod.py:3: {page} has no heading "Fenced, not a heading"',
+                  f'app/mod.py:4: {page} has no heading "Not there"',
+                  f"app/mod.py:4: {gone} does not exist"):
+        assert wrong in text, text
+    assert len(text.splitlines()) == 5, text

@@ -1,5 +1,6 @@
-"""Before a client is authenticated (docs/architecture.md, Security): tokens
-are checked before a body is read, bodies are capped, and slow clients are
+"""Before a client is authenticated
+(docs/design/security.md, "Before a client is authenticated"): tokens are
+checked before a body is read, bodies are capped, and slow clients are
 cut. Raw sockets against a real `llmgw serve`, as a hostile client would."""
 
 from __future__ import annotations

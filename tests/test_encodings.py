@@ -1,7 +1,7 @@
 """A client's `Accept-Encoding` cannot hide its usage: an in-process gateway
 in front of a provider that honours `Accept-Encoding` (as OpenAI's does),
 asked by raw HTTP clients that accept br, gzip and deflate
-(docs/architecture.md, "Security")."""
+(docs/design/security.md)."""
 
 from __future__ import annotations
 

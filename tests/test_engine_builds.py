@@ -1,4 +1,4 @@
-"""Engine builds per node (docs/architecture.md, "Node operations"): the
+"""Engine builds per node (docs/design/node-operations.md): the
 operator chooses a vLLM build on the API, the node's agent is told within
 its long poll, installs it with a stand-in installer, verifies it with a
 stand-in GPU check, reports it, and placement uses it. In-process gateways

@@ -1,5 +1,6 @@
-"""The engine key on every path of a vLLM engine's port (docs/architecture.md,
-"The engine's port"): llmgw's ASGI middleware in-process, then a real agent
+"""The engine key on every path of a vLLM engine's port
+(docs/design/security.md, "The engine's port"): llmgw's ASGI middleware
+in-process, then a real agent
 starting the vLLM stand-in, which, like vLLM, guards only /v1 by itself."""
 
 from __future__ import annotations

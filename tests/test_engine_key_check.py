@@ -1,4 +1,4 @@
-"""The agent's probes check the engine key (docs/architecture.md, Agent): an
+"""The agent's probes check the engine key (docs/design/agent.md): an
 engine that refuses the key the agent holds is not ready, says why, and a
 ready one whose key changed to one it refuses (a secret rotation ended
 before its replica was replaced) leaves routing at once. In-process: the

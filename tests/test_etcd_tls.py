@@ -1,4 +1,4 @@
-"""TLS from gateways to etcd (docs/architecture.md, "TLS"): a real etcd
+"""TLS from gateways to etcd (docs/design/tls.md): a real etcd
 serving its clients over https with --client-cert-auth, certificates from a
 test CA (trustme); the store and a real `llmgw serve` reach it with a CA and
 a client certificate, and every way of getting it wrong is said as such."""

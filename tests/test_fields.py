@@ -1,5 +1,5 @@
 """The fields the gateway acts on, type-checked at the edge
-(app/router/body_fields.py; docs/architecture.md, "Security"): raw HTTP through a
+(app/router/body_fields.py; docs/design/security.md): raw HTTP through a
 real all-in-one gateway serving the vLLM stand-in, whose pydantic-like
 laxness (`"stream": 1` streams) is what made a loose field escape usage."""
 

@@ -1,5 +1,5 @@
 """The fleet's admin routes: cordon, uncordon and drain a node, its pool and
-labels, capacity quotas (docs/architecture.md, Placement). In-process
+labels, capacity quotas (docs/design/placement.md). In-process
 gateways on a real etcd; writes are conditional on the revision read."""
 
 from __future__ import annotations

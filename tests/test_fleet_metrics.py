@@ -121,8 +121,9 @@ def test_token_metrics_per_model_through_the_openai_client(cluster: Cluster,
                if labels == (("model", "m"),) and name in (
                    "llmgw_num_requests_running", "llmgw_num_requests_waiting",
                    "llmgw_kv_cache_usage_perc")}
-        # Figures read by the agent can be up to ~2 s old (docs/architecture.md,
-        # "Choosing a replica"): one taken during the last stream shows it running.
+        # Figures read by the agent can be up to ~2 s old
+        # (docs/design/routing.md, "Choosing a replica"): one taken during the
+        # last stream shows it running.
         return got if len(got) == 3 and got["llmgw_num_requests_running"] == 0 else None
 
     gauges = wait_for(per_model, 10, "the model's idle engine load in /metrics")

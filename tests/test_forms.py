@@ -1,6 +1,6 @@
 """Speech to text's form, read by the gateway as the engine reads it
-(app/router/multipart_form.py; docs/architecture.md, "The Responses API and vLLM's
-other routes"): the in-process router in front of the vLLM stand-in, whose
+(app/router/multipart_form.py; docs/design/responses-api.md):
+the in-process router in front of the vLLM stand-in, whose
 form is read by Starlette's own `Request.form()`, as vLLM's is. A form the
 two could read two ways is refused before it reaches an engine."""
 

@@ -1,4 +1,4 @@
-"""A gateway's stop (docs/architecture.md, "Stopping"), seen by its clients:
+"""A gateway's stop (docs/design/stopping.md), seen by its clients:
 SIGTERM makes /readyz say 503 at once while requests are still served for
 the notice period; open streams then run to their end; the lead passes on
 at the signal; what outlives the grace period is cut with an error event; a

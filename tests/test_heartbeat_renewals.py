@@ -1,6 +1,6 @@
 """A gateway renews a node's lease once per third of its TTL, not on every
-heartbeat, and writes a changed inventory at once (docs/architecture.md,
-Scale: heartbeats). In-process gateway on a real etcd."""
+heartbeat, and writes a changed inventory at once (docs/design/scale.md).
+In-process gateway on a real etcd."""
 
 from __future__ import annotations
 

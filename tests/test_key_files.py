@@ -1,5 +1,5 @@
-"""Provider key files on real gateways (docs/architecture.md, Security, "Files
-an admin names"): a key file that is a FIFO (or on a hung mount) withholds
+"""Provider key files on real gateways (docs/design/security.md, "Files an admin names"):
+a key file that is a FIFO (or on a hung mount) withholds
 its model only; the gateway, its other models and a restart go on."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A key's limits are the key's, not a share of them: three gateway
 processes on one etcd, each of one process or of two workers (`--workers
 2`), the vLLM stand-in (in-process, as an external model's provider) and the
-official `openai` client (docs/architecture.md, "Client keys", "Workers"). A
+official `openai` client (docs/design/client-keys.md and docs/design/workers.md). A
 client all on one gateway is never refused below its key's limits and gets
 them whole; round robin over three admits at most L + N - 1, N the gateways
 (not their workers); a client that moves, or whose gateway is SIGKILLed,
@@ -112,7 +112,7 @@ async def three(cluster: Cluster, tmp: Path, workers: int = 1,
     """Three gateways serving "m" (an external model at the stand-in) and
     client keys, 12 requests a minute, 4 at once, 1 at once and `sticky`
     more of 4 at once and 30 a minute, seen by all three (by each of their
-    `workers`: docs/architecture.md, "Workers")."""
+    `workers`: docs/design/workers.md)."""
     cluster.ttl = TTL
     async with stand_in(tmp) as (fake, spec):
         gws = [cluster.gateway(f"gw{i}", provider_key_dir=str(tmp / "keys"), etcd_timeout="2",
@@ -173,7 +173,7 @@ async def test_a_sticky_client_is_never_refused_below_its_keys_limits(
     each of 8 new keys of 4 at once and 30 a minute, 3 requests one after
     another, then 4 streams at once. Each round fits the key's limits, so
     no request may be refused: one refused on gw0's claim below the key's
-    limit waits for the claim's raise (docs/architecture.md, "Client keys").
+    limit waits for the claim's raise (docs/design/client-keys.md).
     Seen to fail without the wait (one process and two workers alike): the
     key's second request refused, at 1 of 30 a minute, and 3 of the 7 in
     the first round admitted in all."""
@@ -216,7 +216,7 @@ async def test_a_client_all_on_one_gateway_gets_its_whole_limits_within_3_s(
 async def test_round_robin_over_three_admits_at_most_the_limit_plus_n_minus_1(
     cluster: Cluster, tmp_path: Path, workers: int
 ) -> None:
-    n = 3  # the gateways, whatever their workers (docs/architecture.md, "Workers")
+    n = 3  # the gateways, whatever their workers (docs/design/workers.md)
     async with three(cluster, tmp_path, workers) as rig:
         ok = 0
         for i in range(45):  # 3 s of a balancer's round robin, at 15 requests a second

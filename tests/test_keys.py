@@ -2,7 +2,7 @@
 official `openai` client and the vLLM stand-in (in-process, as an external
 model's provider): limits held across both gateways, expiry, revocation,
 usage counted from plain and streamed answers and written in batches
-(docs/architecture.md, "Client keys")."""
+(docs/design/client-keys.md)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ async def test_a_sticky_clients_bursts_are_never_refused_below_its_limits(
     another, then 4 streams at once, on five new keys. Each round fits the
     key's limits, so none is refused: a request refused on the gateway's
     claim below the key's limit waits for the claim to be raised
-    (docs/architecture.md, "Client keys"). Seen to fail without the wait:
+    (docs/design/client-keys.md). Seen to fail without the wait:
     the second request refused, the key at 1 of 30 a minute."""
     async with fleet(etcd_server, etcd_prefix, tmp_path) as (a, b, fake):
         refused: list[str] = []

@@ -85,7 +85,7 @@ def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
                        headers={"Authorization": f"Bearer {ekey}"})
     assert models.status_code == 200
     # Every route of llama-cpp-python's server wants the key, its extras too;
-    # FastAPI's API docs stay open (docs/architecture.md, "The engine's port").
+    # FastAPI's API docs stay open (docs/design/security.md, "The engine's port").
     for path in ("/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"):
         body = {"input": "hello", "tokens": [1]}
         assert httpx.post(rep["url"] + path, json=body, timeout=10).status_code == 401, path
@@ -226,7 +226,7 @@ def test_a_long_generation_is_neither_cut_nor_flapped_while_another_stream_waits
 def test_a_stream_is_charged_the_tokens_the_engine_counts_unstreamed(solo: Cluster) -> None:
     # llama-cpp-python's streams carry no usage: the gateway counts their
     # completion tokens from the events and has the engine count the
-    # prompt after the stream (docs/architecture.md, "Security").
+    # prompt after the stream (docs/design/security.md).
     gw, _ = serve_smollm2(solo, key_usage_interval="0.2")
     reference, streaming = make_key(gw, "reference"), make_key(gw, "streaming")
     with gw.admin() as admin:

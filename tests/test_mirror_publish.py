@@ -206,7 +206,7 @@ async def test_a_waiter_cancelled_as_the_mirror_moves_is_cancelled(steps: int) -
 async def test_other_gateways_in_flight_make_a_llamacpp_queue(store: EmbeddedStore) -> None:
     """A llama.cpp replica has no /metrics: its queue is every gateway's
     in-flight count, the others' read from their usage snapshots, so every
-    gateway judges it saturated alike (docs/architecture.md, Choosing a replica)."""
+    gateway judges it saturated alike (docs/design/routing.md, "Choosing a replica")."""
     mirror = Mirror(store)
     table = RouteTable()
     Publisher(mirror, table, SecretRing(SECRET), gateway_id="gw-a",
@@ -250,7 +250,7 @@ async def test_a_gateway_that_has_seen_others_never_takes_itself_for_alone(
     L + N - 1 is L). etcd back from an outage past the TTL drops every
     gateway's registration at once, and each writes its own back first: a
     gateway that has seen others must not read that moment as being alone,
-    or each admits the whole limit (docs/architecture.md, "Client keys").
+    or each admits the whole limit (docs/design/client-keys.md).
     Seen to fail: the grant said 1 gateway once only gw-a's registration
     was back, and gw-a and gw-b each held the key's whole limit."""
     mirror = Mirror(store)

@@ -1,5 +1,5 @@
 """The mirror's typed views are built once per change, and a node's long
-poll wakes only for its own replicas (docs/architecture.md, Scale)."""
+poll wakes only for its own replicas (docs/design/scale.md)."""
 
 from __future__ import annotations
 

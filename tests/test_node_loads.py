@@ -1,5 +1,5 @@
-"""Engine loads gathered once per node (docs/architecture.md, "Choosing a
-replica"), in-process: the agent's gatherer and its API route against
+"""Engine loads gathered once per node (docs/design/routing.md, "Choosing a replica"),
+in-process: the agent's gatherer and its API route against
 aiohttp test servers standing in for engines, and a gateway's poller
 against an agent's answers (answering, silent, older, broken), with
 injected clocks. Across real processes: tests/test_node_loads_procs.py."""

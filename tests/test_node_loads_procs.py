@@ -1,6 +1,6 @@
 """Engine loads gathered once per node, across real processes: two agents
-with the vLLM stand-in, three gateways (docs/architecture.md, "Choosing a
-replica"). The gatherer and the gateways' poller are tested in-process in
+with the vLLM stand-in, three gateways (docs/design/routing.md, "Choosing a replica").
+The gatherer and the gateways' poller are tested in-process in
 tests/test_node_loads.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A profile's `node_selector` (docs/architecture.md, "Placement"): placement
+"""A profile's `node_selector` (docs/design/placement.md): placement
 refuses a node whose labels (`nodeconf/{node}.labels`) do not hold every
 pair, saying which; the selector is checked like labels. Pure functions."""
 

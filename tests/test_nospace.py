@@ -1,7 +1,7 @@
 """etcd out of space (its NOSPACE alarm) is said as such, not as a store
 that cannot be reached: by the store's health, /readyz, writes' 503s and
 `llmgw_store_nospace`; and the documented way out (compact, defragment,
-disarm) brings writes back (docs/architecture.md, A month of uptime).
+disarm) brings writes back (docs/design/security-operations.md, "A month of uptime").
 
 On an etcd of this test's own with a tiny `--quota-backend-bytes`, filled
 until the alarm fires."""

@@ -1,7 +1,7 @@
 """What an operator meets first, through a real gateway process serving the
 vLLM stand-in, with the official openai client: /health as vLLM answers it,
 request ids end to end, the access line, JSON logs from every process, the
-trace context passed to the engine. docs/architecture.md, "Routing" and "Logs"."""
+trace context passed to the engine. docs/design/routing.md and docs/design/logs.md."""
 
 from __future__ import annotations
 

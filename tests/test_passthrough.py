@@ -1,7 +1,6 @@
 """vLLM's other routes through the router, in-process (app/router/passthrough.py,
 responses.py, multipart_form.py): the Responses API's ids and their replica, the
-routes outside /v1, the form's fields (docs/architecture.md, "The Responses
-API and vLLM's other routes")."""
+routes outside /v1, the form's fields (docs/design/responses-api.md)."""
 
 from __future__ import annotations
 

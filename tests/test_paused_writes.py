@@ -1,6 +1,6 @@
 """A catalog write held up by a paused gateway (SIGSTOP) is not applied when
 it resumes (SIGCONT), after its client gave up and a newer edit was made on
-another gateway (docs/architecture.md, Catalog writes): real gateway
+another gateway (docs/design/admin-writes.md, "Catalog writes"): real gateway
 processes on the shared etcd, the write sent on a raw socket.
 
 The pause is deterministic: the request says `Expect: 100-continue`, so the

@@ -1,5 +1,5 @@
 """Placement on realistic fleets, table-driven: each row a fleet, a model and
-the GPUs chosen or every node's reason (docs/architecture.md, Placement).
+the GPUs chosen or every node's reason (docs/design/placement.md).
 Pure functions, so each row is one call."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Placement's verdict as data (app/control/placement/verdict.py): each node
 refused is FILTERED by a named constraint or EXHAUSTED on a named dimension,
 counted per reason with a few nodes named, however large the fleet
-(docs/architecture.md, Placement). Pure functions, so each case is one call."""
+(docs/design/placement.md). Pure functions, so each case is one call."""
 
 from __future__ import annotations
 

@@ -300,8 +300,8 @@ async def test_only_openai_paths_are_forwarded_and_with_their_query(
 
 async def test_the_engine_is_asked_for_identity_whatever_the_client_accepts(
         make_rig: Callable[..., Awaitable[Rig]]) -> None:
-    # A compressed answer's usage could not always be read (docs/architecture.md,
-    # "Security"): the client's Accept-Encoding is not passed on.
+    # A compressed answer's usage could not always be read (docs/design/security.md):
+    # the client's Accept-Encoding is not passed on.
     rig = await make_rig()
     up = await rig.upstream("a", "gzip")
     rig.route("small", ("a", up.url))
@@ -328,7 +328,7 @@ async def test_a_stream_asked_with_gzip_arrives_in_clear(
 async def test_a_stream_compressed_anyway_is_decoded_passed_in_clear_and_counted(
         make_rig: Callable[..., Awaitable[Rig]]) -> None:
     # A provider that ignores `identity`: its gzip stream would pass unread,
-    # costing its key nothing (docs/architecture.md, "Security").
+    # costing its key nothing (docs/design/security.md).
     rig = await make_rig()
     up = await rig.upstream("a", "gzip-stream-anyway")
     rig.route("small", ("a", up.url))

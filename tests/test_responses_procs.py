@@ -1,6 +1,6 @@
 """The Responses API and vLLM's other routes through real gateways, agents
-and vLLM stand-ins (docs/architecture.md, "The Responses API and vLLM's
-other routes"): three gateways on one etcd, two nodes with one replica
+and vLLM stand-ins (docs/design/responses-api.md):
+three gateways on one etcd, two nodes with one replica
 each. A response made through one gateway is continued through another and
 read through the third, each time on the replica that holds it; once that
 replica's node is gone, a continuation gets a 404 that says so. The other

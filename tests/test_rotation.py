@@ -1,5 +1,5 @@
 """Rotating the shared secret, in-process: the derivations and the plan
-(docs/architecture.md, Security: Rotating the shared secret). The whole
+(docs/design/security-operations.md, "Rotating the shared secret"). The whole
 procedure across real processes is tests/test_rotation_procs.py."""
 
 from __future__ import annotations

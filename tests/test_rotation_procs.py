@@ -1,6 +1,6 @@
 """Rotating LLMGW_SECRET on a running fleet, across real processes, as the
-operator's procedure says (docs/architecture.md, Security: Rotating the
-shared secret): two gateways restarted one at a time with the new secret and
+operator's procedure says (docs/design/security-operations.md, "Rotating the shared secret"):
+two gateways restarted one at a time with the new secret and
 the previous one, the leader replacing every replica new-before-old, the
 agent given its new token, the previous secret unset. A client asking all
 along gets no error, and at the end every replica is new and its engine

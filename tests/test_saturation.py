@@ -1,6 +1,7 @@
 """Saturation: an engine whose queue does not drain, or whose KV cache is
-full, brings more replicas whatever the load target (docs/architecture.md,
-Reconciler: Scaling on load). The rule in-process on an injected clock, the
+full, brings more replicas whatever the load target
+(docs/design/control-plane.md, "Saturation"). The rule in-process on an
+injected clock, the
 snapshot that carries it, and across real processes the second replica of
 an engine that runs one request at a time."""
 

@@ -2,7 +2,7 @@
 
 A real all-in-one gateway (embedded store, no local agent) serves
 /openapi.json; every operation of `/admin`, `/agent/v1` and `/v1` gets
-valid and invalid inputs (docs/architecture.md, "Errors"), each with the
+valid and invalid inputs (docs/design/errors.md), each with the
 credential its path group takes: the admin token on /admin, a client key
 on /v1, and on /agent/v1/nodes/{node} the token of the node it names, the
 one path parameter pinned (any other node's name is a 401 before the body).

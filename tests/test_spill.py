@@ -1,4 +1,4 @@
-"""Spill-over in-process (docs/architecture.md, Catalog, *Spill-over*): when
+"""Spill-over in-process (docs/design/catalog.md, "Spill-over"): when
 a model's replicas are saturated or none is ready within the hold, its
 requests go to its overflow, charged to the key's external budget."""
 
@@ -344,7 +344,7 @@ def test_an_overflow_must_name_an_external_model() -> None:
 
 
 def reserved_for(body: dict[str, Any], completion: int) -> int:
-    """The reservation's rule (docs/architecture.md, Catalog, *Spill-over*),
+    """The reservation's rule (docs/design/catalog.md, "Spill-over"),
     stated apart from its code: the body's bytes as sent (httpx sends
     compact JSON in UTF-8), and its completion's limit."""
     return len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()) + completion

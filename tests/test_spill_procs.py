@@ -2,7 +2,7 @@
 stand-in) is saturated sends a model's requests to its overflow, a second
 stand-in acting as the outside provider, through the `openai` client; the
 key's external budget spent is a 429; a model without overflow queues on its
-replica as before (docs/architecture.md, Catalog, *Spill-over*)."""
+replica as before (docs/design/catalog.md, "Spill-over")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Each model's last minutes (app/gateway/request_series.py) in-process with an
 injected clock, and `GET /admin/stats` adding up a fleet of three real
-gateway processes (docs/architecture.md, "The cluster page", "Charts")."""
+gateway processes (docs/design/cluster-page.md, "Charts")."""
 
 from __future__ import annotations
 

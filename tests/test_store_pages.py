@@ -2,8 +2,8 @@
 
 One unbounded Range answers in one gRPC message, which the client caps at
 4 MiB: a large fleet's state would not load. The pages must still make one
-consistent snapshot, at the first page's revision (docs/architecture.md,
-Scale), whatever is written between them.
+consistent snapshot, at the first page's revision (docs/design/scale.md),
+whatever is written between them.
 """
 
 from __future__ import annotations

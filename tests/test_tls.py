@@ -1,4 +1,4 @@
-"""TLS on the gateway's port (docs/architecture.md, "TLS"): a real all-in-one
+"""TLS on the gateway's port (docs/design/tls.md): a real all-in-one
 gateway serving https with a certificate from a test CA (trustme), reached
 by the official `openai` client, `llmgw ctl` and a separate `llmgw agent`,
 each verifying it; its in-process agent pins its certificate."""

@@ -1,5 +1,6 @@
-"""A client key write whose answer is lost (docs/architecture.md, Security:
-Writes whose outcome is unknown): the write reaches etcd and is applied,
+"""A client key write whose answer is lost
+(docs/design/security-operations.md, "Writes whose outcome is unknown"): the
+write reaches etcd and is applied,
 and its answer is held back past LLMGW_ETCD_TIMEOUT by a proxy in front of
 this test's own etcd. The key must then be shown (the read after the write
 finds it) or, when even that read goes unanswered, be revoked once the

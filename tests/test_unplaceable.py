@@ -1,6 +1,6 @@
 """A model no node can take is refused at once, with the leader's reasons,
-not held for a replica that will never come (docs/architecture.md,
-Placement and "Scale from zero"). In process: the store, a gateway's
+not held for a replica that will never come (docs/design/placement.md and
+docs/design/routing.md, "Scale from zero"). In process: the store, a gateway's
 mirror and publisher, the /v1 proxy over the table it fills, an engine
 stand-in; and the leader's own plan() over the same state, which the
 gateway's answer must agree with."""

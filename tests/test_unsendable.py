@@ -1,6 +1,6 @@
 """A request the engine client cannot send as the client asked is the
 client's fault, never the replica's (app/router/relay.py, upstream.py;
-docs/architecture.md, "Routing"): refused with a 400 before any attempt,
+docs/design/routing.md): refused with a 400 before any attempt,
 and no replica cooled down for it."""
 
 from __future__ import annotations

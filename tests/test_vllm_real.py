@@ -3,7 +3,7 @@ by our own agents on two CPU nodes (the `cpu` engine build), behind two
 gateways on a real etcd, called with the official `openai` client
 (tests/support/real_vllm.py: one fleet for the session). The stand-in
 (tests/fakes/fake_vllm.py) is held to the same answers by
-tests/test_engine_contract.py. docs/architecture.md, "Engines".
+tests/test_engine_contract.py. docs/design/engines.md.
 """
 
 from __future__ import annotations

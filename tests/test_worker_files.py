@@ -2,7 +2,7 @@
 engine loads (app/gateway/worker_loads.py) and request figures
 (app/gateway/worker_metrics.py), both through app/gateway/private_files.py.
 A link planted in their folder is never written through nor read, the
-folder is the gateway user's own and 0700. docs/architecture.md, "Workers"."""
+folder is the gateway user's own and 0700. docs/design/workers.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The engine-load poll split among a gateway's workers
-(app/gateway/worker_loads.py, docs/architecture.md "Workers"), in-process:
+(app/gateway/worker_loads.py, docs/design/workers.md), in-process:
 two workers' pollers over one data dir against fake agents, with an
 injected clock. Each node is asked by one worker a round, and each worker
 routes by every node's figures."""

@@ -1,4 +1,4 @@
-"""`llmgw serve --workers 2` on one etcd (docs/architecture.md, "Workers"):
+"""`llmgw serve --workers 2` on one etcd (docs/design/workers.md):
 real processes, the vLLM stand-in in-process as an external model's
 provider. Requests on new connections spread over both workers (the access
 line names its worker); a key's limits hold across them (L + N - 1, each
@@ -388,7 +388,7 @@ def test_admin_leader_answers_for_the_gateway_whichever_worker_answers(
 ) -> None:
     """/admin/leader under --workers is the gateway's: its id, and whether
     it leads (its first worker campaigns for it), the same from every
-    worker (docs/architecture.md, "Workers"). Seen to fail: worker 1
+    worker (docs/design/workers.md). Seen to fail: worker 1
     answered `gw-w1`, is_leader false, on the leading gateway's port."""
     gw = cluster.gateway("gw", ready_within=60, workers="2")
     wait_for(lambda: gw.leader()["leader"] == "gw", 30, "gw leading")

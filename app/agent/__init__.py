@@ -5,7 +5,7 @@ It talks to the gateways only over /agent/v1 (a heartbeat, a long poll for
 its assignments, its replicas' statuses) and shares with them only app/wire/,
 never the control plane (import-linter, pyproject.toml). Engines outlive
 the agent: a restarted or upgraded agent adopts the engines it left running
-(docs/architecture.md, "Agent restarts").
+(docs/design/agent.md, "Agent restarts").
 
 - `agent`: the agent: heartbeats, applies assignments, starts and stops engines
 - `applied`: which assignments it has applied, kept across its restarts

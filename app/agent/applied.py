@@ -7,7 +7,7 @@ the store revision it was read at and the store's id (app/control/
 storeid.py); revisions compare only within one store, since a new store
 counts from 1 again. The pair is kept in WORK_DIR/assignments.json, so a
 restarted agent whose first answer comes from a lagging gateway ignores it
-too (docs/architecture.md, Agent restarts).
+too (docs/design/agent.md, "Agent restarts").
 """
 
 from __future__ import annotations

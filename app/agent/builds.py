@@ -1,4 +1,4 @@
-"""The vLLM build a node runs (docs/architecture.md, "Node operations").
+"""The vLLM build a node runs (docs/design/node-operations.md).
 
 The operator chooses per node (`nodeconf/{node}`: auto, cu13, cu129, cpu,
 none; `cpu` is vLLM's CPU build, for replicas of `engine: vllm, gpus: 0`);

@@ -10,7 +10,7 @@ from an editable install, comes back on its old code after an upgrade
 answered 200. And where site-packages is not writable to the agent's user
 (the image's, owned by root), pip falls back to a user install, or fails.
 Both are found here, before anything is installed, and the upgrade is
-refused with the reason (docs/architecture.md, "Node operations").
+refused with the reason (docs/design/node-operations.md).
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, Source | None]:
     hw = declared_hardware(args.gpus) if args.gpus is not None else probe()
     gpus = hw.gpus
     work_dir = Path(args.work_dir or Path.home() / ".local/share/llmgw-agent" / args.node)
-    # Health is watched where NVML found the GPUs (docs/architecture.md,
-    # "GPUs that fall sick"); kept across restarts in the work directory.
+    # Health is watched where NVML found the GPUs (docs/design/gpu-health.md);
+    # kept across restarts in the work directory.
     health = (GpuHealth(load_pynvml, work_dir / "gpu_health.json")
               if hw.source == "nvml" else None)
     return AgentConfig(
@@ -89,7 +89,8 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, Source | None]:
         work_dir=work_dir,
         vllm_bin=resolve_vllm(vllm_env), advertise_host=args.advertise_host or "",
         # LLMGW_VLLM_BIN, or a vllm on PATH, is the operator's own build:
-        # used as it is, never installed over (docs/architecture.md).
+        # used as it is, never installed over
+        # (docs/design/node-operations.md, "Engine build per node").
         install_builds=not (vllm_env or shutil.which("vllm")),
         stop_engines_on_exit=args.stop_engines_on_exit, gateway_tls=gateway_tls,
         start_timeout=args.start_timeout,

@@ -98,8 +98,8 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
             *vllm_start(vllm_bin, spec.weights),
             "--host", host, "--port", str(port),
             "--served-model-name", spec.model,
-            # The key on every path, not /v1 alone (docs/architecture.md,
-            # "The engine's port"); importable through ENGINE_SITE.
+            # The key on every path, not /v1 alone (docs/design/security.md, "The engine's port");
+            # importable through ENGINE_SITE.
             "--middleware", GUARD_MIDDLEWARE,
         ]
         if spec.weights_revision:
@@ -132,8 +132,7 @@ def environment(spec: EngineSpec) -> dict[str, str]:
         env["VLLM_API_KEY"] = spec.key
         if "--enable-lora" in spec.engine_args:
             # The leader loads adapters at run time (/v1/load_lora_adapter),
-            # which vLLM serves only with this set (docs/architecture.md,
-            # LoRA adapters).
+            # which vLLM serves only with this set (docs/design/lora-adapters.md).
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # The guard middleware's folder, first: it holds nothing but that module.
         env["PYTHONPATH"] = os.pathsep.join(

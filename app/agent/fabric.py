@@ -1,7 +1,7 @@
 """Fabric test, the agent's part: stream bytes to another agent, or sink them.
 
 A gateway measures the TCP bandwidth from node A to node B in two calls
-(app/api/fabric.py; docs/architecture.md, "Node operations"):
+(app/api/fabric.py; docs/design/node-operations.md):
 
     POST B /node/v1/fabric/ticket                 -> {"ticket", "expires_in"}
     POST A /node/v1/fabric/send {"sink_url", "ticket", "seconds", "bytes"}

@@ -1,6 +1,6 @@
 """Each GPU's health through NVML: fatal XID events, uncorrected ECC errors,
 retired pages and row remapping, a GPU that stops answering
-(docs/architecture.md, "GPUs that fall sick").
+(docs/design/gpu-health.md).
 
 A GPU's health is the latest fault seen on it, kept: once unhealthy it is
 reported so (with the reason) until another fault replaces the reason.

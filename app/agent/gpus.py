@@ -11,7 +11,7 @@ CPU node. `--gpus N` declares N GPUs instead (tests, or nodes where
 discovery is not wanted).
 
 Everything here blocks (NVML calls, a subprocess): callers on an event loop
-run it in a thread (docs/architecture.md, "Node operations").
+run it in a thread (docs/design/node-operations.md).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ class Hardware:
 
     def node_fields(self) -> dict[str, Any]:
         """The NodeInfo fields this fills, within the gateways' caps (a node
-        with more GPUs reports the first MAX_GPUS; docs/architecture.md,
-        Security)."""
+        with more GPUs reports the first MAX_GPUS; docs/design/security.md)."""
         return {"gpus": self.gpus[:MAX_GPUS], "driver_version": self.driver_version[:64],
                 "cuda_version": self.cuda_version[:64], "cpus": self.cpus,
                 "memory_mib": self.memory_mib, "gpu_discovery": fit(self.source, MAX_TEXT)}

@@ -1,7 +1,7 @@
 """An engine's health: the probes the agent sends it, and what a death means.
 
-Readiness and liveness are different questions (docs/architecture.md,
-"Agent"). Until an engine is first ready, the agent asks `/v1/models` with
+Readiness and liveness are different questions (docs/design/agent.md).
+Until an engine is first ready, the agent asks `/v1/models` with
 the engine key and wants the model listed: the engine loaded its weights and
 accepts our key. After that it only asks whether the engine is alive, with a
 request that never queues behind a generation: llama-cpp-python's

@@ -1,5 +1,5 @@
 """The node's engine loads, read once here for every gateway
-(docs/architecture.md, "Choosing a replica").
+(docs/design/routing.md, "Choosing a replica").
 
 About once a second the agent reads each of its ready vLLM engines'
 `/metrics` (with the engine's key) and keeps the latest figures with the

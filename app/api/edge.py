@@ -1,5 +1,5 @@
 """What every request outside `/v1` passes before FastAPI sees it
-(docs/architecture.md, "Before a client is authenticated").
+(docs/design/security.md, "Before a client is authenticated").
 
 FastAPI reads and parses a route's whole body before its dependencies run,
 so the bearer checks in `auth.py` and `agent.py` came after a client had

@@ -24,7 +24,7 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 
 
 # What an operator must do when etcd's NOSPACE alarm is raised; said by
-# writes' 503s and by /readyz (docs/architecture.md, A month of uptime).
+# writes' 503s and by /readyz (docs/design/security-operations.md, "A month of uptime").
 NOSPACE_DETAIL = (
     "the change was not saved: the store (etcd) is out of space (its NOSPACE alarm is "
     "raised) and refuses writes; routing goes on from the last known state. An operator "
@@ -105,8 +105,9 @@ def install(app: FastAPI, unavailable: type[Exception], full: type[Exception]) -
             return problem(503, "State store out of space", NOSPACE_DETAIL)
         logger.warning("write refused, store unavailable: %s", exc)
         # "Not saved" would be a lie after a timeout: etcd may have applied a
-        # write whose answer was lost (docs/architecture.md, Security: Writes
-        # whose outcome is unknown). These writes are safe to send again.
+        # write whose answer was lost
+        # (docs/design/security-operations.md, "Writes whose outcome is unknown").
+        # These writes are safe to send again.
         return problem(503, "State store unavailable",
                        "the store (etcd) did not answer: the change was not saved, or, if "
                        "etcd timed out after receiving it, may have been; read it back or "

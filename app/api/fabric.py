@@ -9,8 +9,8 @@ it (app/agent/fabric.py): A never holds B's node token, and a ticket opens
 B's sink once, within a minute. Directions run one at a time, so that one
 test does not share the links with another; a gateway runs one fabric test
 at a time (409 else). Each result is written to `fabric/{from}/{to}` and
-listed, from the mirror, by GET /admin/fabric (docs/architecture.md, "Node
-operations"). Errors: a node not in the fleet 404 (before anything runs),
+listed, from the mirror, by GET /admin/fabric (docs/design/node-operations.md).
+Errors: a node not in the fleet 404 (before anything runs),
 fewer than two nodes 422, an agent unreachable 502/504 naming it.
 """
 

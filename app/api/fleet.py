@@ -11,7 +11,7 @@ loaded: a node conf decided on an empty mirror would overwrite the stored
 one with defaults (uncordoning the node, moving it to the default pool).
 A node's conf and a quota have an ETag (writes.py): a write may be made
 conditional on it (If-Match, If-None-Match: *); none is applied past its
-request's deadline (docs/architecture.md, Catalog writes).
+request's deadline (docs/design/admin-writes.md, "Catalog writes").
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class NodeConfBody(BaseModel):
 
 class EngineBuildBody(BaseModel):
     """`PUT /admin/nodes/{node}/engine-build`: the vLLM build its agent
-    installs (docs/architecture.md, "Node operations")."""
+    installs (docs/design/node-operations.md)."""
 
     model_config = ConfigDict(extra="forbid")
     build: s.EngineBuild
@@ -147,7 +147,7 @@ class FleetApi:
     async def clear_gpu(self, node: str, index: Annotated[int, PathParam(ge=0, lt=s.MAX_GPUS)],
                         request: Request, response: Response) -> dict[str, Any]:
         """Clears the fault a GPU reports: placement uses it again until its
-        agent reports another (docs/architecture.md, "GPUs that fall sick")."""
+        agent reports another (docs/design/gpu-health.md)."""
         def edit(conf: s.NodeConf) -> s.NodeConf:
             try:
                 return gpuhealth.cleared(conf, self.state.mirror.nodes().get(node), node, index)

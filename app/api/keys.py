@@ -1,5 +1,5 @@
 """Admin routes for client keys (`/admin/keys`): create, list, show, revoke,
-and read a key's usage. docs/architecture.md, "Client keys".
+and read a key's usage. docs/design/client-keys.md.
 
 A key is shown once, in the answer that creates it; the store keeps its
 sha256 (the name it is looked up under) and its first characters, which

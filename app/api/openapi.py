@@ -6,7 +6,7 @@ edge's body cap), 503 (state not loaded, store unavailable or full) and
 each route's own refusals, all as RFC 9457 problem JSON (app/api/errors.py).
 Routes name their own refusals with `problems(...)`; `complete()` adds what
 every route may answer. Schemathesis checks the result in CI
-(tests/test_schema_fuzz.py, docs/architecture.md "Errors").
+(tests/test_schema_fuzz.py, docs/design/errors.md).
 """
 
 from __future__ import annotations

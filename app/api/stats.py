@@ -1,5 +1,5 @@
 """`GET /admin/stats`: each model's last minutes of traffic, the fleet's
-(docs/architecture.md, "The cluster page", "Charts").
+(docs/design/cluster-page.md, "Charts").
 
 Behind a load balancer the cluster page's polls reach different gateways,
 and each counts only the requests it proxied: a one-gateway series would

@@ -3,7 +3,7 @@ preconditions (`If-Match`, `If-None-Match: *` against a record's ETag) and
 deadlines (the client's `X-Request-Deadline`, and LLMGW_ADMIN_WRITE_DEADLINE
 counted from when the request arrived), read off the headers into the
 control plane's plain values (app/control/ops/conditions.py, where they are
-checked). See docs/architecture.md, Catalog writes.
+checked). See docs/design/admin-writes.md, "Catalog writes".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where each LoRA adapter is loaded: the leader's adapter loop
-(docs/architecture.md, LoRA adapters).
+(docs/design/lora-adapters.md).
 
 `decide()` is the rule, pure: an adapter is loaded on at least one ready
 replica of its base, and on more while its requests in flight over every

@@ -4,7 +4,7 @@ The rules across a spec's fields and across the catalog are in
 app/wire/catalog.py (`llmgw ctl` applies them too); every catalog write goes
 through them, the admin API (`PUT /admin/models/{name}`) and the seed from
 `LLMGW_CATALOG_FILE` alike, so nothing invalid reaches the store
-(docs/architecture.md, Catalog).
+(docs/design/catalog.md).
 """
 
 from __future__ import annotations

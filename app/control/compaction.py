@@ -5,7 +5,7 @@ heartbeats, status reports, usage snapshots and key usage would add history
 until etcd's space quota (`--quota-backend-bytes`, 2 GiB by default) raised
 its NOSPACE alarm and turned the whole fleet read-only. So every
 `interval` seconds the leader compacts to the revision it saw one interval
-earlier (docs/architecture.md, A month of uptime).
+earlier (docs/design/security-operations.md, "A month of uptime").
 
 Why one interval back, not now: a watch that lags less than one interval
 (a gateway's mirror, an agent's long poll behind it) never asks for a

@@ -1,5 +1,5 @@
-"""Sick GPUs as the gateways see them (docs/architecture.md, "GPUs that
-fall sick"). Pure functions of the mirrored state; the clear's write is a
+"""Sick GPUs as the gateways see them (docs/design/gpu-health.md).
+Pure functions of the mirrored state; the clear's write is a
 node conf edit the admin API applies.
 
 An agent reports a GPU "unhealthy" with its latest fault and keeps doing

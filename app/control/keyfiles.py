@@ -1,5 +1,5 @@
 """Provider key files: where they may lie and how they are read
-(docs/architecture.md, Security, "Files an admin names").
+(docs/design/security.md, "Files an admin names").
 
 An external model's `api_key_file` is a path an admin names, read on every
 gateway host, and its content is sent as a Bearer token to a URL the admin

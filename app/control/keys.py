@@ -34,7 +34,7 @@ def secret_id(secret: str) -> str:
     replica records as the secret its engine key derives from, and what a
     gateway advertises as its own. It opens nothing, but it does let anyone
     who reads etcd test guesses of the secret, hence the settings' minimum
-    length (docs/architecture.md, Security: Rotating the shared secret)."""
+    length (docs/design/security-operations.md, "Rotating the shared secret")."""
     return hmac.new(secret.encode(), _ID_LABEL, hashlib.sha256).hexdigest()[:8]
 
 
@@ -52,8 +52,8 @@ def replica_secret_id(recorded: str, current_id: str, previous_id: str | None) -
 class SecretRing:
     """The shared secret and, during a rotation, the previous one
     (LLMGW_PREVIOUS_SECRET): every derivation a gateway makes goes through
-    here, so a rotation loses no node and no engine (docs/architecture.md,
-    Security: Rotating the shared secret)."""
+    here, so a rotation loses no node and no engine
+    (docs/design/security-operations.md, "Rotating the shared secret")."""
 
     current: str = field(repr=False)
     previous: str | None = field(default=None, repr=False)

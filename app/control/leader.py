@@ -105,7 +105,7 @@ class Elector:
         an earlier leader came before it (they were fenced on a key that had
         to be gone before ours could be created), so a mirror that has
         reached this revision holds all of them: the reconciler plans only
-        then (docs/architecture.md, Placement).
+        then (docs/design/placement.md).
         """
         return self._leader_revision
 
@@ -122,7 +122,7 @@ class Elector:
     def signed(self, ops: list[Put | Delete]) -> list[Put | Delete]:
         """`ops` and the `leader-write` put that names their writer and its
         lease, so that etcd's history attributes every fenced write
-        (docs/architecture.md, State)."""
+        (docs/architecture.md, "State")."""
         me = s.LeaderWrite(id=self._gateway.id, lease=self.lease)
         return [*ops, Put(s.LEADER_WRITE, me.model_dump_json().encode())]
 
@@ -221,8 +221,8 @@ class Elector:
     async def step_down(self) -> None:
         """A stop begins: gives up the lead at once but keeps the lease, which
         still binds this gateway's record and usage snapshot while its open
-        requests run (drains elsewhere count them; docs/architecture.md,
-        "Stopping"). The campaign loop must be stopped first, or it would
+        requests run (drains elsewhere count them; docs/design/stopping.md).
+        The campaign loop must be stopped first, or it would
         take the lead again. Another gateway campaigns once its mirror shows
         no `leader` key: within an election interval."""
         revision, self._leader_revision = self._leader_revision, 0

@@ -7,7 +7,7 @@ replaces it; `apply()` folds in one watch batch. A batch that reports a
 compaction (the store could not replay what we missed) triggers a resync,
 since applying events after a gap would silently lose the ones in between.
 
-Scale (docs/architecture.md, Scale): the typed views (`models()`,
+Scale (docs/design/scale.md): the typed views (`models()`,
 `replicas()`, ...) are built once per change of their prefix, not on every
 call, and each value is parsed once per revision of its key; they are
 shared, so they come read-only (and their values must not be mutated: use
@@ -218,7 +218,7 @@ class Mirror:
 
         An agent's long poll waits here rather than in `wait_past`: with
         thousands of nodes, every status report would otherwise wake every
-        poll to recompute an unchanged answer (docs/architecture.md, Scale).
+        poll to recompute an unchanged answer (docs/design/scale.md).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -290,8 +290,8 @@ class Mirror:
         """Brings the views `changed` touches up to date: a copy of the old
         one with those keys parsed again, not every value looked up anew (a
         status report rebuilt the 20,000 statuses of a 10,000-node fleet,
-        ~200 ms on the event loop, for each publish; docs/architecture.md,
-        Scale). Kept in key order, as `parsed()` builds them."""
+        ~200 ms on the event loop, for each publish; docs/design/scale.md).
+        Kept in key order, as `parsed()` builds them."""
         for key in changed:
             self._values.pop(key, None)
         for (prefix, cls), view in list(self._views.items()):

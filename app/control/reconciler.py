@@ -136,7 +136,7 @@ class Reconciler:
         # views are replaced, never changed, when a key changes): it runs in
         # a worker thread, so a large fleet's pass (hundreds of ms at 10,000
         # nodes) does not stall this gateway's router, which the GIL lets
-        # run every few milliseconds meanwhile (docs/architecture.md, Scale).
+        # run every few milliseconds meanwhile (docs/design/scale.md).
         p = await asyncio.to_thread(plan, state, self._policy)
         self._say(p)
         result = TickResult(plan=p)
@@ -194,7 +194,7 @@ class Reconciler:
         now = self._wall()
         last = self._last_uses(
             models, usages, {r.model for r in replicas.values() if r.draining_since is None})
-        # Load-based scaling (docs/architecture.md, Reconciler): the count is
+        # Load-based scaling (docs/design/control-plane.md, "Scaling on load"): the count is
         # decided here, where the scale-down window's state lives; the plan
         # takes it as an input and stays pure.
         loads = usage.replica_loads(usages, [rid for rid, r in replicas.items()

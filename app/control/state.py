@@ -74,14 +74,14 @@ QUOTAS = "quotas/"
 # One usage snapshot per gateway, bound to its election lease (app/control/usage.py).
 USAGE = "usage/"
 # Each gateway's claims on client keys' limits, `keyshares/{gateway}`, bound
-# to its election lease (app/gateway/key_shares.py; docs/architecture.md, Client keys).
+# to its election lease (app/gateway/key_shares.py; docs/design/client-keys.md).
 KEY_SHARES = "keyshares/"
 # Fabric test results, `fabric/{from}/{to}`: the last TCP bandwidth measured
 # from one node's agent to another's, written by the gateway that ran the test
 # (app/api/fabric.py), kept for placing multi-node replicas.
 FABRIC = "fabric/"
 # Where each LoRA adapter is loaded, `adapters/{name}` (app/control/adapters.py;
-# docs/architecture.md, LoRA adapters), written by the leader.
+# docs/design/lora-adapters.md), written by the leader.
 ADAPTERS = "adapters/"
 
 __all__ = [
@@ -338,7 +338,7 @@ class Usage(_Stored):
     # Each replica's engine load as this gateway last polled it (vLLM's
     # running + waiting requests, which count every gateway's requests):
     # fresh polls only, zeros included. A replica left out is unknown, never
-    # idle (docs/architecture.md, Reconciler: scaling). Snapshots written
+    # idle (docs/design/control-plane.md, "Scaling on load"). Snapshots written
     # before load-based scaling have none: their replicas read as unknown.
     loads: dict[str, float] = Field(default_factory=dict)
     # The same polls' waiting requests and KV-cache use (0 to 1), apart:

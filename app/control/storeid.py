@@ -1,7 +1,7 @@
 """The store's id: what tells one store's revisions from another's.
 
 An agent keeps the revision of the last assignments it applied across its
-restarts, and ignores an older answer (docs/architecture.md, Agent restarts).
+restarts, and ignores an older answer (docs/design/agent.md, "Agent restarts").
 That comparison means something only within one store: a new etcd, or a fresh
 embedded database, counts its revisions from 1 again. etcd's own cluster id
 cannot tell: it is a hash of the members' names and peer URLs, so an etcd

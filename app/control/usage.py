@@ -8,7 +8,7 @@ and the store revision its router tables reflected. The key is bound to the
 gateway's election lease (`Elector.lease`), so a dead gateway's snapshot
 goes with its lease. The leader reads the snapshots from its mirror to end
 drains when the work is done, to stop idle models and to scale on load
-(docs/architecture.md, Reconciler).
+(docs/design/control-plane.md, "Reconciler").
 
 The request path never waits on this: the router only counts (its in-flight
 leases, the proxy's request observer) and `UsagePublisher.step()` reads the
@@ -202,7 +202,7 @@ class UsagePublisher:
         for m in held:
             used[m] = now
         # A LoRA adapter's use is its base's: what keeps (or starts) the
-        # replicas it is loaded on (docs/architecture.md, LoRA adapters).
+        # replicas it is loaded on (docs/design/lora-adapters.md).
         for m, at in list(used.items()):
             adapter = spec.adapter if (spec := models.get(m)) is not None else None
             if adapter is not None and adapter.base in models:

@@ -204,8 +204,8 @@ def apply(
     specs = parse_catalog(read_document(file), where)
     current = current_catalog(gateway)  # read-only: a dry run reads it too
     # External models first, then the others, adapters last; pruned in the
-    # reverse order: another's overflow (docs/architecture.md, Catalog,
-    # Spill-over) and an adapter's base (LoRA adapters) must exist before it
+    # reverse order: another's overflow (docs/design/catalog.md, "Spill-over")
+    # and an adapter's base (docs/design/lora-adapters.md) must exist before it
     # and outlive it.
     def order(spec: ModelSpec) -> int:
         return 0 if spec.external is not None else 2 if spec.adapter is not None else 1

@@ -84,7 +84,7 @@ def send(gateway: str, method: str, path: str, body: Any = None,
     problem detail (each field named when the body did not match the schema),
     after `about` ("model m: ") when given. A write carries this call's
     deadline (X-Request-Deadline: now + `timeout`), so that a gateway does
-    not apply it once this has given up (docs/architecture.md, Catalog writes)."""
+    not apply it once this has given up (docs/design/admin-writes.md, "Catalog writes")."""
     gateway = gateway_url(gateway)
     if shown(gateway) != gateway:
         fail(f"the gateway URL {shown(gateway)} holds credentials (user:password@), which "

@@ -1,7 +1,6 @@
 """The gateway process: one OpenAI-compatible endpoint over the fleet, its
 admin API, and the control plane's loops, in one asyncio process (or N
-workers of one, `llmgw serve --workers N`). docs/architecture.md,
-"Processes".
+workers of one, `llmgw serve --workers N`). docs/architecture.md, "Processes".
 
 `app/cli.py` serves `main.create_app(settings)`. One function builds a
 gateway from its settings (assembly.py, the composition root); one

@@ -12,7 +12,7 @@ late). nginx, Envoy and Rust's tokio take what is waiting in one go.
 Here, whenever libuv hands over a connection, the rest of the listening
 socket's queue is taken in the same turn (up to BATCH), each through
 `connect_accepted_socket` with the server's own protocol factory and TLS
-context. docs/architecture.md, "Routing", says why.
+context. docs/design/hot-path.md, "Accepting connections", says why.
 """
 
 from __future__ import annotations

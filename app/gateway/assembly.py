@@ -1,6 +1,6 @@
 """The composition root: `build_gateway(settings)` builds one whole gateway,
-and lists what its supervisor starts, in order (docs/architecture.md,
-"Processes", "Stopping").
+and lists what its supervisor starts, in order
+(docs/architecture.md, "Processes"; docs/design/stopping.md).
 
 Nothing here runs at import time and nothing is global, so a test can build
 three differently configured gateways in one process. The parts that need
@@ -93,7 +93,7 @@ def build_gateway(settings: Settings, *, campaign: bool = True, ready_first: flo
     waits up to that many seconds for its mirror before its port takes
     connections, so the other workers answer them meanwhile; `worker`:
     (index, count) of a worker of `llmgw serve --workers`, whose /metrics
-    is the gateway's (docs/architecture.md, "Workers")."""
+    is the gateway's (docs/design/workers.md)."""
     if not settings.uses_etcd:
         settings.ensure_local_secrets()
     assert settings.secret is not None and settings.admin_token is not None, (
@@ -107,8 +107,8 @@ def build_gateway(settings: Settings, *, campaign: bool = True, ready_first: flo
     gw.secrets = SecretRing(settings.secret.get_secret_value(),
                             prev.get_secret_value() if prev else None)
     gw.admin_token = settings.admin_token.get_secret_value()
-    # External models' key files, read off the loop (docs/architecture.md,
-    # Security, "Files an admin names").
+    # External models' key files, read off the loop
+    # (docs/design/security.md, "Files an admin names").
     gw.provider_keys = ProviderKeys(settings.provider_key_dir, own_files(
         settings.data_dir, [v for _, v in settings if isinstance(v, Path)]))
     gw.table = RouteTable()
@@ -120,7 +120,7 @@ def build_gateway(settings: Settings, *, campaign: bool = True, ready_first: flo
     gw.leadership = Leadership([
         ("reconciler", lambda: gw.built.reconciler.run()),
         ("adapters", lambda: gw.built.adapters.run(settings.reconcile_interval)),
-        # docs/architecture.md, A month of uptime.
+        # docs/design/security-operations.md, "A month of uptime".
         ("compaction", lambda: gw.built.compactor.run()),
     ] if campaign else [])
     gw.supervisor.add(*_services(gw, store_factory, campaign), *_app_services(gw, ready_first))
@@ -153,7 +153,7 @@ def _router(gw: Gateway) -> None:
 
 def _workers(gw: Gateway, worker: tuple[int, int] | None) -> None:
     """Under `llmgw serve --workers N`: what worker `index` of `count` shares
-    with the others (docs/architecture.md, "Workers")."""
+    with the others (docs/design/workers.md)."""
     gw.worker_metrics = None
     if worker is None or worker[1] <= 1:
         return
@@ -168,7 +168,7 @@ def _workers(gw: Gateway, worker: tuple[int, int] | None) -> None:
 
 def _services(gw: Gateway, store_factory: StoreFactory, campaign: bool) -> list[Service]:
     """The gateway's services, in the order they start; they stop in
-    reverse (docs/architecture.md, "Stopping")."""
+    reverse (docs/design/stopping.md)."""
     st = gw.settings
     campaigns = [Service("election-campaign", run=lambda: _every(
         gw, gw.elector.campaign, "campaign"))] if campaign else []
@@ -187,7 +187,7 @@ def _services(gw: Gateway, store_factory: StoreFactory, campaign: bool) -> list[
         Service("leadership", stop=gw.stop_leading),
         gw.supervisor.follow_ups(),
         # Two loops: a renewal never waits behind a campaign stuck on a
-        # slow store (docs/architecture.md, Election).
+        # slow store (docs/design/control-plane.md, "Election").
         *campaigns,
         Service("election-renew", run=lambda: _every(gw, gw.elector.renew, "renewal")),
         Service("publisher", run=lambda: gw.built.publisher.run(st.publish_interval)),
@@ -254,8 +254,7 @@ async def _connect(gw: Gateway, store_factory: StoreFactory) -> None:
     compactor = Compactor(store, lambda: elector.is_leader,
                           lambda: mirror.revision if mirror.ready else 0,
                           st.etcd_compaction_interval)
-    # Engine loads come from each node's agent (docs/architecture.md,
-    # "Choosing a replica").
+    # Engine loads come from each node's agent (docs/design/routing.md, "Choosing a replica").
     gw.proxy.loads.directory = NodeAgents(mirror, gw.secrets)
     key_shares = KeyShares(store, mirror, gw.proxy.limits, Holder(
         st.gateway_id, lambda: elector.lease, lambda: elector.proven_until(st.lease_ttl),
@@ -391,8 +390,7 @@ async def _local_agent(gw: Gateway) -> None:
         start_timeout=st.engine_start_timeout,
         ops=NodeOpsConfig(hardware=hw,
                           rediscover=probe if st.local_gpus is None else None,
-                          # Watched as a remote agent's (docs/architecture.md,
-                          # "GPUs that fall sick").
+                          # Watched as a remote agent's (docs/design/gpu-health.md).
                           gpu_health=GpuHealth(load_pynvml, st.data_dir / "agent" /
                                                "gpu_health.json")
                           if hw.source == "nvml" else None),

@@ -7,7 +7,7 @@ start a process with is 1,024, which such a fleet passes long before its
 hard limit (often 524,288 or more): past it, accept() and connect() fail
 with EMFILE. So `llmgw serve` raises the soft limit to the hard one at
 start, as Go's runtime and nginx's `worker_rlimit_nofile` do; the hard
-limit stays the operator's to set (docs/architecture.md, Scale).
+limit stays the operator's to set (docs/design/scale.md).
 """
 
 from __future__ import annotations

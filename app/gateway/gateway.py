@@ -1,5 +1,5 @@
 """One gateway: the parts the routes and the metrics use, and the first step
-of its stop (docs/architecture.md, "Stopping").
+of its stop (docs/design/stopping.md).
 
 Built by the composition root, app/gateway/assembly.py (`build_gateway`);
 the parts that need the store (`Control`) exist once it has started. What

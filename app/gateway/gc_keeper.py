@@ -1,5 +1,5 @@
 """Keeps CPython's full collections from walking the mirror
-(docs/architecture.md, "The garbage collector").
+(docs/design/hot-path.md, "The garbage collector").
 
 A gateway's heap is mostly its mirror: at 10,000 nodes about 415,000
 objects the collector tracks, and a full collection of them holds the

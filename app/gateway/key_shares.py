@@ -3,7 +3,7 @@
 Where the control plane meets the router's limiter (like app/gateway/publish.py,
 wiring: neither side imports the other). The decisions are pure, in
 app/router/usage/shares.py; this loop gathers, decides and writes
-(docs/architecture.md, "Client keys").
+(docs/design/client-keys.md).
 
 Every step reads this gateway's load per key from the limiter (what it holds,
 what it was asked lately, what it refused) and every other gateway's record
@@ -73,8 +73,7 @@ def claim_floors(index: int) -> tuple[int, int]:
     raise instead). Once its lease can no longer be proven (its claims
     lapsed, the store unreachable past the TTL), one request on the first
     worker only: one floor a gateway, as a gateway of one process has. So
-    N in L + N - 1 counts gateways, not workers (docs/architecture.md,
-    "Workers")."""
+    N in L + N - 1 counts gateways, not workers (docs/design/workers.md)."""
     return 0, (FLOOR if index == 0 else 0)
 
 
@@ -201,7 +200,7 @@ class KeyShares:
         record gone with its lease (its claims and what it held, as last
         seen): etcd back from an outage past the TTL drops every lease at
         once, and a gateway alive but not yet written again still holds
-        what it admitted (docs/architecture.md, "Client keys")."""
+        what it admitted (docs/design/client-keys.md)."""
         now = self._mono()
         live = {gw: rec for gw, rec in self._mirror.parsed(s.KEY_SHARES, s.KeyShares).items()
                 if gw != self._me}

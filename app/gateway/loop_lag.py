@@ -1,5 +1,5 @@
 """How late the gateway's event loop runs, and how long the garbage collector
-holds it (`GET /metrics`; docs/architecture.md, "Metrics").
+holds it (`GET /metrics`; docs/design/metrics.md).
 
 Every request, chunk and timer of a gateway process waits on one event loop:
 whatever holds it (a full collection walking the heap, a parse of a large

@@ -140,7 +140,7 @@ def _probes(app: GatewayApp, gw: Gateway) -> None:
         says the store is unreachable or out of space (refusing writes),
         why and since when (a Unix time). 503 "stopping" from the start of a
         stop, so that balancers take this gateway out while it still serves
-        (docs/architecture.md, "Stopping")."""
+        (docs/design/stopping.md)."""
         health = gw.store.health()
         ready = gw.ready and not gw.stopping
         body: dict[str, Any] = {
@@ -165,7 +165,7 @@ def _admin(app: GatewayApp, gw: Gateway) -> None:
         state=gw, ops=CatalogOps(gw, settings.gateway_id), table=gw.table,
         provider_keys=gw.provider_keys, gateway_id=settings.gateway_id,
         # /admin/leader answers for the gateway, as /metrics' llmgw_leader,
-        # whichever worker takes the connection (docs/architecture.md, "Workers").
+        # whichever worker takes the connection (docs/design/workers.md).
         gateway=gw.metrics.gateway_id or settings.gateway_id, is_leader=gw.metrics.leads,
         agent_window=gw.agent_window,
         write_deadline=write_deadline, model_roots=settings.model_root_list,

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 class Observed(Protocol):
     """What the metrics read at scrape time. The gateway (app/gateway/gateway.py) is
     one; declared here so this module does not import the gateway that
-    builds it (docs/architecture.md, Folders)."""
+    builds it (docs/architecture.md, "Folders: the packages")."""
 
     @property
     def ready(self) -> bool: ...
@@ -202,7 +202,7 @@ class _FleetCollector(Collector):
 def _store_health(gw: Observed) -> Iterator[Metric]:
     """1 while the store refuses writes for lack of space (etcd's NOSPACE
     alarm): alert on it, since the fleet cannot change until an operator
-    acts (docs/architecture.md, A month of uptime). And 1 while the store's
+    acts (docs/design/security-operations.md, "A month of uptime"). And 1 while the store's
     last call failed (etcd unreachable from this gateway)."""
     state = gw.store.health().state if gw.started else "unknown"
     nospace = GaugeMetricFamily("llmgw_store_nospace", "1 while the store (etcd) refuses "

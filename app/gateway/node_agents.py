@@ -24,8 +24,8 @@ class NodeAgents:
     same ones, and each node's agent while its record is the same object:
     its tokens (an HMAC each) are derived once per change of the node, not
     per node per poll (10,000 nodes: 20,000 replicas walked and 10,000
-    tokens derived every second on the event loop; docs/architecture.md,
-    Scale). The ring is the gateway's for its whole life."""
+    tokens derived every second on the event loop; docs/design/scale.md).
+    The ring is the gateway's for its whole life."""
 
     def __init__(self, mirror: Mirror, secrets: SecretRing) -> None:
         self._mirror = mirror

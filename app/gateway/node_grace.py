@@ -11,7 +11,7 @@ fleet-wide 503; a node whose
 agent is really gone was already silent for the whole TTL before its key
 went, so this adds `grace` to the time its replicas are tried (and a dead
 engine's connection errors move requests elsewhere meanwhile).
-docs/architecture.md, "Agents and nodes".
+docs/design/control-plane.md, "Node grace".
 """
 
 from __future__ import annotations

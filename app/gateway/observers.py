@@ -1,6 +1,5 @@
 """The proxy's one `RequestObserver` (app/router/proxy.py): each request's
-end told to every observer of a list, in its order (docs/architecture.md,
-"Metrics").
+end told to every observer of a list, in its order (docs/design/metrics.md).
 
 The gateway's list (app/gateway/assembly.py): when each model was last
 asked for (router_usage.py, `LastUse`), the last minutes' series

@@ -6,8 +6,7 @@ A worker's snapshot used to be written as `N.tmpPID`, a name anyone can
 guess, with an open that follows a symbolic link, in a folder made 0755:
 a link planted at that name turned the snapshot into an overwrite of any
 file the gateway's user can write (root in the image), and a file planted
-under a final name fed another worker's routing. So (docs/architecture.md,
-"Workers"):
+under a final name fed another worker's routing. So (docs/design/workers.md):
 
 * the folder is made 0700; one that exists must be a folder (not a link)
   owned by this process's user, else it is refused (`Refused`, an

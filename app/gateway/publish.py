@@ -144,7 +144,7 @@ class Publisher:
         publish's cost allows, so that publishing takes at most `share` of
         the event loop: 10,000 agents report about 300 changes a second,
         and a publish at each would take most of the loop (the router's
-        requests waiting behind it). docs/architecture.md, Scale."""
+        requests waiting behind it). docs/design/scale.md."""
         if self._scheduled is not None:
             if not urgent or self._urgent:
                 return
@@ -320,7 +320,7 @@ class Publisher:
         a key's whole limit with no claim; once it has seen another it
         never takes itself for alone again: etcd back from an outage drops
         every lease at once and each gateway writes its own registration
-        back first (docs/architecture.md, "Client keys")."""
+        back first (docs/design/client-keys.md)."""
         m = self._mirror
         gateways = max(1, sum(1 for _ in m.items(s.GATEWAYS)))
         self._seen_others = self._seen_others or gateways > 1
@@ -368,7 +368,7 @@ def _adapter_endpoints(models: Mapping[str, s.StoredModel],
                        coming: set[str]) -> None:
     """Each LoRA adapter's endpoints: its base's ready replicas that the
     leader has loaded it on (`adapters/{name}`), asked for it by name
-    (docs/architecture.md, LoRA adapters)."""
+    (docs/design/lora-adapters.md)."""
     for name, base in adapters:
         loaded = set(sets[name].replicas) if name in sets else set()
         eps = [replace(ep, upstream_model=name, adapter=name)

@@ -1,6 +1,6 @@
 """The router's endpoints made from the mirror's replicas, kept between
 publishes and worked out again only where a change touched
-(docs/architecture.md, Scale).
+(docs/design/scale.md).
 
 A publish used to walk every replica: at 10,000 nodes (20,000 replicas)
 that was most of its ~75 ms, at every status report or inventory of the

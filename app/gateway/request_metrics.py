@@ -7,7 +7,7 @@ one on each call (1-2 µs a histogram observation on an idle core), which the
 router pays per request. Everything here runs on the gateway's event loop,
 the scrape included (app/gateway/main.py renders /metrics in the loop), so no lock
 is needed and a scrape never sees half an observation.
-docs/architecture.md, "Metrics", lists the series.
+docs/design/metrics.md lists the series.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The last minutes of each model's traffic, for the cluster page's charts
-(docs/architecture.md, "The cluster page", "Charts").
+(docs/design/cluster-page.md, "Charts").
 
 A fixed ring per model: one sample per `interval` seconds of wall-clock time
 (aligned on multiples of it, so that gateways' samples line up and can be

@@ -26,8 +26,8 @@ class LastUse:
                 first_byte: float | None = None, prompt: int = 0,
                 completion: int = 0) -> None:
         # Every request that named a catalog model counts, a 503 for want of
-        # a replica included: it asked for the model (docs/architecture.md,
-        # Reconciler). An unknown model's label is dropped by the snapshot,
+        # a replica included: it asked for the model (docs/design/control-plane.md, "Reconciler").
+        # An unknown model's label is dropped by the snapshot,
         # which keeps catalog models only.
         self.by_model[model] = self._wall()
 

@@ -1,5 +1,5 @@
 """Time limits on a client's headers and on a stalled body, which uvicorn
-does not have (docs/architecture.md, "Before a client is authenticated").
+does not have (docs/design/security.md, "Before a client is authenticated").
 
 uvicorn times only the idle gap between two requests on a kept-open
 connection (its keep-alive timeout). A connection that sends nothing, or

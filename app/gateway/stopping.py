@@ -1,5 +1,5 @@
 """Stopping a gateway's background tasks without hanging on one
-(docs/architecture.md, "Stopping")."""
+(docs/design/stopping.md)."""
 
 from __future__ import annotations
 

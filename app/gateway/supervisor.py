@@ -1,5 +1,5 @@
 """What runs in a gateway's background, and the order it starts and stops in
-(docs/architecture.md, "Processes", "Stopping").
+(docs/architecture.md, "Processes"; docs/design/stopping.md).
 
 A `Supervisor` holds a list of named services, each with a `start`, a
 `stop`, a `run` loop (a task from its start to its stop), or several of

@@ -1,5 +1,5 @@
 """The engine-load poll under `llmgw serve --workers N`: split among the
-gateway's workers, not repeated by each (docs/architecture.md, "Workers").
+gateway's workers, not repeated by each (docs/design/workers.md).
 
 Every worker routes by every engine's figures, and a poll round costs about
 0.15 ms of CPU a node (app/router/engine_load.py): were each worker to ask

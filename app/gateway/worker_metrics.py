@@ -13,7 +13,7 @@ so the sums never go back. Files are replaced by rename (never half
 written), read with a size cap and their shape checked (`add`); one that
 cannot be read is left out of that scrape and said once. The folder is the
 gateway user's own, 0700, and a link in it is neither written through nor
-read (app/gateway/private_files.py). docs/architecture.md, "Workers".
+read (app/gateway/private_files.py). docs/design/workers.md.
 """
 
 from __future__ import annotations

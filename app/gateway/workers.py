@@ -10,7 +10,7 @@ key-share claims, but no floor on client keys' limits (`claim_floors` in
 app/gateway/key_shares.py: L + N - 1 over N gateways, not over their
 workers); only the first campaigns for the lead. The supervisor
 restarts a worker that dies (with backoff), forwards SIGTERM and SIGINT to
-all, and ends once all have. docs/architecture.md, "Workers".
+all, and ends once all have. docs/design/workers.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """What the operator sees of each `/v1` request: its id, its access line,
-its trace headers. docs/architecture.md, "Routing" (the request id) and
-"Logs".
+its trace headers. docs/design/routing.md, "The request id", and docs/design/logs.md.
 
 Per request this costs a few attribute writes, one context variable set and,
 only when the `app.access` logger is enabled, one log record (measured:
-docs/architecture.md, "Logs"). Nothing is formatted for a disabled logger.
+docs/design/logs.md). Nothing is formatted for a disabled logger.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A provider's answer under the catalog's name (docs/architecture.md,
-Catalog, *Spill-over* and external models): the provider names its model
+"""A provider's answer under the catalog's name
+(docs/design/catalog.md, "Spill-over" and "External models"): the provider
+names its model
 in every answer and stream chunk (`"model": "gpt-4o-mini-2024-07-18"`); the
 client of an external model, or of a request spilled to one, gets the
 catalog name instead, as our engines answer it (vLLM's

@@ -10,12 +10,11 @@ nothing. Each field the gateway relies on must therefore have the one form
 the gateway reads, or the request is refused before it reaches an engine:
 a 400 in OpenAI's shape naming the field (`"param": "stream"`), with
 OpenAI's own codes (`invalid_type`, `integer_below_min_value`).
-docs/architecture.md, "Security" ("A client's fields, counted whatever
-their form").
+docs/design/security.md, "A client's fields, counted whatever their form".
 
 `null` is accepted wherever OpenAI accepts it (the field then means its
 default). A handful of dict lookups and identity tests: under a
-microsecond per request (docs/architecture.md gives the measure).
+microsecond per request (docs/design/security.md gives the measure).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def checked_model(body: dict[str, Any]) -> str:
     if body.get("grammar") is not None:
         # llama-cpp-python's own extension: a malformed grammar makes its
         # server process exit, stopping the replica for every client
-        # (docs/architecture.md, Security). Structured output goes through
+        # (docs/design/security.md). Structured output goes through
         # `response_format`.
         raise error(400, "The 'grammar' parameter is not accepted by this gateway; use "
                     "'response_format' for structured output.", "invalid_request_error",

@@ -1,6 +1,6 @@
 """Which replica takes a request: a pure function of the candidates, their
-load, and the request's affinity key (docs/architecture.md, "Choosing a
-replica"; DESIGN invariant 7).
+load, and the request's affinity key (docs/design/routing.md, "Choosing a replica";
+DESIGN invariant 7).
 
 Three rules, in order:
 1. Priority tiers: only the highest-priority replicas that are not

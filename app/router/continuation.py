@@ -1,7 +1,6 @@
 """A stream that survives its engine: resuming on another replica a chat or
 text completion stream whose engine died after the client had its first
-byte, spliced into the same response (docs/architecture.md, "A stream that
-survives its engine").
+byte, spliced into the same response (docs/design/stream-continuation.md).
 
 What reached the client is kept as it passes (whole SSE events, unparsed: an
 append a chunk, no JSON on the hot path) and read only if the engine dies.

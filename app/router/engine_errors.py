@@ -20,7 +20,7 @@ echo of the input); they are not retried on another replica (it would fail
 the same way) nor count as a server error (the metric's code is 400) nor
 cool the replica down. Any other 500 is the engine's failure and passes as
 the engine wrote it. vLLM needs none of this: it answers 400 for what
-it refuses. docs/architecture.md, "Errors".
+it refuses. docs/design/errors.md.
 
 Its server serves chat and text completions, embeddings and its
 `/extras/` only: any other route (the Responses API, reranking, scoring,

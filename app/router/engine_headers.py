@@ -23,7 +23,7 @@ def route_headers(key: str, json_body: bool = True) -> bytes:
         # Never the client's: a stream compressed as it asked (br, say)
         # could not be read for its usage, nor end with an error event.
         # Identity to a client that accepted more is valid HTTP
-        # (docs/architecture.md, "Security").
+        # (docs/design/security.md).
         (b"Accept-Encoding", b"identity")))
 
 

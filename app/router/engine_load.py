@@ -1,5 +1,4 @@
-"""Engines' own load, read off the request path (docs/architecture.md,
-"Choosing a replica").
+"""Engines' own load, read off the request path (docs/design/routing.md, "Choosing a replica").
 
 About once a second this gateway asks each node's agent for its engines'
 figures (`GET /node/v1/loads`, app/agent/loads.py): the agent reads its
@@ -130,7 +129,7 @@ class EngineLoadPoller:
     over it in slices (`run()`), not sent at once; each slice's figures are
     routed on as they come. Figures stay fresh for `STALE_ROUNDS` rounds
     (the table's `stale_after`), so a slow round never makes them unknown.
-    docs/architecture.md, "Choosing a replica"."""
+    docs/design/routing.md, "Choosing a replica"."""
 
     def __init__(
         self,

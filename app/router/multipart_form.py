@@ -7,8 +7,7 @@ reads it with, python-multipart's, through the same callbacks as
 Starlette's `MultiPartParser` (starlette/formparsers.py): a part's name is
 `parse_options_header` of its last Content-Disposition header, a part with
 a `filename` is a file. So `name=model`, `name = "model"` or `NAME="model"`
-name the model here as they do in the engine (docs/architecture.md,
-"The Responses API and vLLM's other routes"). Where two readers could
+name the model here as they do in the engine (docs/design/responses-api.md). Where two readers could
 still differ, the form is refused, not read one way: a second `model` or
 `stream` (Starlette keeps the last of a name, FastAPI's `Form()` reads
 that one), a `stream` other than `true`/`false` (vLLM's pydantic would take
@@ -45,8 +44,7 @@ if TYPE_CHECKING:
 # A transcription's form has at most a few dozen parts of 50 to 150 bytes of
 # headers each (Starlette would take 1,000 fields and 1,000 files). These
 # two bound the parser's Python work, which runs on the event loop for a
-# small body (passthrough.py): about 2 ms at worst (measured, docs/architecture.md,
-# "The Responses API and vLLM's other routes").
+# small body (passthrough.py): about 2 ms at worst (measured, docs/design/responses-api.md).
 _PARTS_MAX = 100
 _HEADERS_MAX = 8 * 1024  # all the parts' headers together
 _FIELD_MAX = 1024  # the longest `model` or `stream` value read

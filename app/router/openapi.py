@@ -5,7 +5,7 @@ the body fields it type-checks (body_fields.py) with the same types, the
 statuses it answers itself, and OpenAI's error shape. Anything else in a
 body is the engine's to judge, and its own answers pass through.
 Schemathesis checks this against the running gateway in CI
-(tests/test_schema_fuzz.py, docs/architecture.md "Errors").
+(tests/test_schema_fuzz.py, docs/design/errors.md).
 """
 
 from __future__ import annotations

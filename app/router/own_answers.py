@@ -80,7 +80,7 @@ async def keep_alive(send: Send, model: str, every: float = 5.0) -> None:
 
 
 # What a request still open at the end of the gateway's grace period is told
-# (docs/architecture.md, "Stopping"): another gateway can take it again.
+# (docs/design/stopping.md): another gateway can take it again.
 STOPPING = "The gateway stopped before the answer was complete; retry."
 
 

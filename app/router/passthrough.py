@@ -1,5 +1,5 @@
 """vLLM's routes beyond chat, completions and embeddings, passed through
-(docs/architecture.md, "The Responses API and vLLM's other routes").
+(docs/design/responses-api.md).
 
 Each is routed by its model like the others, behind the client key, its
 model grants and its limits: the Responses API (`/v1/responses`, and a

@@ -1,5 +1,4 @@
-"""The Responses API's state, found where it lives (docs/architecture.md,
-"The Responses API and vLLM's other routes").
+"""The Responses API's state, found where it lives (docs/design/responses-api.md).
 
 vLLM keeps a stored response (and the messages that led to it) in the
 memory of the engine process that made it: a `previous_response_id`, or a
@@ -109,7 +108,7 @@ def tag_keys(current: str, previous: str | None = None) -> tuple[bytes, ...]:
     (any), derived from the shared secret, so every gateway tags alike.
     While a rotation keeps the previous secret (LLMGW_PREVIOUS_SECRET), that
     one tags: every gateway of the rotation holds it, the ones not yet
-    restarted as their only secret (docs/architecture.md, Security)."""
+    restarted as their only secret (docs/design/security.md)."""
     return tuple(hmac.new(s.encode(), _TAG_LABEL, hashlib.sha256).digest()
                  for s in ((previous, current) if previous else (current,)))
 
@@ -155,7 +154,7 @@ class Wrapping:
     are escaped, so never match). `on` while the request goes to a
     provider (set per attempt). A body the provider compressed against our
     `identity` passes as sent: its id unwrapped, which no continuation
-    takes (docs/architecture.md, "The Responses API")."""
+    takes (docs/design/responses-api.md)."""
 
     __slots__ = ("_found", "_ids", "_owner", "_pairs", "_start", "on")
 

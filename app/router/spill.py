@@ -1,5 +1,5 @@
 """Spill-over: a request the fleet cannot take goes to its model's overflow,
-an external model of the catalog (docs/architecture.md, Catalog, *Spill-over*).
+an external model of the catalog (docs/design/catalog.md, "Spill-over").
 
 Decided once per request, before the first attempt, with no I/O but the
 short hold for a replica on its way:

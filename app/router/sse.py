@@ -1,5 +1,5 @@
 """Server-sent events, as engines and OpenAI frame their streams: the one
-parser of the router (docs/architecture.md, "Streams").
+parser of the router (docs/design/routing.md).
 
 An event ends at a blank line, written `\\n\\n`, `\\r\\n\\r\\n` or `\\r\\r`; its
 data is the text after `data:` on each of its data lines. The relay cuts a

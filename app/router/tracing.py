@@ -3,7 +3,7 @@
 Imported only when `LLMGW_OTLP_ENDPOINT` is set (app/gateway/assembly.py): without
 it nothing of OpenTelemetry is loaded and the router's only cost is one
 `is not None` test per request and per attempt (the optional dependencies:
-`pip install llmgw[otel]`). docs/architecture.md, "Logs".
+`pip install llmgw[otel]`). docs/design/logs.md.
 
 Each request is a SERVER span (`POST /v1/chat/completions`), a child of the
 client's `traceparent` when it sent one, with the request id, key id, model,

@@ -9,7 +9,7 @@ objects, payload registries, timer contexts), a third of the gateway's whole
 cost per request. The router needs one narrow thing: a POST with a body it
 holds whole, an answer read whole or as it comes, and the connection closed
 whenever the request is abandoned (that is how vLLM learns to abort). This
-client does that and nothing more; see docs/architecture.md ("Routing").
+client does that and nothing more; see docs/design/routing.md.
 
 * Connections are kept per origin (scheme, host, port) and reused while the
   server keeps them open; an idle one is dropped after `keepalive` seconds

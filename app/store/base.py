@@ -35,7 +35,7 @@ class StoreFull(StoreUnavailable):
     `--quota-backend-bytes`; a full disk under the embedded store. Reads,
     deletes and lease renewals still work. A 503 like any unavailable store,
     said as what it is: an operator must compact, defragment and disarm the
-    alarm (docs/architecture.md, A month of uptime)."""
+    alarm (docs/design/security-operations.md, "A month of uptime")."""
 
 
 class LeaseExpired(StoreError):

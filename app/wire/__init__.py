@@ -4,7 +4,7 @@ an agent and `llmgw ctl` must agree on.
 Nothing here imports anything else of llmgw (checked by import-linter,
 pyproject.toml), so the agent and `llmgw ctl` import this and never the
 control plane: a change to the leader's own types is not a change to the
-agent's protocol (docs/architecture.md, "Folders").
+agent's protocol (docs/architecture.md, "Folders: the packages").
 
 - `adapters`: LoRA adapters in the catalog: what they name and change on their base
 - `catalog`: the catalog's rules across a spec's fields and across the whole catalog

@@ -1,6 +1,6 @@
 """LoRA adapters in the catalog: which models they name, what that changes
 on their base's engines, and the catalog rules only the whole catalog can
-check (docs/architecture.md, LoRA adapters). Pure.
+check (docs/design/lora-adapters.md). Pure.
 """
 
 from __future__ import annotations

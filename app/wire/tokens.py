@@ -1,5 +1,5 @@
 """The node token: what an agent presents for its node, derived from the
-shared secret (docs/architecture.md, Security). Both ends compute it: the
+shared secret (docs/design/security.md). Both ends compute it: the
 gateways to check it, `llmgw ctl node-token` to hand it to an operator.
 Engine keys and the secret's id stay with the control plane
 (app/control/keys.py), which alone derives them.

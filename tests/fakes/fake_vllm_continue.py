@@ -1,6 +1,6 @@
 """How the vLLM stand-in (fake_vllm.py) continues a message it was given:
 the fields a gateway sends to resume a stream whose engine died
-(docs/architecture.md, "A stream that survives its engine").
+(docs/design/stream-continuation.md).
 
 Checked against vLLM's source (search tool, vllm-project/vllm,
 ``vllm/entrypoints/openai/protocol.py`` ChatCompletionRequest):

@@ -1,5 +1,5 @@
 """Work counted, not timed: the Python and C function calls a piece of code
-makes, the same number every run (docs/architecture.md, Scale: a cost that
+makes, the same number every run (docs/design/scale.md: a cost that
 must not grow with the fleet is checked at two sizes)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The engine key on every path of a vLLM engine's port (docs/architecture.md,
-"The engine's port").
+"""The engine key on every path of a vLLM engine's port
+(docs/design/security.md, "The engine's port").
 
 vLLM's own `--api-key` (VLLM_API_KEY) guards paths under `/v1` only, while
 the same port serves inference and control elsewhere (`/invocations`,

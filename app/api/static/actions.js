@@ -1,4 +1,4 @@
-// Actions from the cluster page (docs/architecture.md, "The cluster page"):
+// Actions from the cluster page (docs/design/cluster-page.md):
 // each asks for confirmation in a <dialog>, sends one /admin request with
 // the operator's token, shows the API's refusal (its problem JSON's title
 // and detail) as written, and refreshes the view so its effect shows
@@ -95,7 +95,7 @@ function nodeAct(act, name) {
     () => send("POST", node(name, "/" + act)), verb);
 }
 
-// A GPU its agent found sick (docs/architecture.md, "GPUs that fall sick").
+// A GPU its agent found sick (docs/design/gpu-health.md).
 function gpuClearAct(name, gpu) {
   const n = view.nodes.find((x) => x.name === name) || {};
   const g = (n.gpus || []).find((x) => String(x.index) === gpu) || {};

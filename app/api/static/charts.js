@@ -1,6 +1,6 @@
 // The cluster page's charts: each model's requests, tokens per second and
 // time to first token over the last minutes, as the fleet's gateways
-// counted them (GET /admin/stats, docs/architecture.md "The cluster page").
+// counted them (GET /admin/stats, docs/design/cluster-page.md).
 // Small SVGs built with DOM calls: no library, no inline style, and every
 // value (model names included) written as text.
 "use strict";

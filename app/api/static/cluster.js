@@ -96,7 +96,7 @@ function gpus(node, byId) {
     (node.gpus_unhealthy ? ", " + node.gpus_unhealthy + " unhealthy" : ""), "count"));
   for (const g of node.gpus) {
     // A GPU its agent reports sick, not cleared by an admin: out of
-    // placement until `llmgw ctl node gpu-clear` (docs/architecture.md).
+    // placement until `llmgw ctl node gpu-clear` (docs/design/gpu-health.md, "Clearing").
     const line = el("div", null, "gpu" + (g.unhealthy ? " sick" : ""));
     if (g.unhealthy) line.title = "unhealthy: " + g.health_reason;
     line.appendChild(el("span", g.index + ": " + (g.name || "GPU"), "gname"));

@@ -1,6 +1,6 @@
 """What agents write, through any gateway: a node's heartbeat (its key
 bound to a lease any gateway renews) and its replicas' status reports,
-each fenced on the replica as read. docs/architecture.md, Agent.
+each fenced on the replica as read. docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class AgentOps:
         # ago outlives the agent's next heartbeat (it beats three times per
         # TTL) by a third of the TTL, so an unchanged inventory is answered
         # at once, with no renewal and no read: at 10,000 nodes, half the
-        # heartbeats cost etcd nothing (docs/architecture.md, Scale).
+        # heartbeats cost etcd nothing (docs/design/scale.md).
         self._renewed: dict[int, float] = {}
 
     def _renewed_now(self, lease: int, at: float) -> None:

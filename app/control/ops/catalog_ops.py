@@ -1,5 +1,5 @@
 """Catalog writes: a model put (its name and aliases checked against every
-other model's) and a model delete (docs/architecture.md, Catalog writes).
+other model's) and a model delete (docs/design/admin-writes.md, "Catalog writes").
 
 Every change is decided on the mirror's catalog and conditioned on that
 catalog being the one the decision read (`catalog/serial`, see state.py).
@@ -64,7 +64,7 @@ class CatalogOps:
             why = base_problem(name, spec, models)
             if why is not None:
                 raise InUse(why)
-            # Spill-over (docs/architecture.md, Catalog): an overflow names an
+            # Spill-over (docs/design/catalog.md, "Spill-over"): an overflow names an
             # external model, which stays external while one names it.
             why = rules.overflow_problem(name, spec, models)
             if why is not None:

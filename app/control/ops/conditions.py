@@ -1,7 +1,6 @@
 """When a write may be applied: the client's preconditions (If-Match,
 If-None-Match against a record's ETag) and its deadline, as plain values
-(app/api/writes.py reads them off the request). See docs/architecture.md,
-Catalog writes.
+(app/api/writes.py reads them off the request). See docs/design/admin-writes.md, "Catalog writes".
 
 A record's ETag is its key's mod revision in the store, quoted: the same on
 every gateway, changed by every write of that record.

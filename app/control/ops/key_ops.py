@@ -1,6 +1,6 @@
 """Client key writes: a key created (shown once: the store keeps its sha256
-and its first characters) and a key revoked. docs/architecture.md, "Client
-keys" and Security: Writes whose outcome is unknown.
+and its first characters) and a key revoked. docs/design/client-keys.md and
+docs/design/security-operations.md, "Writes whose outcome is unknown".
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Fleet writes: a node's conf (cordon, drain, pool, labels, engine build),
-capacity quotas, and fabric test results (docs/architecture.md, Fleet).
+capacity quotas, and fabric test results (docs/design/placement.md, "Quotas";
+docs/design/node-operations.md, "Fabric test").
 
 Every write is decided on the mirror and conditioned on the key's revision
 as read, or on its absence (DESIGN invariant 9): two admins on two gateways

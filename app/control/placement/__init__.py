@@ -1,5 +1,5 @@
 """Placement: where one more replica of a model goes, and when it goes
-nowhere, why, as data (docs/architecture.md, Placement).
+nowhere, why, as data (docs/design/placement.md).
 
 Pure functions of the mirrored state, no I/O. One decision, `place_any()`
 over `placer_of()` (placer.py), is asked by the leader's pass (app/control/

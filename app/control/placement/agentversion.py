@@ -1,5 +1,5 @@
-"""The agent versions a gateway places replicas on (docs/architecture.md,
-"Node operations"): from LLMGW_MIN_AGENT_VERSION (default: this gateway's
+"""The agent versions a gateway places replicas on (docs/design/node-operations.md):
+from LLMGW_MIN_AGENT_VERSION (default: this gateway's
 own major.minor.0) to this gateway's own version. An agent outside keeps
 the replicas it has, but the leader places nothing new there, and the
 placement's reason on that node says why; an inventory without a version

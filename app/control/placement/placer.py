@@ -91,7 +91,7 @@ def placer_of(view: FleetView, agent_versions: agentversion.Window | None) -> Pl
     (plan.py: node confs for cordons, drains, pools, labels and cleared
     GPUs; quotas over every model's replicas; the agent window), so that a
     gateway that says whether a model can be placed says what the leader
-    decides (docs/architecture.md, Placement). Leaving one out made every
+    decides (docs/design/placement.md). Leaving one out made every
     gateway hold requests 300 s for a model no node could take."""
     return Placer(view.nodes(), view.replicas(), nodeconfs=view.nodeconfs(),
                   quotas=view.quotas(), models=view.models(), agent_versions=agent_versions)
@@ -114,7 +114,7 @@ class Placer:
     Each node's feasibility and fit (free GPUs, memory) are worked out once
     per profile shape and again only when a replica is added there, so a
     pass placing hundreds of replicas on a large fleet does not redo every
-    node's GPUs for each (docs/architecture.md, Scale). Call `add()` for
+    node's GPUs for each (docs/design/scale.md). Call `add()` for
     each replica placed, after putting it into `replicas`.
 
     The pick is the best score; scores only grow as replicas are added (a

@@ -5,7 +5,7 @@ AllocMetric: each node evaluated was either FILTERED by a named constraint
 sick GPU, ...) or EXHAUSTED on a named dimension (`Dimension`: GPUs, GPU
 memory, quota). Callers read the enums; text is rendered only at the edges
 (the admin API, the router's 503, logs), and said shortly however large
-the fleet (docs/architecture.md, Placement)."""
+the fleet (docs/design/placement.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The leader's reconcile pass as a pure function (docs/architecture.md,
-Reconciler): from the state read (`PlanInput`) and the leader's settings
+"""The leader's reconcile pass as a pure function (docs/design/control-plane.md, "Reconciler"):
+from the state read (`PlanInput`) and the leader's settings
 (`PlanPolicy`), what to create, drain and delete (`Plan`).
 
 app/control/reconciler.py reads the mirror, calls `plan()` and applies

@@ -153,7 +153,7 @@ def _spec_runs(spec: s.StoredModel, lora: bool = False
     profile's (so renaming the only profile restarts no engine). Worked out
     once per model, not per replica. None: external, nothing runs it.
     `lora`: adapters name the model (its vLLM flags gain LoRA's, see
-    docs/architecture.md, LoRA adapters)."""
+    docs/design/lora-adapters.md)."""
     profiles = spec.profile_list
     if not profiles:
         return None
@@ -216,7 +216,7 @@ def sort_out(spec: s.StoredModel, ids: Collection[str], owned: Owned,
     """The model's replicas (`ids`) sorted out, those draining left out. A
     replica `loads` leaves out counts as the busiest: unknown is never idle.
     One walk of the model's replicas, each read once (it ran for every
-    replica of the fleet in each pass: docs/architecture.md, Scale)."""
+    replica of the fleet in each pass: docs/design/scale.md)."""
     runs = _spec_runs(spec, lora)
     live, ready, loads, nodeconfs, failed, sick = (
         owned.live, owned.ready, owned.loads, owned.nodeconfs, owned.failed, owned.sick)

@@ -113,10 +113,10 @@ def plan(state: PlanInput, policy: PlanPolicy) -> Plan:
     A node absent (`state.absent_for`) keeps its replicas, holding their
     GPUs and counting towards their model's replicas, until that reaches
     `policy.node_grace`: a restarting agent or a handover must not reload
-    every model (docs/architecture.md, Placement). The router does not
+    every model (docs/design/placement.md). The router does not
     route to them meanwhile (app/gateway/publish.py).
 
-    A spec change rolls (docs/architecture.md, Reconciler): the replacement
+    A spec change rolls (docs/design/control-plane.md, "Rollout order"): the replacement
     is placed first, and an old replica is drained only once enough
     replicas of the new spec are ready (`statuses`) to stand in for it; an
     old replica that is not ready serves nothing and goes at once. When no
@@ -138,8 +138,7 @@ def plan(state: PlanInput, policy: PlanPolicy) -> Plan:
     Each of `failed` is drained and its replacement placed on another node
     when one can take it. A replica of another secret than `secret_id`
     rolls like one of a changed spec, new before old, so a rotation of the
-    secret fails no request (docs/architecture.md, Security: Rotating the
-    shared secret).
+    secret fails no request (docs/design/security-operations.md, "Rotating the shared secret").
 
     A replica on a node being drained, or on a GPU its agent reports sick
     and no admin has cleared (gpuhealth.py), rolls like one of a changed
@@ -163,7 +162,7 @@ def plan(state: PlanInput, policy: PlanPolicy) -> Plan:
                   failed=state.failed, secret_id=state.secret_id,
                   unrecorded_secret_id=state.unrecorded_secret_id, sick=sick)
 
-    # Indexes built once, not per model (docs/architecture.md, Scale): the
+    # Indexes built once, not per model (docs/design/scale.md): the
     # replicas by model (a model's own are added to `live` only while it is
     # planned; others' only change their draining_since), and the fleet's
     # fits, kept up to date as replicas are placed.

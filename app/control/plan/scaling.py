@@ -1,5 +1,5 @@
 """Load-based scaling between `replicas.min` and `replicas.max`
-(docs/architecture.md, Reconciler: scaling).
+(docs/design/control-plane.md, "Scaling on load").
 
 `desired()` is the rule: a model wants as many replicas as its engines' load
 (running + waiting requests, summed over its replicas) needs at its

@@ -98,7 +98,7 @@ class Settings(
         return self
 
     def _check_timings(self) -> None:
-        """Durations that only work together (docs/architecture.md, Election)."""
+        """Durations that only work together (docs/design/control-plane.md, "Election")."""
         if self.lease_ttl < 3 * self.election_interval:
             raise ValueError(
                 f"LLMGW_LEASE_TTL ({self.lease_ttl} s) must be at least 3 x "

@@ -22,7 +22,7 @@ class CatalogSettings(Group):
     # weights in; hub ids ("org/name") need none.
     model_roots: str = "/models,/var/lib/llmgw/models"
     # The folder (on every gateway host) an external model's api_key_file
-    # must lie in (docs/architecture.md, Security, "Files an admin names").
+    # must lie in (docs/design/security.md, "Files an admin names").
     # Keep only provider keys there: an admin can have any file in it sent
     # to a URL of its choosing. Empty: no key files at all. Never data_dir.
     provider_key_dir: str = "/etc/llmgw/keys"

@@ -50,7 +50,7 @@ class ControlSettings(Group):
     # so a longer value stops idle models later, a shorter one writes more.
     usage_refresh: float = Field(30.0, gt=0)
 
-    # --- load-based scaling (docs/architecture.md, Reconciler) ---------------------
+    # --- load-based scaling (docs/design/control-plane.md, "Scaling on load") ---------------------
     # Seconds a model's engines' load must stay below what one replica fewer
     # would serve before the leader drains one replica (and as long again
     # before the next). Up is at once. Longer: fewer engine reloads when load

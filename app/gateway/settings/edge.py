@@ -22,7 +22,7 @@ class EdgeSettings(Group):
     # The URL others use to reach this gateway (agents, the cluster page).
     # Default: http://HOST:PORT, https with TLS on.
     public_url: str = ""
-    # TLS on this gateway's port (docs/architecture.md, "TLS"): a PEM
+    # TLS on this gateway's port (docs/design/tls.md): a PEM
     # certificate (chain) and its key, both or neither, checked at start.
     # Set: clients, `llmgw ctl` and agents must reach it over https and
     # verify it (their LLMGW_CA_FILE, or the system's CAs); nothing answers
@@ -33,7 +33,7 @@ class EdgeSettings(Group):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     # Processes serving this gateway's port (`llmgw serve --workers N`;
-    # docs/architecture.md, "Workers"): each a full router with its own
+    # docs/design/workers.md): each a full router with its own
     # mirror, lease and key shares. Unset: the cores this process may run on
     # with etcd, 1 on the embedded store (which one process owns; more is
     # refused). More: requests per second up to about N cores' worth, for N
@@ -41,7 +41,7 @@ class EdgeSettings(Group):
     # and a client's limits shared by N more claimants (L + N - 1).
     workers: int | None = Field(None, ge=1, le=256)
 
-    # --- stopping (docs/architecture.md, "Stopping") ------------------------------
+    # --- stopping (docs/design/stopping.md) ------------------------------
     # After SIGTERM, /readyz answers 503 and the gateway still accepts for
     # this long, so that a balancer's health check takes it out before it
     # stops accepting: the shipped haproxy.cfg's 2 failed checks 1 s apart,
@@ -69,7 +69,7 @@ class EdgeSettings(Group):
     # frozen, nothing kept.
     gc_threshold: int = Field(7000, ge=0)
 
-    # --- before a client is authenticated (docs/architecture.md, Security) -------
+    # --- before a client is authenticated (docs/design/security.md) -------
     # The largest body /admin (and any other non-/v1 route) and /agent/v1
     # accept, read only once the token is checked; more is a 413. Their bodies
     # are small (a model spec, a node's inventory with its GPUs, a status
@@ -96,7 +96,7 @@ class EdgeSettings(Group):
     keep_alive_timeout: int = Field(75, ge=1)
     # Seconds after its headers arrived (this process's monotonic clock, which
     # runs on while the process is paused) past which an admin write is not
-    # applied: 408, nothing written (docs/architecture.md, Catalog writes).
+    # applied: 408, nothing written (docs/design/admin-writes.md, "Catalog writes").
     # Longer lets a write held up (a paused gateway) land that much later,
     # over newer edits; shorter refuses writes on a slow store or link.
     admin_write_deadline: float = Field(30.0, gt=0)

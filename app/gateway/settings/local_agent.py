@@ -1,5 +1,5 @@
 """The all-in-one mode's agent: the one `llmgw serve` runs in its own
-process (docs/architecture.md, Processes). Read by app/gateway/assembly.py when it
+process (docs/architecture.md, "Processes"). Read by app/gateway/assembly.py when it
 starts that agent. `llmgw agent` on a node has its own settings
 (app/agent/config.py and its CLI), which read LLMGW_ENGINE_START_TIMEOUT and
 LLMGW_VLLM_BIN too."""

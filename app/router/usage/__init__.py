@@ -8,7 +8,7 @@ usage the engine reports (`answer_usage`, `stream_usage`), or an estimate
 when none comes (`estimates`), or the engine's own count of a prompt
 (`prompt_count`). The ticket charges the meter's tokens when released.
 All of it is decided in memory with an injected clock: no I/O on the
-request path (docs/architecture.md, "Client keys").
+request path (docs/design/client-keys.md).
 
 Modules:
 - `limits`: `Limiter` (admission, waits for a raise) and `Ticket` (one admitted request).

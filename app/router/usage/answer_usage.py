@@ -12,7 +12,7 @@ there, a nested `usage` last, a tail longer than the answer's first half,
 bytes that do not decode) falls back to decoding the whole answer. What
 comes before the member is not checked beyond its first byte: an answer
 malformed there still has its usage counted, as its engine reported it.
-docs/architecture.md, "Client keys" (usage from the answers).
+docs/design/client-keys.md, "Usage".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A client key's external budget: tokens a day served by models' overflows
-(spill-over, docs/architecture.md, Catalog and Client keys).
+(spill-over, docs/design/catalog.md and docs/design/client-keys.md).
 
 An answer's tokens are known only when it ends, so each spill *reserves*
 the most it can cost (`estimates.reservation`: its prompt's bound and its

@@ -1,7 +1,7 @@
 """Usage a stream did not report: asked of the engine, or estimated.
 
 Split from app/router/usage/limits.py (which re-exports both), where the
-accounting they feed lives (docs/architecture.md, "Client keys": Usage).
+accounting they feed lives (docs/design/client-keys.md, "Usage").
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def counted_completion(events: int, chat: bool) -> int:
     """The completion tokens of a whole stream from an engine that reports
     none (llama-cpp-python): one an event, less the framing ones (a chat's
     role-only first event, and the last, with the finish reason and no
-    text). docs/architecture.md, "Security" (counted whatever their form)."""
+    text). docs/design/security.md, "A client's fields, counted whatever their form"."""
     return max(0, events - (2 if chat else 1))
 
 
@@ -74,7 +74,7 @@ def reservation(body: dict[str, Any], size: int, completion_default: int,
                 completes: bool = True) -> int:
     """The most tokens a request can cost a provider: what a spill reserves
     from its key's external budget until its answer says what it cost
-    (docs/architecture.md, Catalog, *Spill-over*).
+    (docs/design/catalog.md, "Spill-over").
 
     The prompt is bounded by `size`, the body's length in bytes as the
     client sent it (UTF-8 JSON, where an escape is never shorter than the

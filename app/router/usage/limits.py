@@ -4,7 +4,7 @@ The request path never waits on the store (DESIGN invariant 2), so gateways
 cannot ask each other, or etcd, how much of a key's minute is left. Instead
 each gateway admits up to its claim on each limit (`set_claims`), moved by a
 background loop toward where the key's requests arrive (app/router/usage/shares.py,
-app/gateway/key_shares.py; docs/architecture.md, "Client keys"): N gateways together
+app/gateway/key_shares.py; docs/design/client-keys.md): N gateways together
 admit at most `limit + N - 1` per window. The loop reads `key_loads()` and
 is woken (`on_short`) when a request is refused on a claim below the limit.
 Such a request is not refused yet (`admit_or_wait`): it waits, up to
@@ -52,7 +52,7 @@ WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
 # end can be predicted, and one second is what a polite retry costs.
 _CONCURRENCY_RETRY = 1
 # Seconds a request refused on a claim below its key's limit waits for the
-# claims loop to raise that claim (docs/architecture.md, "Client keys"): a
+# claims loop to raise that claim (docs/design/client-keys.md): a
 # raise is one transaction on the store, milliseconds, and the moves that
 # take an idle part from another gateway a few watch round trips. Longer:
 # a key really at its limit (as the records say) is refused that much later.

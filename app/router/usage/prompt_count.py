@@ -26,8 +26,8 @@ At most `concurrency` counts run at once per gateway (each waits for the
 engine's lock behind the requests it is serving, under `timeout`), at most
 `_MAX_WAITING` wait for their turn; a count that cannot be had (refused,
 timed out, unreadable, the gateway stopping) falls back to the estimate
-(`estimate_usage`) and is counted as estimated. docs/architecture.md,
-"Security" ("A client's fields, counted whatever their form").
+(`estimate_usage`) and is counted as estimated.
+docs/design/security.md, "A client's fields, counted whatever their form".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Each gateway's part of a client key's limits: pure decisions, no I/O.
 
-A key's limits are the key's, for all gateways together (docs/architecture.md,
-"Client keys"). Each gateway holds a *claim* on each limit and admits while
+A key's limits are the key's, for all gateways together (docs/design/client-keys.md).
+Each gateway holds a *claim* on each limit and admits while
 what it holds (requests or tokens in its window, requests in flight) is under
 `max(FLOOR, claim)`. The claims of all gateways together stay within the
 limit, whatever the timing, because of how they move (app/gateway/key_shares.py):

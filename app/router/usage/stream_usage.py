@@ -9,8 +9,7 @@ with what the key is charged: the prompt as the engine counts it
 until then: the stream's one count, made sooner), the completion one token
 an event (`counted_completion`). When the count cannot be had in time, the
 estimate the key is then charged (`estimate_usage`, counted as estimated).
-docs/architecture.md, "Security" (A client's fields, counted whatever their
-form).
+docs/design/security.md, "A client's fields, counted whatever their form".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 IPv4 address or bracketed IPv6 address (`[::1]:2379`). gRPC's static
 `ipv4:`/`ipv6:` targets take addresses only, and its `dns:` target takes one
 name, so the names are resolved by us (app/store/etcd/channel.py) and the
-channel is built on the addresses (docs/architecture.md, "The store").
+channel is built on the addresses (docs/design/store.md).
 `https://` endpoints are the same members over TLS, all or none of them.
 
 Everything here is pure: parsing refuses bad input at start with a message

@@ -127,7 +127,7 @@ class EtcdStore:
         continues from the last key read + a zero byte (the next possible
         key), and every page after the first is read at the first one's
         revision, so the pages form one consistent snapshot (a resync must
-        not mix two states: docs/architecture.md, Scale). If that revision
+        not mix two states: docs/design/scale.md). If that revision
         is compacted meanwhile, etcd refuses the read (StoreError) and the
         caller reads again from the start.
         """

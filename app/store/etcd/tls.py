@@ -1,5 +1,5 @@
 """TLS from a gateway to etcd: the files, checked at start, and what a failed
-handshake means in words (docs/architecture.md, "TLS").
+handshake means in words (docs/design/tls.md).
 
 gRPC takes the PEM bytes themselves (`grpc.ssl_channel_credentials`), so the
 files are read once, when the settings are checked; a rotated certificate is
