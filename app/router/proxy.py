@@ -16,8 +16,7 @@ request; another of its clients polls the engines' loads, off the request
 path.
 
 What happens to a request once its model is known (attempts, timeouts,
-failures) is in `relay.py` and `timeouts.py`; docs/architecture.md
-("Routing") tells the whole life.
+failures) is in `relay.py` and `timeouts.py`; docs/design/routing.md tells the whole life.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 # The engine paths reachable through us, with passthrough.py's. We send the
-# engine's key, so its guard (docs/architecture.md, "The engine's port") does
+# engine's key, so its guard (docs/design/security.md, "The engine's port") does
 # not keep a client off what it must not reach: /v1/load_lora_adapter
 # (runtime LoRA updates on), /metrics, /pooling, /invocations,
 # /start_profile... are never forwarded.
@@ -183,7 +182,7 @@ class Proxy:
     def cut_open(self) -> int:
         """Ends every request still being forwarded as its deadline would (a
         stream with an error event, code `gateway_stopping`): the end of a
-        stop's grace period (docs/architecture.md, "Stopping"). Returns how many."""
+        stop's grace period (docs/design/stopping.md). Returns how many."""
         open_now = list(self._open)
         for watch in open_now:
             watch.cut()
@@ -213,7 +212,7 @@ class Proxy:
             if not ex.body_read and has_body(scope):
                 # Refused before its body was read (no key, too large): the
                 # connection closes rather than read the rest to reach a
-                # next request (docs/architecture.md, Security).
+                # next request (docs/design/security.md).
                 extra.append((b"connection", b"close"))
             await send_whole(send, r.status, r.body, [*extra, *r.headers, ex.header])
         except ClientGone:
@@ -259,34 +258,46 @@ class Proxy:
                         "invalid_request_error", "invalid_query")
         if other:
             plan = await self._extra.prepare(grant, path, query, raw, _content_type(scope))
-            await self._send_other(grant, plan, query, session, receive, send, ex)
+            call = await self._other_call(grant, plan, query, session, receive, send, ex)
         else:
-            await self._send_forwarded(grant, raw, query, session, receive, send, ex)
+            call = await self._forwarded_call(grant, raw, query, session, receive, send, ex)
+        # Forwarded; the admission released however it ends.
+        ticket = ex.ticket
+        assert ticket is not None
+        self._open.add(call.watch)
+        try:
+            ex.status = await self._upstreams.forward(call)
+        finally:
+            self._open.discard(call.watch)
+            call.watch.close()
+            ticket.release()
+            if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
+                self._counts.submit(ticket)
 
-    async def _send_forwarded(self, grant: KeyGrant, raw: bytes, query: str,
+    async def _forwarded_call(self, grant: KeyGrant, raw: bytes, query: str,
                               session: str | None, receive: Receive, send: Send,
-                              ex: Exchange) -> None:
-        """A chat, completion or embeddings request."""
+                              ex: Exchange) -> Call:
+        """A chat, completion or embeddings request, admitted."""
         body, model, rewritten = self._request(grant, raw)
         ex.model = model
         affinity = self._affinity_of(body, session, model)
         spill = Spill.of(self._table, self.limits, self._timeouts, grant, ex, model, body,
                          len(raw))
         # A request refused below its key's limit first waits, bounded, for
-        # its claim to be raised (docs/architecture.md, "Client keys").
+        # its claim to be raised (docs/design/client-keys.md).
         ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
-        await self._send(Call(
+        return Call(
             ex, Watch(receive, self._timeouts, ex.started), send, model,
             f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True,
             meter=ticket.meter, affinity=affinity,
             # The client's bytes go on untouched when nothing was rewritten:
             # no encode per request, which grows with the prompt.
-            raw=None if rewritten or ticket.meter.strip_usage else raw, spill=spill))
+            raw=None if rewritten or ticket.meter.strip_usage else raw, spill=spill)
 
-    async def _send_other(self, grant: KeyGrant, plan: passthrough.Plan, query: str,
+    async def _other_call(self, grant: KeyGrant, plan: passthrough.Plan, query: str,
                           session: str | None, receive: Receive, send: Send,
-                          ex: Exchange) -> None:
-        """One of vLLM's other routes, as passthrough.py planned it. A pinned
+                          ex: Exchange) -> Call:
+        """One of vLLM's other routes, as passthrough.py planned it, admitted. A pinned
         or non-chat route never spills (spill.py)."""
         ex.model = plan.model
         affinity = self._affinity_of(plan.body, session, plan.model)
@@ -294,11 +305,11 @@ class Proxy:
             grant.id, plan.model, grant.limits, grant.gateways)
         if plan.stream:
             ticket.meter.body = plan.estimate  # estimated from, if cut short
-        await self._send(Call(
+        return Call(
             ex, Watch(receive, self._timeouts, ex.started), plan.sender(send), plan.model,
             f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream,
             meter=ticket.meter if plan.metered else None, affinity=affinity, pin=plan.pin,
-            encode=plan.encode))
+            encode=plan.encode)
 
     def _affinity_of(self, body: dict[str, Any], session: str | None,
                      model: str) -> str | None:
@@ -309,20 +320,6 @@ class Proxy:
         cache_key = body.get("prompt_cache_key")
         return affinity_key(body, session or (cache_key if isinstance(cache_key, str)
                                               else None))
-
-    async def _send(self, call: Call) -> None:
-        """Forwards `call`; its admission is released however it ends."""
-        ticket = call.ex.ticket
-        assert ticket is not None
-        self._open.add(call.watch)
-        try:
-            call.ex.status = await self._upstreams.forward(call)
-        finally:
-            self._open.discard(call.watch)
-            call.watch.close()
-            ticket.release()
-            if ticket.prompt_later:  # a llama.cpp stream's: counted by its engine
-                self._counts.submit(ticket)
 
     async def _list_models(self, grant: KeyGrant, send: Send, ex: Exchange) -> None:
         if ex.method != "GET":

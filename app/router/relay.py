@@ -1,6 +1,6 @@
 """A request's life once its model is known: attempts, the answer, failures.
 
-See docs/architecture.md ("Routing") for the phases and what the client sees
+See docs/design/routing.md for the phases and what the client sees
 on each failure. In short:
 
 * Before the first byte reaches the client, a replica that cannot take the
@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from app.router import own_answers
 from app.router.access import Tracer
@@ -209,8 +209,9 @@ class Upstreams:
                 traced.attempt_end(call.ex, None if upstream is None else upstream.status,
                                    failed)
 
-    async def _post(self, call: Call, ep: Endpoint, payload: bytes) -> Response:
-        """Sends the request to `ep`; its answer's status and headers."""
+    def _post(self, call: Call, ep: Endpoint, payload: bytes) -> Awaitable[Response]:
+        """Sends the request to `ep`; its answer's status and headers. Not a
+        coroutine of its own, nor is `_answer`: one frame less a request."""
         if call.stream:
             call.watch.expect_first_byte()
         # X-Request-Id (not to llama.cpp: its server answers 400 to one that
@@ -224,10 +225,10 @@ class Upstreams:
             method = b"POST"
             data = payload if not ep.upstream_model else json.dumps(
                 call.body | {"model": ep.upstream_model}).encode()
-        return await self.client.post(ep.url, call.url_tail, data, forwarded,
-                                      route_headers(ep.key, call.encode is None), method)
+        return self.client.post(ep.url, call.url_tail, data, forwarded,
+                                route_headers(ep.key, call.encode is None), method)
 
-    async def _answer(self, call: Call, ep: Endpoint, upstream: Response) -> int:
+    def _answer(self, call: Call, ep: Endpoint, upstream: Response) -> Awaitable[int]:
         """Judges the replica's status, then relays its answer."""
         status = upstream.status
         if status in _RETRY_STATUSES:
@@ -242,10 +243,10 @@ class Upstreams:
             # llama-cpp-python serves chat, completions and embeddings only.
             raise _NotServed
         if status == 500 and ep.engine == "llamacpp":
-            return await self._llamacpp_failed(call, ep, upstream)
+            return self._llamacpp_failed(call, ep, upstream)
         if call.stream:
-            return await StreamRelay(self, call, upstream, ep).run()
-        return await self._relay_whole(call, ep, upstream)
+            return StreamRelay(self, call, upstream, ep).run()
+        return self._relay_whole(call, ep, upstream)
 
     async def _relay_whole(self, call: Call, ep: Endpoint, upstream: Response) -> int:
         """Read whole: nothing has reached the client yet, so a failure here
