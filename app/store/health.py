@@ -64,7 +64,8 @@ class HealthTracker:
         self._health = StoreHealth("nospace", reason, self._clock())
         logger.error("%s is out of space and refuses writes: %s; compact, defragment "
                      "(etcdctl defrag) and disarm the alarm (etcdctl alarm disarm): "
-                     "docs/architecture.md, A month of uptime", self._name, reason)
+                     "docs/design/security-operations.md, \"A month of uptime\"", self._name,
+                     reason)
 
     def space_back(self) -> None:
         was = self._health
