@@ -6,7 +6,10 @@ the real embedded store."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
+
+import pytest
 
 from app.control import state as s
 from app.control.leader import Elector
@@ -88,3 +91,34 @@ async def test_leader_only_loops_run_while_the_elector_leads(tmp_path: Path) -> 
         await lead["a"].close()
     finally:
         await store.close()
+
+
+async def test_a_loop_that_dies_is_logged_when_it_dies(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A background loop that raises is said at once, with its name and
+    the error, not only found at the stop; one that returns is said at
+    INFO. A loop cancelled by the stop is not said."""
+    async def dies() -> None:
+        raise RuntimeError("the store answered nonsense")
+
+    async def returns() -> None:
+        return
+
+    async def runs() -> None:
+        await asyncio.Event().wait()
+
+    sup = Supervisor(wait=5.0)
+    sup.add(Service("dying", run=dies), Service("done", run=returns),
+            Service("steady", run=runs))
+    with caplog.at_level(logging.INFO, logger="app.gateway.supervisor"):
+        await sup.start(serving=False)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        said = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert ("ERROR", "background task dying died: the store answered nonsense") in said
+        died = next(r for r in caplog.records if "dying" in r.getMessage())
+        assert died.exc_info is not None  # the traceback, for where it died
+        assert ("INFO", "background task done ended") in said
+        caplog.clear()
+        await sup.stop()
+    assert [r.getMessage() for r in caplog.records] == []

@@ -8,7 +8,7 @@ stops before any it depends on. The tasks of services stopped one after
 the other (loops, and the follow-ups that routes spawn) are cancelled
 together and waited for once, for a bounded time (stopping.py, `ended`):
 a task that ignores its cancel is named in the log, never waited on for
-good; an exception a task ended with is retrieved there. A service's own
+good. A loop that dies, or returns, is logged when it does (`_said`). A service's own
 `stop` runs once every task stopped before it has ended.
 
 `Leadership` is the loops that run only while this gateway leads: started
@@ -19,6 +19,7 @@ and stopped by the elector's callbacks, as client-go's leaderelection's
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,22 @@ from typing import Any
 from app.gateway.stopping import ended
 
 Loop = Callable[[], Coroutine[Any, Any, None]]
+
+logger = logging.getLogger(__name__)
+
+
+def _said(task: asyncio.Task[None]) -> None:
+    """A background task ended other than by its cancel: said when it
+    happens, not first found at the stop. One that died is an error: the
+    gateway goes on without it (its routes answer, what it kept fresh goes
+    stale). One that returned did its work (the gc-freeze, once)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.error("background task %s died: %s", task.get_name(), exc, exc_info=exc)
+    else:
+        logger.info("background task %s ended", task.get_name())
 
 
 @dataclass(frozen=True)
@@ -77,8 +94,9 @@ class Supervisor:
                 await service.start()
             self._started.append(service)
             if service.run is not None:
-                self._tasks[service.name] = asyncio.create_task(service.run(),
-                                                                name=service.name)
+                task = asyncio.create_task(service.run(), name=service.name)
+                task.add_done_callback(_said)
+                self._tasks[service.name] = task
 
     def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
         """Runs `work` in the background until it ends or the supervisor
@@ -144,6 +162,8 @@ class Leadership:
         if self._closed or self._running:
             return
         self._running = [asyncio.create_task(loop(), name=name) for name, loop in self._loops]
+        for task in self._running:
+            task.add_done_callback(_said)
 
     def stopped(self) -> None:
         tasks, self._running = self._running, []
