@@ -38,6 +38,7 @@ class View:
         self.p99_1 = w[1].p99_ms if 1 in w else nan
         self.add_p50 = self.p50_1 - d[1].p50_ms if 1 in d else nan
         self.add_p99 = self.p99_1 - d[1].p99_ms if 1 in d else nan
+        self.gateway_c1 = f.gateway_c1  # what llmgw's own metric says it added
         ttft99 = pct(f.ttft, .99) * 1e3
         self.ttft_add99 = (ttft99 - pct(direct.ttft, .99) * 1e3
                            if direct is not None and f is not direct else nan)
@@ -164,6 +165,9 @@ def goal(g: View, fl: View, args: argparse.Namespace) -> list[str]:
          f"{fl.ttft_add99:.2f} ms", g.ttft_add99 <= fl.ttft_add99 + 0.2),
         (f"{max(args.streams)} concurrent streams, every chunk on time: {g.streams_cell()}",
          g.tried == max(args.streams) and g.clean == g.tried),
+        (f"the gateway's own time as its /metrics tells it (mean at c=1) within 0.1 ms of "
+         f"the added p50 measured side by side: {g.gateway_c1:.2f} vs {g.add_p50:.2f} ms",
+         abs(g.gateway_c1 - g.add_p50) <= 0.1),
     ]
     return checklist(checks)
 
@@ -209,6 +213,7 @@ def summary_line(views: dict[str, Any]) -> str:
             f"llmgw_p99_c256_ms={x(get('llmgw', 'p99_256'))} "
             f"floor_p99_c256_ms={x(get('floor', 'p99_256'))} "
             f"added_p50_ms={x(get('llmgw', 'add_p50'))} "
+            f"gateway_metric_ms={x(get('llmgw', 'gateway_c1'))} "
             f"floor_added_p50_ms={x(get('floor', 'add_p50'))} "
             f"ttft_added_p99_ms={x(get('llmgw', 'ttft_add99'))} "
             f"clean_streams={n(get('llmgw', 'clean'))} "

@@ -34,7 +34,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (str(ROOT), str(ROOT / "bench")):
@@ -87,6 +89,9 @@ class Figures:
     streams: list[load.StreamStats] = field(default_factory=list)
     gc256: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # see gc_window
     loop256: LoopSeen | None = None  # llmgw's own /metrics over the c=256 point
+    # llmgw's own figure of what it added (llmgw_gateway_added_seconds), its
+    # mean over the c=1 point, in ms: checked against the side-by-side one.
+    gateway_c1: float = float("nan")
 
 
 GC_PROBE = ROOT / "bench" / "gcprobe"
@@ -113,6 +118,21 @@ def gc_stats(pid: int, out: Path) -> dict[int, tuple[int, float, float]]:
     return {}
 
 
+def gateway_added(url: str) -> tuple[float, float]:
+    """llmgw's /metrics: its `llmgw_gateway_added_seconds` (sum, count), all
+    models together."""
+    r = httpx.get(url + "/metrics", timeout=10)
+    r.raise_for_status()
+    total = [0.0, 0.0]
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name == "llmgw_gateway_added_seconds_sum":
+                total[0] += s.value
+            elif s.name == "llmgw_gateway_added_seconds_count":
+                total[1] += s.value
+    return total[0], total[1]
+
+
 def measure(peer: Peer, pids: list[int], args: argparse.Namespace,
             gc_out: Path | None = None) -> Figures:
     fig = Figures(peer.name, peer.note)
@@ -121,9 +141,14 @@ def measure(peer: Peer, pids: list[int], args: argparse.Namespace,
         probed = gc_out is not None and c == 256 and bool(pids)
         g0 = gc_stats(pids[0], gc_out) if probed and gc_out else {}
         seen = scrape(peer.url) if peer.name == "llmgw" and c == 256 else None
+        told = gateway_added(peer.url) if peer.name == "llmgw" and c == 1 else None
         c0 = cpu_seconds(pids)
         r = load.run_wrk(peer.url, peer.token, MODEL, c, args.duration)
         used = cpu_seconds(pids) - c0
+        if told is not None:
+            now = gateway_added(peer.url)
+            if now[1] > told[1]:
+                fig.gateway_c1 = (now[0] - told[0]) / (now[1] - told[1]) * 1e3
         if seen is not None:
             fig.loop256 = between(seen, scrape(peer.url))
             print(f"  {peer.name:<12} c=256 event loop: {fig.loop256.line()}", flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from app.router.outcome import Outcome
 from app.router.timeouts import Timeouts
 from tests.support.procs import (
     Cluster,
@@ -190,9 +191,9 @@ def test_request_histograms_render_as_prometheus_buckets() -> None:
     rm = RequestMetrics()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(rm)
-    rm.observe("m", 200, 0.3, 0.001, 5, 3)   # ttft on a bound: in its `le` bucket
-    rm.observe("m", 200, 9000.0, 3000.0, 0, 1)  # past the last bound: +Inf only
-    rm.observe("m", 418, 0.1)
+    rm.observe(Outcome("m", 200, 0.3, 0.001, 5, 3))   # ttft on a bound: in its `le` bucket
+    rm.observe(Outcome("m", 200, 9000.0, 3000.0, 0, 1))  # past the last bound: +Inf only
+    rm.observe(Outcome("m", 418, 0.1))
     rm.prompt_counted("m", 7)
     m = samples(generate_latest(registry).decode())
 

@@ -276,3 +276,44 @@ async def test_hostile_json_is_a_400_in_openai_shape(rig: Rig) -> None:
             assert r.json()["error"]["type"] == "invalid_request_error"
     assert statuses[:3] == [400, 400, 400], statuses
     assert 400 in statuses[3:], statuses  # the limit was reached: this tested something
+
+
+async def test_the_gateway_s_own_cost_leaves_out_the_engines_time(rig: Rig) -> None:
+    """`Outcome.gateway` (app/router/outcome.py): arrival to the answer's
+    start, less the engines' time: a slow engine (0.3 s), or a replica that
+    fails before another answers (0.2 s), adds nothing to it; a request no
+    engine answered has none."""
+    slow = await rig.upstream("slow", delay=0.3)
+    rig.route("small", ("slow", slow.url))
+    assert (await rig.chat("small")).status_code == 200
+    failing = await rig.upstream("failing", "503", delay=0.2)
+    rig.route("small", ("failing", failing.url), ("good", slow.url))
+    slow.delay = 0.0
+    assert (await rig.chat("small")).status_code == 200
+    rig.route("small")
+    assert (await rig.chat("small")).status_code == 503
+    first, retried, refused = rig.observed.outcomes[-3:]
+    assert first.seconds >= 0.3 and retried.seconds >= 0.2, (first, retried)
+    for o in (first, retried):
+        # Milliseconds at most on a loaded machine; were an engine's wait
+        # counted, it would be 0.2 s and more.
+        assert o.gateway is not None and 0.0 <= o.gateway < 0.05, o
+    assert refused.gateway is None, refused
+
+
+async def test_a_stream_s_gateway_cost_ends_at_its_response_start(rig: Rig) -> None:
+    """A stream's is counted to its response's start: the engine's time to
+    its first byte (0.3 s here) left out, and nothing of the rest of the
+    stream, however long it runs."""
+    up = await rig.upstream("a", "stream", delay=0.3)
+    rig.route("small", ("a", up.url))
+    call = AsgiCall(rig.proxy, {"model": "small", "stream": True, "messages": MESSAGES})
+    assert (await call.next())["status"] == 200
+    await asyncio.sleep(0.2)  # the stream goes on: not the gateway's cost
+    up.release.set()
+    while (await call.next())["more_body"]:
+        pass
+    await asyncio.wait_for(call.task, 2)
+    o = rig.observed.outcomes[-1]
+    assert o.first_byte is not None and o.first_byte >= 0.3 and o.seconds >= 0.5, o
+    assert o.gateway is not None and 0.0 <= o.gateway < 0.05, o

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from app.api.stats import MAX_BYTES, _ask
 from app.gateway.request_series import FIELDS, RequestSeries, Series, merge
+from app.router.outcome import Outcome
 from tests.support.procs import ADMIN, Cluster, make_key, put_model, routes, wait_for, wait_ready
 
 
@@ -29,11 +30,11 @@ class Clock:
 def test_each_interval_counts_its_requests_tokens_and_ttft() -> None:
     clock = Clock(1000.0)
     series = RequestSeries(clock=clock, interval=10, samples=6)
-    series.observe("m", 200, 0.5, first_byte=0.2, prompt=10, completion=30)
-    series.observe("m", 200, 0.5, first_byte=0.4, prompt=5, completion=20)
-    series.observe("m", 429, 0.01)
+    series.observe(Outcome("m", 200, 0.5, first_byte=0.2, prompt=10, completion=30))
+    series.observe(Outcome("m", 200, 0.5, first_byte=0.4, prompt=5, completion=20))
+    series.observe(Outcome("m", 429, 0.01))
     clock.t = 1012.0  # the next interval
-    series.observe("m", 502, 1.0, first_byte=0.1, completion=3)
+    series.observe(Outcome("m", 502, 1.0, first_byte=0.1, completion=3))
     series.prompt_counted("m", 7)  # a llama.cpp stream's prompt, counted after
     snap = series.snapshot()
     assert (snap.interval, snap.samples, snap.start) == (10, 6, 960.0)
@@ -51,31 +52,31 @@ def test_each_interval_counts_its_requests_tokens_and_ttft() -> None:
 def test_the_ring_forgets_what_left_the_window() -> None:
     clock = Clock(0.0)
     series = RequestSeries(clock=clock, interval=10, samples=3)
-    series.observe("old", 200, 0.1)
+    series.observe(Outcome("old", 200, 0.1))
     clock.t = 25.0
-    series.observe("new", 200, 0.1)
+    series.observe(Outcome("new", 200, 0.1))
     assert series.snapshot().models["old"]["requests_2xx"] == [1, 0, 0]
     clock.t = 30.0  # interval 3: "old"'s interval 0 is out of the window
-    series.observe("new", 200, 0.1)
+    series.observe(Outcome("new", 200, 0.1))
     snap = series.snapshot()
     assert set(snap.models) == {"new"}
     assert snap.models["new"]["requests_2xx"] == [0, 1, 1]
     # Interval 5 reuses interval 2's row: it starts again from zero (1, not
     # 2); interval 3's request is still in the window, 4 had none.
     clock.t = 55.0
-    series.observe("new", 200, 0.1)
+    series.observe(Outcome("new", 200, 0.1))
     assert series.snapshot().models["new"]["requests_2xx"] == [1, 0, 1]
 
 
 def test_models_are_bounded_the_least_recently_seen_goes() -> None:
     clock = Clock(0.0)
     series = RequestSeries(clock=clock, interval=10, samples=90, max_models=2)
-    series.observe("a", 200, 0.1)
+    series.observe(Outcome("a", 200, 0.1))
     clock.t = 10
-    series.observe("b", 200, 0.1)
+    series.observe(Outcome("b", 200, 0.1))
     clock.t = 20
-    series.observe("a", 200, 0.1)
-    series.observe("c", 200, 0.1)  # "b" was seen last longest ago
+    series.observe(Outcome("a", 200, 0.1))
+    series.observe(Outcome("c", 200, 0.1))  # "b" was seen last longest ago
     assert set(series.snapshot().models) == {"a", "c"}
 
 

@@ -8,6 +8,7 @@ from app.control.mirror import Mirror
 from app.control.usage import Queue, UsagePublisher, drain_inflight, last_used
 from app.gateway.observers import Observers
 from app.gateway.router_usage import LastUse
+from app.router.outcome import Outcome
 from app.store.embedded import EmbeddedStore
 
 
@@ -148,10 +149,9 @@ def test_last_use_notes_each_request_and_passes_it_on() -> None:
     seen: list[tuple[object, ...]] = []
 
     class Then:
-        def observe(self, model: str, status: int, seconds: float,
-                    first_byte: float | None = None, prompt: int = 0,
-                    completion: int = 0) -> None:
-            seen.append((model, status, seconds, first_byte, prompt, completion))
+        def observe(self, outcome: Outcome) -> None:
+            seen.append((outcome.model, outcome.status, outcome.seconds, outcome.first_byte,
+                         outcome.prompt, outcome.completion))
 
         def prompt_counted(self, model: str, tokens: int) -> None:
             seen.append((model, tokens))
@@ -162,9 +162,9 @@ def test_last_use_notes_each_request_and_passes_it_on() -> None:
     wall = Clock(5.0)
     lu = LastUse(wall=wall)
     told = Observers([lu, Then()])
-    told.observe("m", 200, 0.5, 0.2, 7, 3)
+    told.observe(Outcome("m", 200, 0.5, 0.2, 7, 3))
     wall.now = 9.0
-    told.observe("m", 503, 0.1)  # asked for, even unanswered: a use
+    told.observe(Outcome("m", 503, 0.1))  # asked for, even unanswered: a use
     told.prompt_counted("m", 11)
     assert lu.by_model == {"m": 9.0}
     assert seen == [("m", 200, 0.5, 0.2, 7, 3), ("m", 503, 0.1, None, 0, 0), ("m", 11)]

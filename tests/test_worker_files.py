@@ -23,6 +23,7 @@ from app.gateway.settings import Settings
 from app.gateway.worker_loads import WorkerLoads
 from app.gateway.worker_metrics import WorkerMetrics
 from app.router.choice import EngineLoad
+from app.router.outcome import Outcome
 from tests.support.scrape import collected
 from tests.test_node_loads import Clock
 
@@ -61,7 +62,7 @@ class Metrics:
         self.w = WorkerMetrics(self.m, data_dir, index, 2)
 
     def write(self) -> None:
-        self.m.observe("m", 200, 0.2)  # a new figure each time: the file changes
+        self.m.observe(Outcome("m", 200, 0.2))  # a new figure each time: the file changes
         self.w.write(self.m.snapshot())
 
     def others(self) -> bool:

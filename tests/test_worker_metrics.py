@@ -12,6 +12,7 @@ import pytest
 
 from app.gateway.request_metrics import RequestMetrics
 from app.gateway.worker_metrics import FOLDER, MAX_BYTES, WorkerMetrics, clear
+from app.router.outcome import Outcome
 from tests.support.scrape import Samples, collected
 
 
@@ -23,9 +24,9 @@ def test_every_workers_figures_are_summed_and_a_bad_file_left_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     a, b = RequestMetrics(), RequestMetrics()
-    a.observe("m", 200, 0.2, first_byte=0.01, prompt=3, completion=5)
-    a.observe("m", 429, 0.001)
-    b.observe("m", 200, 7.0, first_byte=0.3, prompt=4, completion=2)
+    a.observe(Outcome("m", 200, 0.2, first_byte=0.01, prompt=3, completion=5))
+    a.observe(Outcome("m", 429, 0.001))
+    b.observe(Outcome("m", 200, 7.0, first_byte=0.3, prompt=4, completion=2))
     b.continued("m", "completed")
     wa, wb = (WorkerMetrics(m, tmp_path, i, 3) for i, m in enumerate((a, b)))
     wb.write(b.snapshot())

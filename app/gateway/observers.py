@@ -1,4 +1,4 @@
-"""The proxy's one `RequestObserver` (app/router/proxy.py): each request's
+"""The proxy's one `RequestObserver` (app/router/outcome.py): each request's
 end told to every observer of a list, in its order (docs/design/metrics.md).
 
 The gateway's list (app/gateway/assembly.py): when each model was last
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from app.router.proxy import RequestObserver
+from app.router.outcome import Outcome, RequestObserver
 
 
 class Observers:
@@ -23,11 +23,9 @@ class Observers:
     def __init__(self, members: Iterable[RequestObserver]) -> None:
         self._members = tuple(members)
 
-    def observe(self, model: str, status: int, seconds: float,
-                first_byte: float | None = None, prompt: int = 0,
-                completion: int = 0) -> None:
+    def observe(self, outcome: Outcome) -> None:
         for member in self._members:
-            member.observe(model, status, seconds, first_byte, prompt, completion)
+            member.observe(outcome)
 
     def prompt_counted(self, model: str, tokens: int) -> None:
         for member in self._members:

@@ -24,6 +24,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.router.outcome import Outcome
+
 INTERVAL = 10.0  # seconds a sample covers
 SAMPLES = 90  # 15 minutes
 MAX_MODELS = 256
@@ -78,15 +80,14 @@ class RequestSeries:
             ring = self._rings[model] = _Ring(self.samples)
         return ring.row(tick)
 
-    def observe(self, model: str, status: int, seconds: float,
-                first_byte: float | None = None, prompt: int = 0,
-                completion: int = 0) -> None:
-        row = self._row(model)
+    def observe(self, outcome: Outcome) -> None:
+        row = self._row(outcome.model)
+        status = outcome.status
         row[_OK if status < 400 else _CLIENT if status < 500 else _SERVER] += 1
-        row[_PROMPT] += prompt
-        row[_COMPLETION] += completion
-        if first_byte is not None:
-            row[_TTFT_SUM] += first_byte
+        row[_PROMPT] += outcome.prompt
+        row[_COMPLETION] += outcome.completion
+        if outcome.first_byte is not None:
+            row[_TTFT_SUM] += outcome.first_byte
             row[_TTFT_N] += 1
 
     def prompt_counted(self, model: str, tokens: int) -> None:

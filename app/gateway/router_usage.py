@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from app.control.usage import Queue
 from app.gateway.publish import Publisher
+from app.router.outcome import Outcome
 from app.router.table import RouteTable
 
 
@@ -22,14 +23,12 @@ class LastUse:
         self._wall = wall
         self.by_model: dict[str, float] = {}
 
-    def observe(self, model: str, status: int, seconds: float,
-                first_byte: float | None = None, prompt: int = 0,
-                completion: int = 0) -> None:
+    def observe(self, outcome: Outcome) -> None:
         # Every request that named a catalog model counts, a 503 for want of
         # a replica included: it asked for the model (docs/design/control-plane.md, "Reconciler").
         # An unknown model's label is dropped by the snapshot,
         # which keeps catalog models only.
-        self.by_model[model] = self._wall()
+        self.by_model[outcome.model] = self._wall()
 
     def prompt_counted(self, model: str, tokens: int) -> None:
         pass  # a use was noted at the request's end

@@ -12,6 +12,7 @@ route, body, model, admission) builds a `call.Call`, which `relay` sends
 Modules:
 - `proxy`: the ASGI app at /v1: the edge's stages, /v1/models, the access line.
 - `call`: `Call`, one request on its way to a replica, read by every stage.
+- `outcome`: `Outcome`, how a request ended, told to the gateway's observers.
 - `relay`: forward, attempts on one replica after another, a whole answer.
 - `relay_stream`: a stream's chain of chunk transforms, its failures and continuation.
 - `continuation`: a stream whose engine died, continued on another replica.

@@ -63,9 +63,9 @@ class Exchange:
     as the request goes (the relay sets `replica` and `first_byte`), and
     writes the access line from it once the request has ended."""
 
-    __slots__ = ("attempt_span", "body_read", "first_byte", "forwarded", "key_id", "method",
-                 "model", "path", "replica", "request_id", "span", "started", "status",
-                 "ticket", "traceparent", "tracestate")
+    __slots__ = ("answered", "attempt_span", "body_read", "first_byte", "forwarded", "key_id",
+                 "method", "model", "path", "replica", "request_id", "span", "started",
+                 "status", "ticket", "traceparent", "tracestate", "upstream_wait")
 
     def __init__(self, method: str, path: str, started: float) -> None:
         self.method = method
@@ -78,6 +78,12 @@ class Exchange:
         self.status = 500
         self.body_read = False  # refused before it: the connection closes (proxy.py)
         self.first_byte = 0.0  # a stream's first byte from its engine (loop time)
+        # The gateway's own cost (outcome.py, `Outcome.gateway`): when the
+        # answer started to reach the client (loop time; 0.0: it did not, or
+        # its start is not the gateway's to count), and the seconds spent
+        # waiting on engines (and on the fleet: a hold, a spill) before it.
+        self.answered = 0.0
+        self.upstream_wait = 0.0
         self.ticket: Ticket | None = None
         self.traceparent: bytes | None = None
         self.tracestate: bytes | None = None

@@ -27,7 +27,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from app.router import passthrough
 from app.router.access import Exchange, Tracer
@@ -35,6 +35,7 @@ from app.router.body_fields import checked_model
 from app.router.call import Call
 from app.router.choice import affinity_key
 from app.router.engine_load import EngineLoadPoller
+from app.router.outcome import Outcome, RequestObserver
 from app.router.own_answers import Reply, error, openai_error_body, send_whole
 from app.router.published import KeyGrant
 from app.router.relay import Upstreams
@@ -69,30 +70,6 @@ _FORWARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 # How long the load poll waits for a connection to an agent or engine: on a
 # network that answers in well under a millisecond, longer is a node down.
 _POLL_CONNECT = 0.25
-
-
-class RequestObserver(Protocol):
-    """Told how each forwarded request ended. Metrics implement it; the
-    router never imports them (it declares what it needs, here).
-
-    `status` is what the client got, or: 499 the client left first; 502 the
-    engine broke off a stream already answered 200; 504 a stream stalled or
-    ran past its deadline after its 200. `first_byte`: a stream's seconds
-    from arrival to the engine's first body byte (None: not a stream, or
-    none came). `prompt` and `completion`: the tokens its answer reported
-    (estimated for a stream cut short; a llama.cpp stream's prompt comes
-    later, through `prompt_counted`).
-    """
-
-    def observe(self, model: str, status: int, seconds: float,
-                first_byte: float | None = None, prompt: int = 0,
-                completion: int = 0) -> None: ...
-
-    def prompt_counted(self, model: str, tokens: int) -> None:
-        """A stream's prompt tokens, counted by its engine after it ended."""
-
-    def continued(self, model: str, outcome: str) -> None:
-        """A stream was continued on another replica: how that ended (relay.py)."""
 
 
 # The model label of a request whose model is unknown: client-chosen strings
@@ -336,10 +313,11 @@ class Proxy:
         now = self._loop.time()
         if self._observer is not None and (ex.path in _FORWARDED or ex.model):
             first, t = ex.first_byte, ex.ticket
-            self._observer.observe(ex.model or UNKNOWN_MODEL, ex.status, now - started,
-                                   first - started if first else None,
-                                   t.meter.prompt_tokens if t else 0,
-                                   t.meter.completion_tokens if t else 0)
+            self._observer.observe(Outcome(
+                ex.model or UNKNOWN_MODEL, ex.status, now - started,
+                first - started if first else None, t.meter.prompt_tokens if t else 0,
+                t.meter.completion_tokens if t else 0,
+                ex.answered - started - ex.upstream_wait if ex.answered else None))
         ex.log(now)
         if self._tracer is not None and ex.span is not None:
             self._tracer.end(ex)

@@ -109,7 +109,9 @@ class StreamRelay:
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
         chunk = await self._upstream.readany()
-        call.ex.first_byte = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        call.ex.first_byte = loop.time()
+        call.ex.upstream_wait += call.ex.first_byte - call.sent
         call.watch.streaming()
         if call.meter is not None and ep.engine == "llamacpp":
             call.meter.count_at = (ep.url, ep.key)  # no usage event: counted (usage/limits.py)
@@ -117,6 +119,7 @@ class StreamRelay:
             if not call.started:
                 await call.send({"type": "http.response.start",
                                  "status": self._upstream.status, "headers": self._headers()})
+                call.ex.answered = loop.time()
             while True:
                 try:
                     await self._pump(chunk)

@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.access import Tracer
+from app.router.outcome import Outcome
 from app.router.proxy import Proxy
 from app.router.published import CatalogEntry, Endpoint, KeyGrant
 from app.router.table import RouteTable
@@ -162,13 +163,14 @@ class Observed:
         self.details: list[tuple[float, float | None, int, int]] = []
         self.prompts: list[tuple[str, int]] = []  # counted after their stream
         self.continuations: list[tuple[str, str]] = []  # (model, outcome) of each
+        self.outcomes: list[Outcome] = []  # whole, as `seen`
         self.any = asyncio.Event()
 
-    def observe(self, model: str, status: int, seconds: float,
-                first_byte: float | None = None, prompt: int = 0,
-                completion: int = 0) -> None:
-        self.seen.append((model, status))
-        self.details.append((seconds, first_byte, prompt, completion))
+    def observe(self, outcome: Outcome) -> None:
+        self.seen.append((outcome.model, outcome.status))
+        self.details.append((outcome.seconds, outcome.first_byte, outcome.prompt,
+                             outcome.completion))
+        self.outcomes.append(outcome)
         self.any.set()
 
     def prompt_counted(self, model: str, tokens: int) -> None:
