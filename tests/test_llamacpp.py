@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from app.control.keys import engine_key
+from app.wire.engine_routes import PROMPT_TOKENS
 from tests.support.procs import SECRET, Cluster, GatewayProc, engine_pid, make_key, wait_for
 
 # SmolLM2's special tokens: <|endoftext|>, <|im_start|>, <|im_end|> (the
@@ -271,8 +272,10 @@ def test_a_stream_is_charged_the_tokens_the_engine_counts_unstreamed(solo: Clust
 def test_a_stream_that_asks_for_usage_gets_it_as_from_vllm(solo: Cluster) -> None:
     """`stream_options.include_usage` on the llama.cpp engine, which never
     sends a usage event: the client gets one before [DONE], in OpenAI's
-    shape, with what the engine counts unstreamed and its key is charged."""
-    gw, _ = serve_smollm2(solo, key_usage_interval="0.2")
+    shape, with what the engine counts unstreamed and its key is charged.
+    The engine counts the chat's prompt at the route our agent adds to it,
+    without running the chat again (its access log: two chats, one count)."""
+    gw, rep = serve_smollm2(solo, key_usage_interval="0.2")
     key = make_key(gw, "streaming")
     with gw.admin() as admin:
         key_id = next(k["id"] for k in admin.get("/admin/keys").json()
@@ -301,6 +304,13 @@ def test_a_stream_that_asks_for_usage_gets_it_as_from_vllm(solo: Cluster) -> Non
     assert wait_for(charged, 30, "the key's usage written") == {
         "requests": 2, "estimated": 0, "prompt_tokens": 2 * want[0],
         "completion_tokens": 2 * want[1]}
+    with gw.admin() as admin:
+        r = admin.get(f"/admin/nodes/{rep['node']}/logs",
+                      params={"source": rep["id"], "lines": 500})
+    assert r.status_code == 200, r.text
+    posts = [line.split('"POST ', 1)[1].split(" ", 1)[0] for line in r.json()["lines"]
+             if '"POST ' in line]
+    assert posts == ["/v1/chat/completions", "/v1/chat/completions", PROMPT_TOKENS], posts
 
 
 def test_the_responses_api_on_llamacpp_is_an_openai_error_that_says_so(solo: Cluster) -> None:

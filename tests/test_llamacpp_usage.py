@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.published import Endpoint
+from app.wire.engine_routes import PROMPT_TOKENS
 from tests.support.procs import until
 from tests.support.proxy_rig import CHAT, CLIENT_KEY, MESSAGES, Rig
 
@@ -25,12 +26,15 @@ PROMPT = 21  # what the stand-in's count answers
 
 class Engine:
     """llama-cpp-python's stream: a role-only event (chat), one event a token,
-    a last with the finish reason, `[DONE]`, never usage; its count of a chat's
-    prompt is the same chat unstreamed (app/router/usage/prompt_count.py). `counts`:
-    whether it answers counts (else 500, as a failing engine)."""
+    a last with the finish reason, `[DONE]`, never usage; it counts a chat's
+    prompt at the route our agent adds (app/wire/engine_routes.py), or, as an
+    engine an older agent started (`counts_chats` False: that route 404),
+    answers the same chat unstreamed (app/router/usage/prompt_count.py).
+    `counts`: whether it answers counts at all (else 500, as a failing engine)."""
 
     def __init__(self) -> None:
         self.counts = True
+        self.counts_chats = True
         self.asked: list[tuple[str, dict[str, Any]]] = []
         app = web.Application()
         app.router.add_post("/{tail:.*}", self._handle)
@@ -43,6 +47,10 @@ class Engine:
             if not self.counts:
                 return web.json_response({"error": "busy"}, status=500)
             if request.path == "/extras/tokenize/count":
+                return web.json_response({"count": PROMPT})
+            if request.path == PROMPT_TOKENS:
+                if not self.counts_chats:
+                    return web.json_response({"detail": "Not Found"}, status=404)
                 return web.json_response({"count": PROMPT})
             return web.json_response({"choices": [], "usage": {
                 "prompt_tokens": PROMPT, "completion_tokens": 1, "total_tokens": PROMPT + 1}})
@@ -139,3 +147,25 @@ async def test_a_client_that_did_not_ask_gets_no_usage_and_its_prompt_is_counted
         return added[0] == PROMPT
 
     await until(counted, "the prompt counted after the stream")
+
+
+async def test_a_chat_s_prompt_is_counted_without_the_engine_running_the_chat_again(
+    rig: Rig, engine: Engine,
+) -> None:
+    """The count goes to the route our agent adds to llama.cpp (the chat's
+    template and tokenizer, the model not run), with what shapes the
+    prompt and nothing else; an engine an older agent started (that route
+    404) is asked the chat itself for one token, and its count is the same."""
+    asked = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+             "temperature": 0.7, "stream_options": {"include_usage": True}}
+    *_, usage, _ = await stream(rig, CHAT, asked)
+    assert usage["usage"]["prompt_tokens"] == PROMPT
+    counts = [(p, b) for p, b in engine.asked if not b.get("stream")]
+    assert counts == [(PROMPT_TOKENS, {"model": "small", "messages": MESSAGES,
+                                       "tools": asked["tools"]})], counts
+    engine.asked.clear()
+    engine.counts_chats = False
+    *_, usage, _ = await stream(rig, CHAT, asked)
+    assert usage["usage"]["prompt_tokens"] == PROMPT
+    paths = [(p, b.get("max_tokens")) for p, b in engine.asked if not b.get("stream")]
+    assert paths == [(PROMPT_TOKENS, None), (CHAT, 1)], paths

@@ -8,6 +8,7 @@ agent's protocol (docs/architecture.md, "Folders: the packages").
 
 - `adapters`: LoRA adapters in the catalog: what they name and change on their base
 - `catalog`: the catalog's rules across a spec's fields and across the whole catalog
+- `engine_routes`: what llmgw adds to the engines it starts (a llama.cpp chat's prompt count)
 - `fabric`: the fabric test's contract: the sink's path and the most a test may ask
 - `loads`: engine load figures, as vLLM's /metrics and an agent's `/node/v1/loads` give them
 - `masking`: secrets masked out of text that leaves a process (log lines)

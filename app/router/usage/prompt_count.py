@@ -11,11 +11,12 @@ served it, so the count is the engine's own:
   which tokenizes as the completion did (BOS added, special tokens parsed);
 * a chat's prompt is the messages rendered by the model's chat template,
   which the tokenize endpoint does not apply and the gateway does not have:
-  the engine is asked the same chat, not streamed, with `max_tokens: 1`, and
-  its usage's `prompt_tokens` taken. llama-cpp-python reuses the longest
-  prefix of the last sequence it evaluated, so when no other request came
-  between, that costs the engine one prompt token and one generated token;
-  when one did, a prefill of the whole prompt again.
+  the engine counts it with the route our agent adds to it
+  (app/wire/engine_routes.py, `PROMPT_TOKENS`: the chat's own template and
+  tokenizer, the model not run). An engine an older agent started answers
+  that 404: it is asked the same chat instead, not streamed, with
+  `max_tokens: 1`, and its usage's `prompt_tokens` taken, which costs a
+  prefill of the whole prompt again when another request came between.
 
 A client that asked for the stream's usage (`stream_options.include_usage`)
 gets it before `[DONE]`, as vLLM sends it: the relay asks `count()` as the
@@ -43,6 +44,7 @@ from app.router.upstream import UpstreamClient
 from app.router.usage.estimates import estimate_usage
 from app.router.usage.limits import Limiter, Ticket
 from app.router.usage.meter import Meter
+from app.wire.engine_routes import PROMPT_FIELDS, PROMPT_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ _MAX_ANSWER = 64 * 1024
 # What a chat's prompt is rendered from by llama-cpp-python's chat handlers
 # (messages, and tools/functions for templates that show them): all that a
 # count's request keeps of the client's body.
-_PROMPT_FIELDS = ("model", "messages", "tools", "tool_choice", "functions", "function_call")
+_PROMPT_FIELDS = ("model", *PROMPT_FIELDS)
 
 
 class PromptCounter:
@@ -133,16 +135,32 @@ class PromptCounter:
         url, key = meter.count_at
         body = meter.body
         if meter.chat:
+            fields = {k: body[k] for k in _PROMPT_FIELDS if k in body}
+            counted = await self._post(url, key, PROMPT_TOKENS, fields, missing_ok=True)
+            if counted is not None:
+                return _count(counted.get("count"), PROMPT_TOKENS)
+            # An engine an older agent started: the chat itself, one token.
             target = "/v1/chat/completions"
-            ask: dict[str, Any] = {k: body[k] for k in _PROMPT_FIELDS if k in body}
-            ask |= {"max_tokens": 1, "temperature": 0}
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]  # llama-cpp-python takes a list of one prompt
-            if not isinstance(prompt, str):
-                return None
-            target, ask = "/extras/tokenize/count", {"input": prompt}
+            answer = await self._post(url, key, target,
+                                      fields | {"max_tokens": 1, "temperature": 0})
+            assert answer is not None
+            usage = answer.get("usage")
+            return _count(usage.get("prompt_tokens") if isinstance(usage, dict) else None,
+                          target)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]  # llama-cpp-python takes a list of one prompt
+        if not isinstance(prompt, str):
+            return None
+        target = "/extras/tokenize/count"
+        answer = await self._post(url, key, target, {"input": prompt})
+        assert answer is not None
+        return _count(answer.get("count"), target)
+
+    async def _post(self, url: str, key: str, target: str, ask: dict[str, Any],
+                    missing_ok: bool = False) -> dict[str, Any] | None:
+        """The engine's JSON answer to `ask` at `target`; None for a 404 when
+        `missing_ok` (a route the engine does not have)."""
         answer = await self._client.post(url, target, json.dumps(ask).encode(), [
             (b"Authorization", b"Bearer " + key.encode()),
             (b"Content-Type", b"application/json"), (b"Accept-Encoding", b"identity")])
@@ -154,18 +172,20 @@ class PromptCounter:
                     raise UpstreamError(f"{target} answered over {_MAX_ANSWER} bytes")
         finally:
             answer.close()
+        if answer.status == 404 and missing_ok:
+            return None
         if answer.status != 200:
             raise UpstreamError(f"{target} answered {answer.status}")
         try:
             parsed = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise UpstreamError(f"{target} answered no JSON") from None
-        found: object = None
-        if isinstance(parsed, dict) and meter.chat:
-            usage = parsed.get("usage")
-            found = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        elif isinstance(parsed, dict):
-            found = parsed.get("count")
-        if not isinstance(found, int) or isinstance(found, bool) or found < 0:
-            raise UpstreamError(f"{target} answered no count")
-        return int(found)
+        if not isinstance(parsed, dict):
+            raise UpstreamError(f"{target} answered no object")
+        return parsed
+
+
+def _count(found: object, target: str) -> int:
+    if not isinstance(found, int) or isinstance(found, bool) or found < 0:
+        raise UpstreamError(f"{target} answered no count")
+    return found
