@@ -92,10 +92,15 @@ def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:
         assert httpx.post(rep["url"] + path, json=body, timeout=10).status_code == 401, path
         assert httpx.post(rep["url"] + path, json=body, timeout=10,
                           headers={"Authorization": f"Bearer {ekey}"}).status_code == 200, path
+    chat = {"messages": [{"role": "user", "content": "hello"}]}
+    assert httpx.post(rep["url"] + PROMPT_TOKENS, json=chat, timeout=10).status_code == 401
+    counted = httpx.post(rep["url"] + PROMPT_TOKENS, json=chat, timeout=10,
+                         headers={"Authorization": f"Bearer {ekey}"})
+    assert counted.status_code == 200 and counted.json()["count"] > 0, counted.text
     spec = httpx.get(rep["url"] + "/openapi.json", timeout=10).json()
     assert set(spec["paths"]) == {
         "/v1/completions", "/v1/embeddings", "/v1/chat/completions", "/v1/models",
-        "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"}
+        "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize", PROMPT_TOKENS}
     assert httpx.get(rep["url"] + "/docs", timeout=10).status_code == 200
     log = solo.tmp / "aio" / "agent" / "logs" / f"{rep['id']}.log"
     assert stat.S_IMODE(log.stat().st_mode) == 0o600

@@ -98,7 +98,8 @@ def _with_prompt_tokens(create_app: Callable[..., Any]) -> Callable[..., Any]:
 
     def create(*args: Any, **kwargs: Any) -> Any:
         app = create_app(*args, **kwargs)
-        app.add_api_route(PROMPT_TOKENS, count, methods=["POST"], include_in_schema=False,
+        app.add_api_route(PROMPT_TOKENS, count, methods=["POST"], tags=["Extras"],
+                          summary="A chat's prompt tokens, the model not run (llmgw)",
                           dependencies=[Depends(server.authenticate)])
         return app
 
