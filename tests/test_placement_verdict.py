@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from app.control import state as s
@@ -148,7 +147,7 @@ async def test_the_admin_api_gives_the_verdict_and_its_text(tmp_path: Path) -> N
     (the verdict as data), from the same decision /metrics reads."""
     from app.gateway.main import create_app
     from app.gateway.settings import Settings
-    from tests.support.scrape import samples
+    from tests.support.scrape import model_status_and_metrics
 
     admin = "verdict-admin-token-0123456789"
     app = create_app(Settings(data_dir=tmp_path / "gw", gateway_id="gw", admin_token=admin,
@@ -159,15 +158,9 @@ async def test_the_admin_api_gives_the_verdict_and_its_text(tmp_path: Path) -> N
     try:
         one = s.StoredModel(name="one", model="acme/one", gpus=1)
         node = s.NodeInfo(name="n", gpus=[s.GpuInfo(index=0)], engines=["vllm"])
-        for key, value in ((s.MODELS + "one", one), (s.NODES + "n", node),
-                           (s.NODECONF + "n", s.NodeConf(cordoned=True))):
-            rev = await gw.store.put(key, value.model_dump_json().encode())
-        assert await gw.mirror.wait_for(rev, 5)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gw",
-                                     headers={"Authorization": f"Bearer {admin}"}) as c:
-            status = (await c.get("/admin/models/one")).json()["status"]
-            metrics = samples((await c.get("/metrics")).text)
+        status, metrics = await model_status_and_metrics(
+            app, gw, admin, "one", ((s.MODELS + "one", one), (s.NODES + "n", node),
+                                    (s.NODECONF + "n", s.NodeConf(cordoned=True))))
         assert status["unplaced"] == "n: cordoned", status
         assert status["placement"] == {
             "nodes_evaluated": 1, "nodes_filtered": {"cordoned": 1}, "nodes_exhausted": {},

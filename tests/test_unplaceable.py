@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.control import state as s
@@ -195,7 +194,7 @@ async def test_the_admin_api_and_metrics_say_what_the_leader_decides(tmp_path: P
     profile wants pool h100 (the first profile alone)."""
     from app.gateway.main import create_app
     from app.gateway.settings import Settings
-    from tests.support.scrape import samples
+    from tests.support.scrape import model_status_and_metrics
 
     admin = "unplaceable-admin-token-0123456"
     app = create_app(Settings(data_dir=tmp_path / "gw", gateway_id="gw", admin_token=admin,
@@ -207,14 +206,8 @@ async def test_the_admin_api_and_metrics_say_what_the_leader_decides(tmp_path: P
                                       "idle_timeout": None, "profiles": [
                                           s.Profile(name="big", gpus=1, pool="h100"),
                                           s.Profile(name="small", gpus=1)]})
-        for key, value in ((s.MODELS + "two", two), (s.NODES + "n", NODE)):
-            rev = await gw.store.put(key, value.model_dump_json().encode())
-        assert await gw.mirror.wait_for(rev, 5)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gw",
-                                     headers={"Authorization": f"Bearer {admin}"}) as c:
-            status = (await c.get("/admin/models/two")).json()["status"]
-            metrics = samples((await c.get("/metrics")).text)
+        status, metrics = await model_status_and_metrics(
+            app, gw, admin, "two", ((s.MODELS + "two", two), (s.NODES + "n", NODE)))
         assert (status["replicas"], status["wanted"]) == (0, 1)
         assert status["unplaced"] is None, status
         assert status["health"]["state"] == "degraded", status

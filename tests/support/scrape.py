@@ -1,11 +1,16 @@
-"""A gateway's /metrics, parsed with prometheus_client's own parser."""
+"""A gateway's /metrics, parsed with prometheus_client's own parser; with a
+model's status, asked of a gateway's app in process."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from pydantic import BaseModel
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -45,3 +50,19 @@ def served_names(text: str) -> set[str]:
             names |= {fam.name + s for s in ("_bucket", "_sum", "_count")}
         names |= {s.name for s in fam.samples}
     return names
+
+
+async def model_status_and_metrics(app: Any, gw: Any, admin: str, model: str,
+                                   puts: Iterable[tuple[str, BaseModel]]
+                                   ) -> tuple[dict[str, Any], Samples]:
+    """Writes `puts` to a started gateway's store, waits for its mirror to
+    see them, then asks its app, in process, for `model`'s status
+    (GET /admin/models/{model}) and its /metrics."""
+    rev = 0
+    for key, value in puts:
+        rev = await gw.store.put(key, value.model_dump_json().encode())
+    assert await gw.mirror.wait_for(rev, 5)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                                 headers={"Authorization": f"Bearer {admin}"}) as c:
+        status = (await c.get(f"/admin/models/{model}")).json()["status"]
+        return status, samples((await c.get("/metrics")).text)
