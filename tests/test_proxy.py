@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from app.router.published import Endpoint, KeyGrant
 from app.router.table import REASON_MAX
+from app.wire.engine_routes import PROMPT_TOKENS
 from tests.support.procs import until
 from tests.support.proxy_rig import (
     CHAT,
@@ -205,9 +206,8 @@ async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
             return web.json_response({"error": "busy"}, status=500)
         if request.path == "/extras/tokenize/count":
             return web.json_response({"count": 5})
-        if not body.get("stream"):  # the chat's count
-            return web.json_response({"choices": [], "usage": {"prompt_tokens": 21,
-                                                               "completion_tokens": 1}})
+        if request.path == PROMPT_TOKENS:  # the chat's count (app/wire/engine_routes.py)
+            return web.json_response({"count": 21})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = request.path == CHAT
@@ -247,8 +247,7 @@ async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
     finally:
         await server.close()
     counts = [(p, b) for p, b in asked if not b.get("stream")]
-    assert counts == [(CHAT, {"model": "small", "messages": MESSAGES, "max_tokens": 1,
-                              "temperature": 0}),
+    assert counts == [(PROMPT_TOKENS, {"model": "small", "messages": MESSAGES}),
                       ("/extras/tokenize/count", {"input": "hello"})]
 
 

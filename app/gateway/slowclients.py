@@ -35,6 +35,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.router.access import ARRIVED
+
 logger = logging.getLogger(__name__)
 
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
@@ -94,6 +96,9 @@ class TimedHttpTools(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._in_headers = True
         super().on_message_begin()
+        # When the request began to arrive: what the router counts its
+        # own time from (app/router/access.py).
+        self.scope[ARRIVED] = self.loop.time()  # type: ignore[literal-required]
 
     def on_headers_complete(self) -> None:
         self._in_headers = False

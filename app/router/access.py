@@ -23,6 +23,9 @@ access_log = logging.getLogger("app.access")
 # ASCII, is replaced by one of ours: it goes into our logs, our answer's
 # headers and the engine's request, where a control character could end a line.
 MAX_REQUEST_ID = 128
+# The ASGI scope's key for the loop time the server began to read the
+# request (app/gateway/slowclients.py stamps it; absent: the app's own start).
+ARRIVED = "llmgw.arrived"
 # W3C trace context headers pass to the engine unchanged when they are this
 # short and printable (traceparent is 55 characters in version 00; the
 # spec asks that at least 512 of tracestate be passed on).

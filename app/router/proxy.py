@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.router import passthrough
-from app.router.access import Exchange, Tracer
+from app.router.access import ARRIVED, Exchange, Tracer
 from app.router.body_fields import checked_model
 from app.router.call import Call
 from app.router.choice import affinity_key
@@ -174,7 +174,10 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         assert self._loop is not None, "Proxy.start() was not awaited"
-        started = self._loop.time()
+        # From when its server began to read it, where the server says
+        # (app/gateway/slowclients.py): its parse and scheduling are the
+        # gateway's time too (`Outcome.gateway`).
+        started = scope.get(ARRIVED) or self._loop.time()
         ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         try:
             await self._serve(scope, receive, send, ex)
