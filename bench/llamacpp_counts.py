@@ -11,7 +11,8 @@ started, the same chat for one token, a second prefill of the prompt when
 another request came between. This runs each checkout given (`--roots`:
 this one by default; a second one, e.g. `git worktree add /tmp/before
 HEAD~1`, side by side) as the quickstart runs it, and prints per
-concurrency: the engine's requests per stream (its access log), the added
+concurrency: the engine's chat completions per stream (each a prefill of
+the prompt) and its count requests per stream (its access log), the added
 time to first token p50 and the throughput, against the engine alone.
 
     python bench/llamacpp_counts.py --roots /tmp/before,. --streams 30
@@ -39,7 +40,7 @@ import sections  # noqa: E402
 import serve  # noqa: E402
 from serve_tools import Target  # noqa: E402
 
-# About 220 of SmolLM2's tokens: the prompt of issue 28's measurement.
+# About 220 of SmolLM2's tokens.
 PROMPT = ("Summarise in one line what follows. " + " ".join(
     f"Item {i}: the river passes the mill, the bridge and the old town hall." for i in range(14)))
 
@@ -71,13 +72,15 @@ def run(target: Target, streams: int, concurrency: int) -> tuple[list[float], fl
     return [f for f, _ in got], streams / (time.perf_counter() - t0)
 
 
-def engine_posts(gw: serve.Gateway, admin: str) -> int:
-    """POSTs in the engine's access log so far."""
+def engine_posts(gw: serve.Gateway, admin: str) -> tuple[int, int]:
+    """Chat completions (each a prefill of its prompt) and other POSTs (the
+    counts) in the engine's access log so far."""
     reps = serve.http(f"{gw.url}/admin/replicas", admin)
     rep = next(r for r in reps if r["model"] == serve.MODEL and r["phase"] == "ready")
     lines = serve.http(f"{gw.url}/admin/nodes/{rep['node']}/logs?source={rep['id']}"
                        "&lines=10000", admin)["lines"]
-    return sum('"POST ' in line for line in lines)
+    chats = sum('"POST /v1/chat/completions ' in line for line in lines)
+    return chats, sum('"POST ' in line for line in lines) - chats
 
 
 def measure(root: Path, args: argparse.Namespace, work: Path) -> list[str]:
@@ -92,21 +95,24 @@ def measure(root: Path, args: argparse.Namespace, work: Path) -> list[str]:
         for c in args.concurrency:
             ttft: dict[str, list[float]] = {"llmgw": [], "direct": []}
             rate: dict[str, list[float]] = {"llmgw": [], "direct": []}
-            posts = 0
+            chats = counts = 0
             for _ in range(args.pairs):
                 for target in (llmgw, direct):
                     before = engine_posts(gw, admin)
                     firsts, per_s = run(target, args.streams // args.pairs, c)
                     if target is llmgw:
                         time.sleep(1.0)  # the counts made after a stream
-                        posts += engine_posts(gw, admin) - before
+                        after = engine_posts(gw, admin)
+                        chats += after[0] - before[0]
+                        counts += after[1] - before[1]
                     ttft[target.name] += firsts
                     rate[target.name].append(per_s)
             n = args.streams // args.pairs * args.pairs
             added = (statistics.median(ttft["llmgw"]) - statistics.median(ttft["direct"])) * 1e3
             ratio = statistics.mean(rate["llmgw"]) / statistics.mean(rate["direct"])
             line = (f"llamacpp_counts: root={root.name} concurrency={c} streams={n} "
-                    f"engine_requests_per_stream={posts / n:.2f} "
+                    f"engine_chats_per_stream={chats / n:.2f} "
+                    f"engine_counts_per_stream={counts / n:.2f} "
                     f"ttft_added_p50_ms={added:.1f} throughput_ratio={ratio:.3f}")
             print(line, flush=True)
             out.append(line)
