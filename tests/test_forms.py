@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -236,3 +237,17 @@ def test_what_would_make_the_parser_step_byte_by_byte_is_refused_first(raw: byte
 def test_a_form_within_the_bounds_is_read() -> None:
     assert form_fields(form(*_parts(100)), KIND).model == "m1"
     assert form_fields(form(MODEL, _padded(3900), FILE), KIND).model == "m1"
+
+
+@pytest.mark.parametrize("bad", [b"Content-Disposition form-data", b"Content-Disp\x01osition:"])
+def test_a_malformed_form_is_refused_without_a_warning_in_the_log(
+        bad: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """python-multipart logs a WARNING for each malformed form before it
+    raises: the client gets its 400, and the gateway's log is not the
+    client's to fill (one line a request)."""
+    raw = form(MODEL, FILE).replace(b"Content-Disposition:", bad, 1)
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(Reply) as refused:
+            form_fields(raw, KIND)
+    assert refused.value.status == 400
+    assert [(r.name, r.levelname) for r in caplog.records if r.levelno >= logging.WARNING] == []

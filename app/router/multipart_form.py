@@ -29,6 +29,7 @@ two fields' (at most `_FIELD_MAX` each).
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +46,12 @@ if TYPE_CHECKING:
 # headers each (Starlette would take 1,000 fields and 1,000 files). These
 # two bound the parser's Python work, which runs on the event loop for a
 # small body (passthrough.py): about 2 ms at worst (measured, docs/design/responses-api.md).
+# python-multipart logs a WARNING for each malformed form before it raises
+# (an invalid header character, a lost boundary): the client is answered
+# 400 here, and the gateway's log is not the client's to fill, a line a
+# request. Its errors (a parser bug) still show.
+logging.getLogger("python_multipart").setLevel(logging.ERROR)
+
 _PARTS_MAX = 100
 _HEADERS_MAX = 8 * 1024  # all the parts' headers together
 _FIELD_MAX = 1024  # the longest `model` or `stream` value read
