@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 from app.control import state as s
 from app.control.keys import SecretRing
 from app.control.mirror import Mirror
+from app.gateway.key_shares import claim_floors
 from app.gateway.publish import Publisher
 from app.router.choice import EngineLoad
 from app.router.published import CatalogEntry, Endpoint, KeyGrant, Limits
@@ -471,3 +472,30 @@ async def test_an_overflow_s_terms_reach_the_router(
     assert (closed.spill_reserve, closed.spill_unbudgeted) == (0, False)
     with pytest.raises(ValueError):
         ModelSpec.model_validate({"external": terms | {"spill_reserve_tokens": 0}})
+
+
+async def test_a_worker_spends_the_budget_on_its_claim_alone_and_waits_for_a_raise() -> None:
+    """A worker of a gateway of several (`llmgw serve --workers`) admits on
+    its claims alone, its floor 0 while they stand (app/gateway/key_shares.py,
+    `claim_floors`), so that N in the bound counts gateways: the external
+    budget as the per-minute limits. A spill refused on no claim waits for
+    the loop to raise one, as a request does. Seen to fail: reserved on a
+    floor of 1 token by every worker."""
+    lim = Limiter(clock=lambda: 0.0, wall=lambda: 0.0)
+    lim.floor, lim.lapsed_floor = claim_floors(1)  # a worker but the first
+    lim.set_claims({"k": {}})  # standing, nothing of this key claimed here
+    # Admitted (a key with a budget alone has no per-minute part to refuse on).
+    ticket = lim.admit("k", "m", Limits(external_tokens_per_day=1000), 3)
+    with pytest.raises(OverLimit) as over:
+        lim.external.reserve("k", 1000, 3, "m", "x", 50)
+    assert over.value.short and over.value.code == "external_budget_exceeded"
+    raised: list[int] = []
+
+    async def step() -> None:  # the claims loop's step: this worker's claim raised
+        raised.append(1)
+        lim.set_claims({"k": {"external_tokens_per_day": 400}})
+
+    lim.settle = step
+    assert await lim.reserve_external("k", 1000, 3, "m", "x", 50) == 50
+    assert raised == [1] and lim.external.reserved("k") == 50
+    ticket.release()

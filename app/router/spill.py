@@ -82,19 +82,19 @@ class Spill:
         if self._grant.limits.external_tokens_per_day is None and not eps[0].spill_unbudgeted:
             return model  # a key without a budget stays on the fleet (Catalog, Spill-over)
         if table.endpoints(model):
-            return self._to_overflow(model, "saturated") if table.saturated(model) else model
+            return await self._to_overflow(model, "saturated") if table.saturated(model) else model
         if not table.holdable(model):
-            return self._to_overflow(model, "no_replica")
+            return await self._to_overflow(model, "no_replica")
         if not table.hold(model, self._timeouts.cold_start_held):
-            return self._to_overflow(model, "hold_full")
+            return await self._to_overflow(model, "hold_full")
         try:
             if await table.wait_routable(model, self._timeouts.spill_hold):
                 return model
         finally:
             table.unhold(model)
-        return self._to_overflow(model, "hold_timeout")
+        return await self._to_overflow(model, "hold_timeout")
 
-    def _to_overflow(self, model: str, reason: str) -> str:
+    async def _to_overflow(self, model: str, reason: str) -> str:
         target = self._table.overflow(model)
         assert target is not None
         eps = self._table.endpoints(target)
@@ -105,7 +105,9 @@ class Spill:
         grant = self._grant
         tokens = reservation(self._body, self._size, eps[0].spill_reserve or DEFAULT_RESERVE,
                              completes=self._ex.path != "/v1/embeddings")
-        ticket.reserved = self._limiter.external.reserve(
+        # Refused below the key's budget, it waits for a raised claim as a
+        # request does (usage/limits.py, `admit_or_wait`).
+        ticket.reserved = await self._limiter.reserve_external(
             grant.id, grant.limits.external_tokens_per_day, grant.gateways, model, target,
             tokens)
         ticket.external = True  # settled when released (Limiter._finish)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from app.router.usage.overlimit import OverLimit, share
-from app.router.usage.shares import DEMAND_WINDOW, KINDS, KeyLoad, share_of
+from app.router.usage.shares import DEMAND_WINDOW, FLOOR, KINDS, KeyLoad, share_of
 
 DAY = 86400.0
 _BUCKET = 60.0  # seconds of charges summed in one entry of the window
@@ -52,15 +52,19 @@ class ExternalBudget:
 
     `claims_of(key)` is the limiter's claims on a key (None: no claims loop,
     equal shares); `on_short()` gives the loop's wake-up, called when a spill
-    is refused below the key's limit."""
+    is refused below the key's limit; `floor()`, what this gateway spends of
+    a key on no claim: the limiter's (a worker of a gateway of several: 0
+    while its claims stand, so that N counts gateways; usage/limits.py)."""
 
     def __init__(self, clock: Callable[[], float],
                  claims_of: Callable[[str], Mapping[str, int] | None],
                  on_short: Callable[[], Callable[[], None] | None],
+                 floor: Callable[[], int] = lambda: FLOOR,
                  window: float = DAY) -> None:
         self._clock = clock
         self._claims_of = claims_of
         self._on_short = on_short
+        self._floor = floor
         self._window = window
         self._keys: dict[str, _Day] = {}
 
@@ -86,7 +90,7 @@ class ExternalBudget:
             return 0
         claims = self._claims_of(key_id)
         part = (share(limit, gateways) if claims is None or gateways <= 1
-                else min(limit, share_of(claims.get(KIND))))
+                else min(limit, share_of(claims.get(KIND), self._floor())))
         assert part is not None
         now = self._clock()
         used = self.used(key_id)

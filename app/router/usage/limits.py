@@ -39,6 +39,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from app.router.published import NO_LIMITS, Limits
 from app.router.usage.budget import ExternalBudget
@@ -46,6 +47,8 @@ from app.router.usage.estimates import counted_completion, estimate_usage
 from app.router.usage.meter import Meter
 from app.router.usage.overlimit import OverLimit, share
 from app.router.usage.shares import DEMAND_WINDOW, FLOOR, KINDS, KeyLoad, share_of
+
+_T = TypeVar("_T")
 
 WINDOW = 60.0  # seconds: the "minute" of requests and tokens per minute
 # How long a client refused for concurrency is told to wait: no request's
@@ -130,7 +133,8 @@ class Limiter:
         self.floor = FLOOR
         self.lapsed_floor = FLOOR
         # Tokens served by overflow providers, per key over a day (budget.py).
-        self.external = ExternalBudget(clock, self.claims_of, lambda: self.on_short)
+        self.external = ExternalBudget(clock, self.claims_of, lambda: self.on_short,
+                                       self._floor)
 
     def claims_of(self, key_id: str, now: float | None = None) -> Mapping[str, int] | None:
         """This gateway's claims on `key_id`'s limits, none once they lapsed
@@ -162,13 +166,34 @@ class Limiter:
             if not over.short or self.settle is None or self._claims is None:
                 raise
             first = over
-        return await self._wait(first, key_id, model, limits, gateways)
+        return await self._wait(first, key_id, lambda: self._admit(
+            key_id, model, limits, gateways, asked=False))
 
-    async def _wait(self, over: OverLimit, key_id: str, model: str, limits: Limits,
-                    gateways: int) -> Ticket:
+    async def reserve_external(self, key_id: str, limit: int | None, gateways: int,
+                               model: str, target: str, tokens: int) -> int:
+        """`external.reserve` for a spill of an admitted request, waiting as
+        `admit_or_wait` does when refused on this gateway's claim below the
+        key's budget (budget.py)."""
+        try:
+            return self.external.reserve(key_id, limit, gateways, model, target, tokens)
+        except OverLimit as over:
+            if not over.short or self.settle is None or self._claims is None:
+                raise
+            first = over
+        return await self._wait(first, key_id, lambda: self.external.reserve(
+            key_id, limit, gateways, model, target, tokens))
+
+    def _floor(self) -> int:
+        """What this gateway admits of a key on no claim: `floor` while its
+        claims stand, `lapsed_floor` once they have lapsed."""
+        return self.floor if self._clock() < self._claims_until else self.lapsed_floor
+
+    async def _wait(self, over: OverLimit, key_id: str, retry: Callable[[], _T]) -> _T:
+        """`retry()` after each of the claims loop's steps, up to
+        `claim_wait` seconds, while it is refused below the key's limit."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.claim_wait
-        st = self._keys[key_id]  # kept while it has a request waiting (idle())
+        st = self._keys.setdefault(key_id, _KeyState())  # kept while one waits (idle())
         kinds = (over.limit, *over.also)
         st.wait_on(kinds, 1)
         try:
@@ -182,7 +207,7 @@ class Limiter:
                 except TimeoutError:
                     break
                 try:
-                    return self._admit(key_id, model, limits, gateways, asked=False)
+                    return retry()
                 except OverLimit as again:
                     if not again.short:
                         raise
@@ -225,7 +250,7 @@ class Limiter:
         else:
             of = "{} held by this gateway now"
         claims = self.claims_of(key_id, now) or {}
-        floor = self.floor if now < self._claims_until else self.lapsed_floor
+        floor = self._floor()
 
         def part(kind: str, limit: int | None) -> int | None:
             # Alone, L + N - 1 is L: the whole limit, with no claim to wait for.
