@@ -117,3 +117,24 @@ async def test_a_route_llamacpp_does_not_serve_goes_to_a_replica_that_does(rig: 
         await server.close()
     assert r.status_code == 200 and r.json()["served_by"] == "b", r.text
     assert len(rig.attempts) == 2 and rig.table.cooldowns() == {}
+
+
+# What llama-cpp-python 0.3.36 answers /v1/embeddings for a model not started
+# with `--embedding true` (the quickstart's SmolLM2, seen through it).
+NOT_AN_EMBEDDER = "Llama model must be created with embedding=True to call this method"
+
+
+async def test_embeddings_of_a_model_not_started_for_them_is_a_404_that_says_so(
+        rig: Rig) -> None:
+    """Not the engine's failure (a 500), nor the client's parameters: the
+    model does not serve that API. Answered as a route llama.cpp does not
+    serve is, naming the model and what to do; not retried, no cooldown."""
+    await _two_llamacpp_replicas(rig, "500:" + NOT_AN_EMBEDDER)
+    r = await rig.http.post("/v1/embeddings", headers={"Authorization": f"Bearer {CLIENT_KEY}"},
+                            json={"model": "small", "input": "hello"})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_endpoint" and err["param"] == "model", err
+    assert "'small'" in err["message"] and "embedding" in err["message"], err
+    assert len(rig.attempts) == 1 and rig.table.cooldowns() == {}
+    assert rig.observed.seen == [("small", 404)]

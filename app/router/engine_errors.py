@@ -12,7 +12,10 @@ serves a request as `500 {"error": {"message": str(exc), "type":
   `'msg'`, the client's `'input'`), then the server's source file and line
   (`File "/.../llama_cpp/server/app.py", line 376`);
 * a `tool_choice` naming no tool of `tools`: `Tool choice 'NAME' not found
-  in tools.`
+  in tools.`;
+* embeddings of a model its server did not start for them (the
+  quickstart's SmolLM2): answered 404 `unsupported_endpoint`, as a route it
+  does not serve is.
 
 Those are answered 400 `invalid_request_error`, the field named where the
 engine named it, and nothing else of the engine's text (no file paths, no
@@ -48,6 +51,8 @@ _LOC = re.compile(r"'loc': \(([^)]*)\)")
 _LOC_PART = re.compile(r"'([^'\\]*)'|(\d+)")
 _MSG = re.compile(r"""'msg': (?:'((?:[^'\\]|\\.)*)'|"((?:[^"\\]|\\.)*)")""")
 _TOOL_CHOICE = re.compile(r"Tool choice '(.{0,200})' not found in tools\.")
+# /v1/embeddings of a model its server did not start with `--embedding true`.
+_NOT_AN_EMBEDDER = "Llama model must be created with embedding=True to call this method"
 
 
 class Fault(NamedTuple):
@@ -67,9 +72,10 @@ async def read_capped(upstream: Response) -> bytes | None:
     return raw
 
 
-def client_fault(answer: bytes | None) -> Fault | None:
-    """The 400 to answer instead of llama-cpp-python's 500 `answer`, when
-    the request's parameters caused it; None for an engine failure."""
+def client_fault(answer: bytes | None, model: str) -> Fault | None:
+    """The 4xx to answer instead of llama-cpp-python's 500 `answer` for a
+    request for `model`, when the request caused it; None for an engine
+    failure."""
     if answer is None:
         return None
     try:
@@ -87,6 +93,12 @@ def client_fault(answer: bytes | None) -> Fault | None:
     tool = _TOOL_CHOICE.fullmatch(text)
     if tool is not None:
         return _invalid("tool_choice", f"no tool named '{tool.group(1)}' in 'tools'")
+    if text == _NOT_AN_EMBEDDER:
+        message = (f"The model '{model}' is served by llama.cpp as a text generator, not "
+                   "started for embeddings (its server's --embedding): use "
+                   "/v1/chat/completions or /v1/completions with it, or an embedding model.")
+        return Fault(error(404, message, "invalid_request_error", "unsupported_endpoint",
+                           "model"), message)
     return None
 
 

@@ -274,7 +274,7 @@ class Upstreams:
         failure; engine_errors.py tells which. Neither is retried."""
         answer = await read_capped(upstream)
         call.watch.close()
-        fault = client_fault(answer)
+        fault = client_fault(answer, call.model)
         if fault is not None:
             logger.info("replica %s refused the request's parameters: %s",
                         ep.replica_id, fault.message)
