@@ -12,20 +12,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.router.access import Exchange
 from app.router.own_answers import Send
-from app.router.published import Endpoint
+from app.router.published import Endpoint, KeyGrant
 from app.router.timeouts import Watch
 
 if TYPE_CHECKING:
-    from app.router.spill import Spill
+    from app.router.usage.limits import Ticket
     from app.router.usage.meter import Meter
 
 # What one attempt sends to its replica when the body is not JSON to POST as
 # it is (passthrough.py): (method, body, content type).
 Encoder = Callable[[Endpoint], tuple[bytes, bytes, bytes]]
+
+
+class Overflow(Protocol):
+    """A request's way to its model's overflow (spill.py, `Spill`)."""
+
+    async def route(self, call: Call) -> str:
+        """The model to send `call` to: its own, or its overflow."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -40,7 +48,8 @@ class Call:
     request id and trace context sent to the engine. `pin`: only that
     replica may take it; `encode`: the request each attempt sends; `raw`:
     the client's bytes, when `body` is exactly what they say (sent as they
-    are). `spill`: the model's overflow may take the request instead.
+    are). `spill`: the model's overflow may take the request instead
+    (spill.py), on the key's `grant` and `ticket`.
     """
 
     ex: Exchange
@@ -51,11 +60,15 @@ class Call:
     body: dict[str, Any]
     stream: bool
     meter: Meter | None = None
+    # The key's grant and its admission (the ticket holds its place in the
+    # key's concurrency; `meter` is the ticket's, when metered).
+    grant: KeyGrant | None = None
+    ticket: Ticket | None = None
     affinity: str | None = None
     pin: str | None = None
     encode: Encoder | None = None
     raw: bytes | None = None
-    spill: Spill | None = None
+    spill: Overflow | None = None
     # The response began while the request was held (hold.py): its headers
     # are out, so only the body follows, and an error is its last event.
     started: bool = False

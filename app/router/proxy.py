@@ -261,15 +261,14 @@ class Proxy:
         body, model, rewritten = self._request(grant, raw)
         ex.model = model
         affinity = self._affinity_of(body, session, model)
-        spill = Spill.of(self._table, self.limits, self._timeouts, grant, ex, model, body,
-                         len(raw))
+        spill = Spill.of(self._table, self.limits, self._timeouts, model, len(raw))
         # A request refused below its key's limit first waits, bounded, for
         # its claim to be raised (docs/design/client-keys.md).
         ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
         return Call(
             ex, Watch(receive, self._timeouts, ex.started), send, model,
             f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True,
-            meter=ticket.meter, affinity=affinity,
+            meter=ticket.meter, grant=grant, ticket=ticket, affinity=affinity,
             # The client's bytes go on untouched when nothing was rewritten:
             # no encode per request, which grows with the prompt.
             raw=None if rewritten or ticket.meter.strip_usage else raw, spill=spill)
@@ -288,7 +287,8 @@ class Proxy:
         return Call(
             ex, Watch(receive, self._timeouts, ex.started), plan.sender(send), plan.model,
             f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream,
-            meter=ticket.meter if plan.metered else None, affinity=affinity, pin=plan.pin,
+            meter=ticket.meter if plan.metered else None, grant=grant, ticket=ticket,
+            affinity=affinity, pin=plan.pin,
             encode=plan.encode)
 
     def _affinity_of(self, body: dict[str, Any], session: str | None,

@@ -124,7 +124,7 @@ class Upstreams:
         on its way; the status for metrics if the client left meanwhile."""
         try:
             if call.spill is not None:
-                call.model = await call.spill.route(call.model)  # or its overflow's name
+                call.model = await call.spill.route(call)  # or its overflow's name
             if self._cold(call.model):
                 await hold(self.table, self.timeouts, call)
         except asyncio.CancelledError:

@@ -27,10 +27,8 @@ nothing either.
 
 from __future__ import annotations
 
-from typing import Any
-
 from app.router.access import Exchange
-from app.router.published import KeyGrant
+from app.router.call import Call
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts
 from app.router.usage.estimates import DEFAULT_RESERVE, reservation
@@ -47,64 +45,64 @@ def served_by(ex: Exchange) -> list[tuple[bytes, bytes]]:
 
 
 class Spill:
-    """One request's way to its model's overflow, for `relay.forward`."""
+    """A request's way to its model's overflow, for `relay.forward`: what
+    the `Call` it routes (its model, grant, admission and body) does not
+    carry."""
 
-    __slots__ = ("_body", "_ex", "_grant", "_limiter", "_size", "_table", "_timeouts")
+    __slots__ = ("_limiter", "_size", "_table", "_timeouts")
 
     def __init__(self, table: RouteTable, limiter: Limiter, timeouts: Timeouts,
-                 grant: KeyGrant, ex: Exchange, body: dict[str, Any], size: int) -> None:
+                 size: int) -> None:
         self._table = table
         self._limiter = limiter
         self._timeouts = timeouts
-        self._grant = grant
-        self._ex = ex
-        self._body = body
         self._size = size  # the body's bytes as sent: its prompt's bound (usage/estimates.py)
 
     @staticmethod
-    def of(table: RouteTable, limiter: Limiter, timeouts: Timeouts, grant: KeyGrant,
-           ex: Exchange, model: str, body: dict[str, Any], size: int) -> Spill | None:
+    def of(table: RouteTable, limiter: Limiter, timeouts: Timeouts, model: str,
+           size: int) -> Spill | None:
         """The request's way to `model`'s overflow; None: it has none."""
         if table.overflow(model) is None:
             return None
-        return Spill(table, limiter, timeouts, grant, ex, body, size)
+        return Spill(table, limiter, timeouts, size)
 
-    async def route(self, model: str) -> str:
-        """The model to send the request to: `model`, or its overflow (OverLimit
+    async def route(self, call: Call) -> str:
+        """The model to send `call` to: its model, or its overflow (OverLimit
         when the key's external budget is spent). May hold the request up to
         `spill_hold` for a replica on its way; a cancellation (the watch's)
         propagates."""
-        table = self._table
+        table, model = self._table, call.model
         target = table.overflow(model)
         eps = table.endpoints(target) if target is not None else ()
         if not eps:
             return model  # an overflow withheld (its key file unreadable) takes nothing
-        if self._grant.limits.external_tokens_per_day is None and not eps[0].spill_unbudgeted:
+        assert call.grant is not None
+        if call.grant.limits.external_tokens_per_day is None and not eps[0].spill_unbudgeted:
             return model  # a key without a budget stays on the fleet (Catalog, Spill-over)
         if table.endpoints(model):
-            return await self._to_overflow(model, "saturated") if table.saturated(model) else model
+            return await self._to_overflow(call, "saturated") if table.saturated(model) else model
         if not table.holdable(model):
-            return await self._to_overflow(model, "no_replica")
+            return await self._to_overflow(call, "no_replica")
         if not table.hold(model, self._timeouts.cold_start_held):
-            return await self._to_overflow(model, "hold_full")
+            return await self._to_overflow(call, "hold_full")
         try:
             if await table.wait_routable(model, self._timeouts.spill_hold):
                 return model
         finally:
             table.unhold(model)
-        return await self._to_overflow(model, "hold_timeout")
+        return await self._to_overflow(call, "hold_timeout")
 
-    async def _to_overflow(self, model: str, reason: str) -> str:
+    async def _to_overflow(self, call: Call, reason: str) -> str:
+        model = call.model
         target = self._table.overflow(model)
         assert target is not None
         eps = self._table.endpoints(target)
         if not eps:  # withheld while this request was held: as without an overflow
             return model
-        ticket = self._ex.ticket
-        assert ticket is not None
-        grant = self._grant
-        tokens = reservation(self._body, self._size, eps[0].spill_reserve or DEFAULT_RESERVE,
-                             completes=self._ex.path != "/v1/embeddings")
+        ticket, grant = call.ticket, call.grant
+        assert ticket is not None and grant is not None
+        tokens = reservation(call.body, self._size, eps[0].spill_reserve or DEFAULT_RESERVE,
+                             completes=call.ex.path != "/v1/embeddings")
         # Refused below the key's budget, it waits for a raised claim as a
         # request does (usage/limits.py, `admit_or_wait`).
         ticket.reserved = await self._limiter.reserve_external(
