@@ -4,16 +4,14 @@ retries, streams. A request's timeouts and failures: tests/test_request_life.py.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from app.router.published import Endpoint, KeyGrant
 from app.router.table import REASON_MAX
 from app.wire.engine_routes import PROMPT_TOKENS
+from tests.support.llamacpp_standin import LlamaCppStandin
 from tests.support.procs import until
 from tests.support.proxy_rig import (
     CHAT,
@@ -197,31 +195,9 @@ async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
     # llama-cpp-python's shape: a role-only event, one a token, a last with the
     # finish reason, [DONE], and no usage; its prompt counted by the engine,
     # or estimated when the engine does not answer the count.
-    asked: list[tuple[str, dict[str, object]]] = []
-
-    async def engine(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        asked.append((request.path, body))
-        if not counts and not body.get("stream"):
-            return web.json_response({"error": "busy"}, status=500)
-        if request.path == "/extras/tokenize/count":
-            return web.json_response({"count": 5})
-        if request.path == PROMPT_TOKENS:  # the chat's count (app/wire/engine_routes.py)
-            return web.json_response({"count": 21})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        chat = request.path == CHAT
-        events = ([{"delta": {"role": "assistant"}}] if chat else []) + [
-            {"delta": {"content": w}} if chat else {"text": w} for w in "abcd"] + [
-            {"delta": {}, "finish_reason": "length"}]
-        for e in events:
-            await resp.write(b"data: " + json.dumps({"choices": [e]}).encode() + b"\r\n\r\n")
-        await resp.write(b"data: [DONE]\r\n\r\n")
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", engine)
-    server = TestServer(app, host="127.0.0.1")
+    standin = LlamaCppStandin()
+    standin.counts, standin.text_count = counts, 5
+    server = standin.server
     await server.start_server()
     try:
         url = str(server.make_url("")).rstrip("/")
@@ -246,8 +222,8 @@ async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
         assert got == ([0, 21 + 5, 0, 0] if counts else [0, 2 + 2, 0, 2])
     finally:
         await server.close()
-    counts = [(p, b) for p, b in asked if not b.get("stream")]
-    assert counts == [(PROMPT_TOKENS, {"model": "small", "messages": MESSAGES}),
+    asked = [(p, b) for p, b in standin.asked if not b.get("stream")]
+    assert asked == [(PROMPT_TOKENS, {"model": "small", "messages": MESSAGES}),
                       ("/extras/tokenize/count", {"input": "hello"})]
 
 
