@@ -11,6 +11,15 @@ from typing import Any
 from chaos_rig import MODEL, REPLICAS, TTL
 from peers import ROOT
 
+# The section of docs/reliability.md kept by hand, which a run keeps.
+HAND_BEGIN = "<!-- recorded by hand: begin -->"
+HAND_END = "<!-- recorded by hand: end -->"
+
+
+def kept_after(text: str, kept: str) -> str:
+    """The run's page, then what was kept by hand."""
+    return text.rstrip("\n") + "\n" + kept if kept else text
+
 
 def _commit() -> str:
     """The commit the run's code is from: read once, as the run starts."""
@@ -64,7 +73,13 @@ def write(path: Path, seed: int, asked: int, faults: int, etcd_down_s: float,
             if failed else "the run had not ended when this was written")
     back = [b for r in results for b in r.etcd_back_s]
     refusing = [b for r in results for b in r.etcd_refusing_s]
-    path.write_text(f"""# Reliability: llmgw under faults
+    # What is kept by hand after the run's figures (failovers measured
+    # once, soaks) survives the rewrite, as it stood.
+    old = path.read_text() if path.exists() else ""
+    kept = ""
+    if HAND_BEGIN in old and HAND_END in old:
+        kept = "\n" + old[old.index(HAND_BEGIN):old.index(HAND_END) + len(HAND_END)] + "\n"
+    path.write_text(kept_after(f"""# Reliability: llmgw under faults
 
 Written by `python bench/chaos.py` (do not edit by hand): {datetime.date.today()},
 commit {commit}, seed {seed}, {len(results)} of {asked} schedule(s) run ({done});
@@ -121,7 +136,7 @@ streams cut | failover s | etcd down | edits | `replicas/` writes | \
 engines started / replicas placed (so far) |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {rows}
-""")
+""", kept))
 
 
 def _window(counts: dict[str, int], back: list[float]) -> str:

@@ -230,3 +230,19 @@ def test_a_short_schedule_keeps_every_guarantee(tmp_path: Path) -> None:
     # the 3.1 s after etcd was back.
     assert r.etcd_refused_after == 0, (r.etcd_refusing_s, detail)
     assert r.secrets_found == [], r.secrets_found
+
+
+def test_a_run_rewrites_its_page_and_keeps_what_was_recorded_by_hand(tmp_path: Path) -> None:
+    """bench/chaos.py writes docs/reliability.md whole: the figures kept by
+    hand after it (between its markers) stay as they stood."""
+    import chaos_doc as doc
+
+    page = tmp_path / "reliability.md"
+    hand = f"{doc.HAND_BEGIN}\n## A failover measured once\n\n4.2 s.\n{doc.HAND_END}"
+    page.write_text("# an older run\n\nold figures\n\n" + hand + "\n")
+    doc.write(page, 7, 1, 1, 60.0, [], doc.summary([]))
+    text = page.read_text()
+    assert "old figures" not in text and "Written by `python bench/chaos.py`" in text
+    assert text.count(hand) == 1 and text.rstrip().endswith(doc.HAND_END), text[-300:]
+    doc.write(page, 8, 1, 1, 60.0, [], doc.summary([]))  # and again: still once
+    assert page.read_text().count(hand) == 1
