@@ -20,6 +20,7 @@ from tests.support.proxy_rig import (
     AsgiCall,
     Rig,
     refused_port,
+    started,
 )
 from tests.support.proxy_rig import hash_key as _hash
 
@@ -292,3 +293,23 @@ async def test_a_stream_s_gateway_cost_ends_at_its_response_start(rig: Rig) -> N
     o = rig.observed.outcomes[-1]
     assert o.first_byte is not None and o.first_byte >= 0.3 and o.seconds >= 0.5, o
     assert o.gateway is not None and 0.0 <= o.gateway < 0.05, o
+
+
+def test_the_gateway_s_own_cost_is_finer_than_the_loop_s_clock() -> None:
+    """The gateway serves on uvloop, whose `loop.time()` is libuv's cached
+    millisecond clock: a cost of a fraction of a millisecond read from it
+    comes out as 0 or 1 ms. `Outcome.gateway` is read from a clock of its
+    own. Seen to fail: 0.001 exactly."""
+    import uvloop
+
+    async def one() -> float | None:
+        async with started(Rig()) as rig:
+            up = await rig.upstream("a")
+            rig.route("small", ("a", up.url))
+            for _ in range(3):
+                assert (await rig.chat("small")).status_code == 200
+            return rig.observed.outcomes[-1].gateway
+
+    got = uvloop.run(one())
+    assert got is not None and 0.0 < got < 0.05, got
+    assert abs(got * 1000 - round(got * 1000)) > 1e-6, f"a whole millisecond count: {got!r}"

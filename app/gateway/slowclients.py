@@ -31,6 +31,7 @@ import asyncio
 import fcntl
 import logging
 import termios
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -98,7 +99,7 @@ class TimedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
         # When the request began to arrive: what the router counts its
         # own time from (app/router/access.py).
-        self.scope[ARRIVED] = self.loop.time()  # type: ignore[literal-required]
+        self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
 
     def on_headers_complete(self) -> None:
         self._in_headers = False

@@ -23,8 +23,10 @@ access_log = logging.getLogger("app.access")
 # ASCII, is replaced by one of ours: it goes into our logs, our answer's
 # headers and the engine's request, where a control character could end a line.
 MAX_REQUEST_ID = 128
-# The ASGI scope's key for the loop time the server began to read the
-# request (app/gateway/slowclients.py stamps it; absent: the app's own start).
+# The ASGI scope's key for when the server began to read the request, by
+# `time.perf_counter()` (app/gateway/slowclients.py stamps it; absent: the
+# app's own start). Not the loop's clock: uvloop's is libuv's cached
+# millisecond, too coarse for a fraction of a millisecond.
 ARRIVED = "llmgw.arrived"
 # W3C trace context headers pass to the engine unchanged when they are this
 # short and printable (traceparent is 55 characters in version 00; the
@@ -66,8 +68,8 @@ class Exchange:
     as the request goes (the relay sets `replica` and `first_byte`), and
     writes the access line from it once the request has ended."""
 
-    __slots__ = ("answered", "attempt_span", "body_read", "first_byte", "forwarded", "key_id",
-                 "method", "model", "path", "replica", "request_id", "span", "started",
+    __slots__ = ("answered", "arrived", "attempt_span", "body_read", "first_byte", "forwarded",
+                 "key_id", "method", "model", "path", "replica", "request_id", "span", "started",
                  "status", "ticket", "traceparent", "tracestate", "upstream_wait")
 
     def __init__(self, method: str, path: str, started: float) -> None:
@@ -81,10 +83,12 @@ class Exchange:
         self.status = 500
         self.body_read = False  # refused before it: the connection closes (proxy.py)
         self.first_byte = 0.0  # a stream's first byte from its engine (loop time)
-        # The gateway's own cost (outcome.py, `Outcome.gateway`): when the
-        # answer started to reach the client (loop time; 0.0: it did not, or
-        # its start is not the gateway's to count), and the seconds spent
-        # waiting on engines (and on the fleet: a hold, a spill) before it.
+        # The gateway's own cost (outcome.py, `Outcome.gateway`), by
+        # `time.perf_counter()` (ARRIVED): when the request arrived, when the
+        # answer started to reach the client (0.0: it did not, or its start
+        # is not the gateway's to count), and the seconds spent waiting on
+        # engines (and on the fleet: a hold, a spill) between.
+        self.arrived = 0.0
         self.answered = 0.0
         self.upstream_wait = 0.0
         self.ticket: Ticket | None = None

@@ -72,6 +72,6 @@ class Call:
     # The response began while the request was held (hold.py): its headers
     # are out, so only the body follows, and an error is its last event.
     started: bool = False
-    # When the current attempt's request went out (loop time): what the
-    # engine's time is counted from (access.py, `Exchange.upstream_wait`).
+    # When the current attempt's request went out (`time.perf_counter()`): the
+    # start of the engine's time (access.py, `Exchange.upstream_wait`).
     sent: float = 0.0

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -174,11 +175,12 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         assert self._loop is not None, "Proxy.start() was not awaited"
+        started = self._loop.time()
+        ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         # From when its server began to read it, where the server says
         # (app/gateway/slowclients.py): its parse and scheduling are the
         # gateway's time too (`Outcome.gateway`).
-        started = scope.get(ARRIVED) or self._loop.time()
-        ex = Exchange(method, path, started)  # the request id, the access line (access.py)
+        ex.arrived = scope.get(ARRIVED) or time.perf_counter()
         try:
             await self._serve(scope, receive, send, ex)
         except OverLimit as over:
@@ -320,7 +322,7 @@ class Proxy:
                 ex.model or UNKNOWN_MODEL, ex.status, now - started,
                 first - started if first else None, t.meter.prompt_tokens if t else 0,
                 t.meter.completion_tokens if t else 0,
-                ex.answered - started - ex.upstream_wait if ex.answered else None))
+                ex.answered - ex.arrived - ex.upstream_wait if ex.answered else None))
         ex.log(now)
         if self._tracer is not None and ex.span is not None:
             self._tracer.end(ex)

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 
 from app.router import own_answers
 from app.router.access import Tracer
@@ -97,10 +98,10 @@ class Upstreams:
         """Forwards to a replica, sends the answer; returns the status for metrics."""
         try:
             if call.spill is not None or self._cold(call.model):
-                began = asyncio.get_running_loop().time()
+                began = perf_counter()
                 gone = await self._before_attempts(call)
                 # Waiting on the fleet, not the gateway's own cost.
-                call.ex.upstream_wait += asyncio.get_running_loop().time() - began
+                call.ex.upstream_wait += perf_counter() - began
                 if gone is not None:
                     return gone
             return await self._attempts(call)
@@ -177,12 +178,12 @@ class Upstreams:
         if traced is not None:
             traced.attempt(call.ex, ep.replica_id)
         try:
-            call.sent = asyncio.get_running_loop().time()
+            call.sent = perf_counter()
             upstream = await self._post(call, ep, payload)
             return await self._answer(call, ep, upstream)
         except _NotServed:
             tried.unserved, failed = not_served(call.url_tail, call.model), "route not served"
-            call.ex.upstream_wait += asyncio.get_running_loop().time() - call.sent
+            call.ex.upstream_wait += perf_counter() - call.sent
             return None
         except Unsendable as exc:
             # Built from the client's input and refused before a byte was
@@ -197,7 +198,7 @@ class Upstreams:
             # Connect timeouts are the client's (UpstreamError): reads are
             # timed by the watch, which cancels instead.
             failed = f"{exc or type(exc).__name__}"
-            call.ex.upstream_wait += asyncio.get_running_loop().time() - call.sent
+            call.ex.upstream_wait += perf_counter() - call.sent
             tried.last_error = f"replica {ep.replica_id} failed ({failed})"
             logger.warning("%s; trying another", tried.last_error)
             self.table.cool_down(ep.replica_id, self.timeouts.cooldown)
@@ -258,15 +259,14 @@ class Upstreams:
         """Read whole: nothing has reached the client yet, so a failure here
         is still retried, and the answer keeps its length."""
         answer = await upstream.read()
-        loop = asyncio.get_running_loop()
-        call.ex.upstream_wait += loop.time() - call.sent
+        call.ex.upstream_wait += perf_counter() - call.sent
         call.watch.close()  # the answer is whole: a client leaving now changes nothing
         if call.meter is not None and upstream.status == 200:
             answer = call.meter.read_answer(answer, upstream.headers.get("content-encoding"))
         await send_whole(call.send, upstream.status, answer, passed_on(upstream, ep, call.ex),
                          upstream.headers.get("content-type", "application/json").encode())
         if not call.started:
-            call.ex.answered = loop.time()
+            call.ex.answered = perf_counter()
         return upstream.status
 
     async def _llamacpp_failed(self, call: Call, ep: Endpoint, upstream: Response) -> int:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import zlib
 from collections.abc import Callable
+from time import perf_counter
 from typing import Protocol
 
 from app.router import own_answers, sse
@@ -109,9 +110,8 @@ class StreamRelay:
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
         chunk = await self._upstream.readany()
-        loop = asyncio.get_running_loop()
-        call.ex.first_byte = loop.time()
-        call.ex.upstream_wait += call.ex.first_byte - call.sent
+        call.ex.first_byte = asyncio.get_running_loop().time()
+        call.ex.upstream_wait += perf_counter() - call.sent
         call.watch.streaming()
         if call.meter is not None and ep.engine == "llamacpp":
             call.meter.count_at = (ep.url, ep.key)  # no usage event: counted (usage/limits.py)
@@ -119,7 +119,7 @@ class StreamRelay:
             if not call.started:
                 await call.send({"type": "http.response.start",
                                  "status": self._upstream.status, "headers": self._headers()})
-                call.ex.answered = loop.time()
+                call.ex.answered = perf_counter()
             while True:
                 try:
                     await self._pump(chunk)
