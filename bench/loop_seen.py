@@ -16,12 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(url: str) -> Scrape:
+def scrape(url: str, prefixes: tuple[str, ...] = ("llmgw_event_loop_lag_seconds",
+                                                  "llmgw_gc_")) -> Scrape:
+    """The samples of a gateway's /metrics whose names start with `prefixes`."""
     r = httpx.get(url + "/metrics", timeout=10)
     r.raise_for_status()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(r.text) for s in fam.samples
-            if s.name.startswith(("llmgw_event_loop_lag_seconds", "llmgw_gc_"))}
+            if s.name.startswith(prefixes)}
 
 
 @dataclass

@@ -34,9 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (str(ROOT), str(ROOT / "bench")):
@@ -121,16 +119,9 @@ def gc_stats(pid: int, out: Path) -> dict[int, tuple[int, float, float]]:
 def gateway_added(url: str) -> tuple[float, float]:
     """llmgw's /metrics: its `llmgw_gateway_added_seconds` (sum, count), all
     models together."""
-    r = httpx.get(url + "/metrics", timeout=10)
-    r.raise_for_status()
-    total = [0.0, 0.0]
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            if s.name == "llmgw_gateway_added_seconds_sum":
-                total[0] += s.value
-            elif s.name == "llmgw_gateway_added_seconds_count":
-                total[1] += s.value
-    return total[0], total[1]
+    got = scrape(url, ("llmgw_gateway_added_seconds_",))
+    return (sum(v for (name, _), v in got.items() if name.endswith("_sum")),
+            sum(v for (name, _), v in got.items() if name.endswith("_count")))
 
 
 def measure(peer: Peer, pids: list[int], args: argparse.Namespace,

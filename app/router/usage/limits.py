@@ -183,10 +183,12 @@ class Limiter:
         return await self._wait(first, key_id, lambda: self.external.reserve(
             key_id, limit, gateways, model, target, tokens))
 
-    def _floor(self) -> int:
-        """What this gateway admits of a key on no claim: `floor` while its
-        claims stand, `lapsed_floor` once they have lapsed."""
-        return self.floor if self._clock() < self._claims_until else self.lapsed_floor
+    def _floor(self, now: float | None = None) -> int:
+        """What this gateway admits of a key on no claim (at `now`, by default
+        the clock's): `floor` while its claims stand, `lapsed_floor` once
+        they have lapsed."""
+        at = self._clock() if now is None else now
+        return self.floor if at < self._claims_until else self.lapsed_floor
 
     async def _wait(self, over: OverLimit, key_id: str, retry: Callable[[], _T]) -> _T:
         """`retry()` after each of the claims loop's steps, up to
@@ -250,7 +252,7 @@ class Limiter:
         else:
             of = "{} held by this gateway now"
         claims = self.claims_of(key_id, now) or {}
-        floor = self._floor()
+        floor = self._floor(now)
 
         def part(kind: str, limit: int | None) -> int | None:
             # Alone, L + N - 1 is L: the whole limit, with no claim to wait for.
