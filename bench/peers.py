@@ -158,6 +158,7 @@ class Llmgw:
         self.engine_url = ""
         self.engine_key = ""
         self.client_key = ""
+        self._gw_env: dict[str, str] = {}  # the gateway's, for a second one (start_granian)
 
     @property
     def gateway(self) -> Process:
@@ -180,6 +181,7 @@ class Llmgw:
                          "LLMGW_PORT": str(self.port), "LLMGW_GATEWAY_ID": "bench-gw",
                          "LLMGW_WORKERS": "1",
                          "LLMGW_DATA_DIR": str(self.tmp / "gw")} | self.gateway_env
+        self._gw_env = gw_env
         self.procs.append(Process("gateway", pinned(self.proxy_core, [
             sys.executable, "-m", "app.cli", "serve"]), self.tmp / "gateway.log",
             gw_env).start())
@@ -220,6 +222,27 @@ class Llmgw:
         self.engine_pid = pid_with_port(int(self.engine_url.rsplit(":", 1)[1]))
         wait_for(lambda: chat_ok(self.url, self.client_key), 20, "llmgw routing",
                  self.gateway.alive)
+
+    def start_granian(self) -> Peer:
+        """A second gateway of this cluster, served by granian
+        (bench/granian_gateway.py) instead of uvicorn, on the proxy's core:
+        the same app, etcd, replica and client key."""
+        try:
+            import granian
+        except ImportError:
+            raise Unavailable("granian not installed: pip install granian") from None
+        port = free_port()
+        env = self._gw_env | {"LLMGW_PORT": str(port), "LLMGW_GATEWAY_ID": "bench-gw-granian",
+                              "LLMGW_DATA_DIR": str(self.tmp / "gw-granian")}
+        proc = Process("llmgw-granian", pinned(self.proxy_core, [
+            sys.executable, str(BENCH / "granian_gateway.py"), "--port", str(port)]),
+            self.tmp / "gateway-granian.log", env).start()
+        peer = Peer("llmgw-granian", f"http://127.0.0.1:{port}", self.client_key, proc,
+                    f"the same gateway served by granian {granian.__version__} "
+                    "(ASGI, uvloop, one worker, one runtime thread) instead of uvicorn")
+        wait_for(lambda: chat_ok(peer.url, self.client_key), 40, "llmgw on granian",
+                 proc.alive)
+        return peer
 
     def stop(self) -> None:
         for p in reversed(self.procs):

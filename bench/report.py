@@ -142,6 +142,13 @@ def render(figures: list[Figures], args: argparse.Namespace, load_before: tuple[
     if llmgw is not None and rust is not None:
         out += ["## Rust-class goal: against vllm-router, checked on this run", "",
                 *rust_goal(llmgw, rust), ""]
+    granian = views.get("llmgw-granian")
+    if llmgw is not None and granian is not None:
+        out += ["## Server: granian beside uvicorn, checked on this run", "",
+                *server_choice(llmgw, granian), ""]
+        if rust is not None:
+            out += ["The Rust-class goal for llmgw on granian:", "", *rust_goal(granian, rust),
+                    ""]
     if prof:
         out += ["## Profile: llmgw's gateway under wrk at c=256 (py-spy)", "", "```", prof,
                 "```", ""]
@@ -188,6 +195,24 @@ def rust_goal(g: View, r: View) -> list[str]:
     return checklist(checks)
 
 
+def server_choice(u: View, g: View) -> list[str]:
+    """The same gateway on uvicorn (`u`, llmgw's server) and on granian
+    (`g`): granian is worth the move only if it is faster on every count."""
+    checks: list[tuple[str, bool]] = [
+        (f"granian's req/s at c=64 above uvicorn's: {g.rps64:,.0f} vs {u.rps64:,.0f} "
+         f"({g.rps64 / u.rps64:.2f}x)", g.rps64 > u.rps64),
+        (f"granian's req/s at c=256 above uvicorn's: {g.rps256:,.0f} vs {u.rps256:,.0f} "
+         f"({g.rps256 / u.rps256:.2f}x)", g.rps256 > u.rps256),
+        (f"granian's p99 at c=256 below uvicorn's: {g.p99_256:.1f} vs {u.p99_256:.1f} ms",
+         g.p99_256 < u.p99_256),
+        (f"granian's added p50 at c=1 below uvicorn's: {g.add_p50:.2f} vs {u.add_p50:.2f} ms",
+         g.add_p50 < u.add_p50),
+        (f"granian's CPU per request at c=64 below uvicorn's: {g.cpu64:.0f} vs "
+         f"{u.cpu64:.0f} us", g.cpu64 < u.cpu64),
+    ]
+    return checklist(checks)
+
+
 def checklist(checks: list[tuple[str, bool]]) -> list[str]:
     """Markdown task lines: each goal, ticked when met."""
     return [f"- [{'x' if ok else ' '}] {what}" for what, ok in checks]
@@ -221,4 +246,6 @@ def summary_line(views: dict[str, Any]) -> str:
             f"vllmrouter_rps_c256={n(get('vllm-router', 'rps256'))} "
             f"vllmrouter_p99_c256_ms={x(get('vllm-router', 'p99_256'))} "
             f"vllmrouter_added_p50_ms={x(get('vllm-router', 'add_p50'))} "
-            f"litellm_rps_c64={n(get('litellm', 'rps64'))}")
+            f"litellm_rps_c64={n(get('litellm', 'rps64'))} "
+            f"granian_rps_c64={n(get('llmgw-granian', 'rps64'))} "
+            f"granian_rps_c256={n(get('llmgw-granian', 'rps256'))}")

@@ -48,7 +48,7 @@ import sections  # noqa: E402
 from loop_seen import LoopSeen, between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 
-TARGETS = ("direct", "llmgw", "floor", "nginx", "litellm", "vllm-router")
+TARGETS = ("direct", "llmgw", "llmgw-granian", "floor", "nginx", "litellm", "vllm-router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -131,8 +131,9 @@ def measure(peer: Peer, pids: list[int], args: argparse.Namespace,
     for c in (1, 64, 256):
         probed = gc_out is not None and c == 256 and bool(pids)
         g0 = gc_stats(pids[0], gc_out) if probed and gc_out else {}
-        seen = scrape(peer.url) if peer.name == "llmgw" and c == 256 else None
-        told = gateway_added(peer.url) if peer.name == "llmgw" and c == 1 else None
+        ours = peer.name.startswith("llmgw")
+        seen = scrape(peer.url) if ours and c == 256 else None
+        told = gateway_added(peer.url) if ours and c == 1 else None
         c0 = cpu_seconds(pids)
         r = load.run_wrk(peer.url, peer.token, MODEL, c, args.duration)
         used = cpu_seconds(pids) - c0
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
                 "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
                                       "main, cluster mode (etcd), through the agent's engine"),
+                "llmgw-granian": gw.start_granian,
                 "floor": lambda: peers.start_floor(tmp, proxy_core, up, key, floor_env),
                 "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
                 "litellm": lambda: peers.start_litellm(tmp, proxy_core, up, key,

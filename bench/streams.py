@@ -63,7 +63,7 @@ from loop_seen import LoopSeen, between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 from router_overhead import cpu_seconds, group  # noqa: E402
 
-TARGETS = ("direct", "llmgw", "vllm-router", "nginx", "floor")
+TARGETS = ("direct", "llmgw", "llmgw-granian", "vllm-router", "nginx", "floor")
 STAMP = re.compile(rb"@(\d+\.\d+) ")
 LOAD_SIDE_BUSY = 0.9
 
@@ -321,15 +321,17 @@ def largest_clean(steps: list[Step], target: str) -> int:
 
 
 def summary(steps: list[Step], args: argparse.Namespace) -> str:
-    names = {"llmgw": "llmgw", "vllm-router": "vllmrouter", "nginx": "nginx", "floor": "floor",
-             "direct": "direct"}
+    names = {"llmgw": "llmgw", "llmgw-granian": "granian", "vllm-router": "vllmrouter",
+             "nginx": "nginx", "floor": "floor", "direct": "direct"}
     first: dict[str, Step] = {}
     for s in steps:
         first.setdefault(s.target, s)
     per_core = " ".join(f"{names[t]}_per_core={first[t].per_core(args.chunk_ms / 1e3):.0f}"
-                        for t in ("llmgw", "vllm-router", "nginx", "floor") if t in first)
+                        for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx", "floor")
+                        if t in first)
     return "streams: " + " ".join(f"{names[t]}_clean={largest_clean(steps, t)}"
-                                  for t in ("llmgw", "vllm-router", "nginx", "floor", "direct")) \
+                                  for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx",
+                                            "floor", "direct")) \
         + (" " + per_core if per_core else "")
 
 
@@ -356,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
                 "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
                                       "cluster mode (etcd), through the agent's engine"),
+                "llmgw-granian": gw.start_granian,
                 "floor": lambda: peers.start_floor(tmp, proxy_core, up, key),
                 "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
                 "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,

@@ -359,3 +359,139 @@ async def test_https_providers_are_reached_over_verified_tls() -> None:
         await trusting.close()
         await default.close()
         server.close()
+
+
+async def test_a_piped_body_reaches_the_sink_a_read_at_a_time_without_a_task_step(
+        client: UpstreamClient) -> None:
+    gates = [asyncio.Event(), asyncio.Event()]  # one a request: the rest may come
+
+    def bursts(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for more in gates:
+                await srv.read_request(reader)
+                # Three chunks in one write: one read on the other side.
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"2\r\nab\r\n2\r\ncd\r\n2\r\nef\r\n")
+                await writer.drain()
+                await more.wait()
+                writer.write(b"2\r\ngh\r\n0\r\n\r\n")
+                await writer.drain()
+        return handle
+
+    srv, url = await serve(bursts)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        got: list[bytes] = []
+        steps = 0
+
+        def sink(data: bytes) -> bool:
+            got.append(data)
+            if b"".join(got) == b"abcdef":
+                gates[len(srv.requests) - 1].set()
+            return True
+
+        task = asyncio.create_task(r.pipe(sink))
+        while not task.done():
+            steps += 1
+            await asyncio.sleep(0)
+        assert await task is True
+        # What one read brought, in one piece; then the rest.
+        assert got == [b"abcdef", b"gh"] or got == [b"ab", b"cdef", b"gh"], got
+        assert b"".join(got) == b"abcdefgh"
+        r.close()
+        assert client.idle_count() == 1  # whole: reused
+        # Piped, the reading task took no step per chunk.
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        wakes = 0
+        real_wake = r._conn._wake
+
+        def counting_wake() -> None:
+            nonlocal wakes
+            wakes += 1
+            real_wake()
+
+        r._conn._wake = counting_wake  # type: ignore[method-assign]
+        got.clear()
+        assert await r.pipe(sink) is True
+        assert b"".join(got) == b"abcdefgh"
+        assert wakes == 1, f"the reader was woken {wakes} times: once at the end only"
+        r.close()
+    finally:
+        await srv.close()
+
+
+async def test_a_held_pipe_pauses_the_socket_and_loses_nothing(
+        client: UpstreamClient) -> None:
+    total = 4 * 1024 * 1024
+
+    def big(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+            for i in range(total // 65536):
+                writer.write(bytes([i % 251]) * 65536)
+                await writer.drain()
+        return handle
+
+    srv, url = await serve(big)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        got = bytearray()
+        holds = 0
+
+        def sink(data: bytes) -> bool:
+            got.extend(data)
+            return False  # the client's socket is always full
+
+        while not await r.pipe(sink):
+            holds += 1
+            conn = r._conn
+            assert conn._paused, "a held pipe left the socket read"
+            assert conn._sink is None
+            await asyncio.sleep(0.01)  # the server writes while held
+            assert conn._buffered < 2 * 1024 * 1024, "a held pipe buffered without bound"
+        assert holds > 1
+        assert len(got) == total
+        assert all(got[i * 65536] == i % 251 for i in range(total // 65536))
+        r.close()
+    finally:
+        await srv.close()
+
+
+async def test_what_the_sink_raises_pipe_raises_and_the_connection_is_dropped(
+        client: UpstreamClient) -> None:
+    srv, url = await serve(answer_ok_forever)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+
+        def sink(data: bytes) -> bool:
+            raise UpstreamError("a chunk inflates past the limit")
+
+        with pytest.raises(UpstreamError, match="inflates past"):
+            await r.pipe(sink)
+        r.close()
+        assert client.idle_count() == 0
+    finally:
+        await srv.close()
+
+
+async def test_a_piped_body_cut_short_raises(client: UpstreamClient) -> None:
+    def cut(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        return handle
+
+    srv, url = await serve(cut)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        got: list[bytes] = []
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await r.pipe(lambda d: got.append(d) is None)
+        assert got == [b"partial"]
+        r.close()
+        assert client.idle_count() == 0
+    finally:
+        await srv.close()

@@ -34,9 +34,10 @@ import termios
 import time
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.router.access import ARRIVED
+from app.router.direct_body import DIRECT_BODY
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ class TimedHttpTools(HttpToolsProtocol):
         self._headers_since = None
         self._in_body = True
         super().on_headers_complete()
+        # The request's cycle now exists (not for an upgrade); its task has
+        # not run yet.
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            self.scope[DIRECT_BODY] = ChunkedBody(cycle)  # type: ignore[literal-required]
 
     def on_message_complete(self) -> None:
         self._in_body = False
@@ -174,3 +180,35 @@ def protocol(header_timeout: float, body_timeout: float) -> type[TimedHttpTools]
     """The protocol class for uvicorn's `http=`, with these limits (seconds)."""
     return type("TimedHttpTools", (TimedHttpTools,),
                 {"header_timeout": header_timeout, "body_timeout": body_timeout})
+
+
+class ChunkedBody:
+    """A request's `DirectBody` (app/router/direct_body.py) on uvicorn's
+    cycle: a stream's chunk goes to the socket in one write, framed as
+    uvicorn frames it, with none of the ASGI send's per-message steps.
+    uvicorn's own state (started, complete, disconnected, its flow control)
+    is read, never changed: the response's last message still goes through
+    its send, which writes the final chunk and completes the cycle."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+
+    def usable(self) -> bool:
+        c = self._cycle
+        return (c.response_started and not c.response_complete and c.chunked_encoding is True
+                and c.scope["method"] != "HEAD")
+
+    def write(self, chunk: bytes) -> bool:
+        c = self._cycle
+        if c.disconnected:
+            return True  # dropped, as uvicorn's send drops it
+        c.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return not c.flow.write_paused
+
+    async def drain(self) -> None:
+        c = self._cycle
+        if c.flow.write_paused and not c.disconnected:
+            await c.flow.drain()
+

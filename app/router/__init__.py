@@ -16,6 +16,7 @@ Modules:
 - `relay`: forward, attempts on one replica after another, a whole answer.
 - `relay_stream`: a stream's chain of chunk transforms, its failures and continuation.
 - `continuation`: a stream whose engine died, continued on another replica.
+- `direct_body`: a stream's body written straight to the client's socket, where offered.
 - `hold`: scale from zero: a request held while its model's replica starts.
 - `spill`: a request's way to its model's overflow (an external provider).
 - `passthrough`: vLLM's other routes (Responses API, audio, rerank, tokenize, ...).

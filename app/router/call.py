@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.router.access import Exchange
+from app.router.direct_body import DirectBody
 from app.router.own_answers import Send
 from app.router.published import Endpoint, KeyGrant
 from app.router.timeouts import Watch
@@ -72,6 +73,9 @@ class Call:
     # The response began while the request was held (hold.py): its headers
     # are out, so only the body follows, and an error is its last event.
     started: bool = False
+    # The server's direct writer of the response body, where it offers one
+    # and `send` is its own (direct_body.py): a stream is then piped.
+    direct: DirectBody | None = None
     # When the current attempt's request went out (`time.perf_counter()`): the
     # start of the engine's time (access.py, `Exchange.upstream_wait`).
     sent: float = 0.0

@@ -35,6 +35,7 @@ from app.router.access import ARRIVED, Exchange, Tracer
 from app.router.body_fields import checked_model
 from app.router.call import Call
 from app.router.choice import affinity_key
+from app.router.direct_body import DIRECT_BODY
 from app.router.engine_load import EngineLoadPoller
 from app.router.outcome import Outcome, RequestObserver
 from app.router.own_answers import Reply, error, openai_error_body, send_whole
@@ -243,6 +244,8 @@ class Proxy:
             call = await self._other_call(grant, plan, query, session, receive, send, ex)
         else:
             call = await self._forwarded_call(grant, raw, query, session, receive, send, ex)
+        if call.send is send:  # the server's own: it may write a stream's body directly
+            call.direct = scope.get(DIRECT_BODY)
         # Forwarded; the admission released however it ends.
         ticket = ex.ticket
         assert ticket is not None

@@ -13,6 +13,13 @@ headers, when `StreamRelay` is built.
 A stream's response starts only with the engine's first body byte (vLLM
 sends its headers before the prefill): until then nothing has reached the
 client, so a failure can still be retried by relay.py.
+
+Where the server writes the body straight to the client's socket
+(direct_body.py) and no transform needs the task, the rest of the stream is
+piped (`_piped`): the chain runs inside the engine connection's read
+callback (upstream.py, `Response.pipe`) and writes what one read brought in
+one write, with no task step, future or ASGI message per chunk
+(docs/design/hot-path.md, "A stream's chunks").
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Protocol
 from app.router import own_answers, sse
 from app.router.call import Call
 from app.router.continuation import Resumed, resumable, resume
+from app.router.direct_body import DirectBody
 from app.router.engine_headers import passed_on
 from app.router.published import Endpoint
 from app.router.request_line import UpstreamError
@@ -91,6 +99,9 @@ class StreamRelay:
                       and stream_usage.owed(meter, ep.engine))
         self._earlier = b""
         self._chain = self._transforms()
+        # Piped once the response has started, if the server allows it
+        # (run()); a usage event owed before [DONE] needs the task.
+        self._direct: DirectBody | None = None if self._owed else call.direct
 
     def _transforms(self) -> list[Transform]:
         chain: list[Transform] = []
@@ -120,6 +131,8 @@ class StreamRelay:
                 await call.send({"type": "http.response.start",
                                  "status": self._upstream.status, "headers": self._headers()})
                 call.ex.answered = perf_counter()
+            if self._direct is not None and not self._direct.usable():
+                self._direct = None
             while True:
                 try:
                     await self._pump(chunk)
@@ -148,6 +161,43 @@ class StreamRelay:
 
     async def _pump(self, chunk: bytes) -> None:
         """Passes chunks on through the chain until the engine's answer ends."""
+        if self._direct is not None:
+            await self._piped(chunk, self._direct)
+        else:
+            await self._sent(chunk)
+        if self._splice is not None and self._splice.cut_short():
+            raise UpstreamError("the stream ended without [DONE]")
+
+    async def _piped(self, chunk: bytes, direct: DirectBody) -> None:
+        """The chain run in the engine connection's read callback, each read
+        written to the client at once; the task wakes only when the client's
+        socket is full, or at the end."""
+        watch, chain = self._call.watch, self._chain
+        clock = asyncio.get_running_loop().time
+
+        def sink(data: bytes) -> bool:
+            for transform in chain:
+                data = transform(data)
+            watch.read_since = clock()  # the next read pending from now
+            return not data or direct.write(data)
+
+        if chunk and not sink(chunk):
+            await self._drained(direct)
+        watch.read_since = clock()
+        while not await self._upstream.pipe(sink):
+            await self._drained(direct)
+        watch.read_since = 0.0
+
+    async def _drained(self, direct: DirectBody) -> None:
+        """Waits for a client whose socket is full: timed as a send (Watch)."""
+        watch = self._call.watch
+        clock = asyncio.get_running_loop().time
+        watch.read_since, watch.send_since = 0.0, clock()
+        await direct.drain()
+        watch.send_since, watch.read_since = 0.0, clock()
+
+    async def _sent(self, chunk: bytes) -> None:
+        """Chunk by chunk, each sent as an ASGI message."""
         call = self._call
         watch, send = call.watch, call.send
         loop = asyncio.get_running_loop()
@@ -163,8 +213,6 @@ class StreamRelay:
             watch.read_since = loop.time()
             chunk = await self._upstream.readany()
             watch.read_since = 0.0
-        if self._splice is not None and self._splice.cut_short():
-            raise UpstreamError("the stream ended without [DONE]")
 
     def _inflate(self, chunk: bytes) -> bytes:
         assert self._decoder is not None

@@ -22,6 +22,10 @@ client does that and nothing more; see docs/design/routing.md.
   connection: never reused, and the engine sees the client gone.
 * Body reads pause the socket above `_HIGH_WATER` buffered bytes, so a slow
   client slows the engine's stream instead of growing our memory.
+* A stream's body can be piped (`Response.pipe`): what one socket read brings
+  goes to the relay's sink at once, inside this protocol's callback, with no
+  task woken per chunk; the sink holds the pipe when its client must be
+  waited for, and the socket is not read until it is piped again.
 """
 
 from __future__ import annotations
@@ -77,8 +81,20 @@ class Response:
         b"" at its end. UpstreamError if the connection broke first."""
         return await self._conn.read_some()
 
+    async def pipe(self, sink: Sink) -> bool:
+        """Hands the body to `sink` as it comes (what is already here first):
+        True at its end, False when the sink held it (returned False; the
+        socket is then not read until the next call). UpstreamError if the
+        connection broke first; what the sink raised, raised here."""
+        return await self._conn.pipe(sink)
+
     def close(self) -> None:
         self._conn.finish()
+
+
+# Takes what one socket read brought of a body, inside the connection's
+# callback; False holds the pipe (the reader must wait for its own client).
+Sink = Callable[[bytes], bool]
 
 
 class _Connection(asyncio.Protocol):
@@ -100,6 +116,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Sink | None = None  # set while piped (pipe())
+        self._held = False  # the sink held the pipe
         self._complete = False
         self._keep_alive = False
         self._until_eof = False  # no length, not chunked: the close ends it
@@ -142,6 +160,49 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
         return data
 
+    async def pipe(self, sink: Sink) -> bool:
+        self._held = False
+        if self._body:
+            self._flush(sink)
+        if self._paused and not self._held and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        while True:
+            if self._body:  # came with the end, or before an error
+                self._flush(sink)
+            if self._error is not None:
+                raise self._error
+            if self._held:
+                return False
+            if self._complete:
+                return True
+            self._sink = sink
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                self._sink = None
+
+    def _flush(self, sink: Sink) -> None:
+        """The buffered body to `sink`, as one piece."""
+        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()
+        self._buffered = 0
+        try:
+            go_on = sink(data)
+        except Exception as exc:  # the reader's to raise, from pipe()
+            self._sink = None
+            self._fail(exc)
+            return
+        if not go_on:
+            self._sink = None
+            self._held = True
+            if not self._paused and self._transport is not None:
+                self._paused = True
+                self._transport.pause_reading()
+            self._wake()
+
     def finish(self) -> None:
         """The exchange is over: back to the pool if whole and reusable, else
         closed. Once: a second call does nothing (the pool holds it once)."""
@@ -176,6 +237,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"the answer is not valid HTTP: {exc}"))
             self.abort()
+        # Piped: all this read brought of the body, in one piece, at once.
+        if self._sink is not None and self._body:
+            self._flush(self._sink)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._until_eof and self._head is not None and self._head.done():
@@ -213,6 +277,8 @@ class _Connection(asyncio.Protocol):
             return
         self._body.append(body)
         self._buffered += len(body)
+        if self._sink is not None:
+            return  # passed on after this read's parse (data_received), no task woken
         if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
