@@ -31,7 +31,7 @@ def app() -> object:
     from app.gateway.settings import Settings
 
     fdlimit.raise_soft()
-    return create_app(Settings())
+    return create_app(Settings())  # type: ignore[call-arg]  # from LLMGW_* (pydantic-settings)
 
 
 def main(argv: list[str] | None = None) -> int:

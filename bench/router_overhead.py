@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             up, key = gw.engine_url, gw.engine_key
             floor_env = ({**probe_env, "BENCH_GC_PROBE": str(tmp / "gc-floor.log")}
                          if probe_env else None)
-            starters = {
+            starters: dict[str, Callable[[], Peer]] = {
                 "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
                 "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
                                       "main, cluster mode (etcd), through the agent's engine"),

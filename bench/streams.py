@@ -45,6 +45,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             gw.start()
             assert gw.engine_pid is not None
             up, key = gw.engine_url, gw.engine_key
-            starters = {
+            starters: dict[str, Callable[[], Peer]] = {
                 "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
                 "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
                                       "cluster mode (etcd), through the agent's engine"),

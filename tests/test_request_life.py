@@ -107,12 +107,13 @@ async def test_a_stream_without_its_first_byte_in_time_is_504_and_not_retried(
     assert set(rig.table.cooldowns()) == {"a"}
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["asgi", "piped"])
 async def test_a_stream_that_goes_silent_ends_with_an_error_event(
-        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+        make_rig: Callable[..., Awaitable[Rig]], direct: bool) -> None:
     rig = await make_rig(idle=0.3)
     up = await rig.upstream("a", "silent")  # one chunk, then nothing
     rig.route("small", ("a", up.url))
-    call = AsgiCall(rig.proxy, STREAM)
+    call = AsgiCall(rig.proxy, STREAM, direct=direct)
     assert (await call.next())["status"] == 200
     body = await call.rest()
     assert body.startswith(b'data: {"n": 1}\n\n')
@@ -144,12 +145,13 @@ async def test_one_deadline_covers_every_attempt(
     assert rig.observed.seen == [("small", 504)]
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["asgi", "piped"])
 async def test_the_deadline_ends_a_stream_that_is_still_going(
-        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+        make_rig: Callable[..., Awaitable[Rig]], direct: bool) -> None:
     rig = await make_rig(request=0.5)
     up = await rig.upstream("a", "endless")  # a chunk every 10 ms, never done
     rig.route("small", ("a", up.url))
-    call = AsgiCall(rig.proxy, STREAM)
+    call = AsgiCall(rig.proxy, STREAM, direct=direct)
     assert (await call.next())["status"] == 200
     body = await call.rest()
     assert body.startswith(b'data: {"tick": 1}\n\n')
@@ -158,16 +160,19 @@ async def test_the_deadline_ends_a_stream_that_is_still_going(
     await asyncio.wait_for(up.closed.wait(), 1)
     assert rig.observed.seen == [("small", 504)]
     assert rig.table.cooldowns() == {}  # the engine was not at fault
+    # Piped where the server offers it: the chunks went by direct writes.
+    assert (call.direct_writes > 10) if direct else call.direct_writes == 0
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["asgi", "piped"])
 async def test_a_client_that_stops_reading_a_stream_is_dropped_after_the_idle_limit(
-        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+        make_rig: Callable[..., Awaitable[Rig]], direct: bool) -> None:
     # Connected but reading nothing: without a limit it would hold the
     # engine's connection, its lease and its key's slot until the deadline.
     rig = await make_rig(idle=0.3)
     up = await rig.upstream("a", "endless")
     rig.route("small", ("a", up.url))
-    call = AsgiCall(rig.proxy, STREAM)
+    call = AsgiCall(rig.proxy, STREAM, direct=direct)
     assert (await call.next())["status"] == 200
     await call.next()
     call.stop_reading = True
@@ -182,12 +187,13 @@ async def test_a_client_that_stops_reading_a_stream_is_dropped_after_the_idle_li
 # --- an engine that fails ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["asgi", "piped"])
 async def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(
-        make_rig: Callable[..., Awaitable[Rig]]) -> None:
+        make_rig: Callable[..., Awaitable[Rig]], direct: bool) -> None:
     rig = await make_rig()
     up = await rig.upstream("a", "die")  # one event, half of the next, then gone
     rig.route("small", ("a", up.url))
-    call = AsgiCall(rig.proxy, STREAM)
+    call = AsgiCall(rig.proxy, STREAM, direct=direct)
     assert (await call.next())["status"] == 200
     body = await call.rest()
     # The whole event passes; the torn one does not, so the error event parses.

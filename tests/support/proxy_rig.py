@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.access import Tracer
+from app.router.direct_body import DIRECT_BODY
 from app.router.outcome import Outcome
 from app.router.proxy import Proxy
 from app.router.published import CatalogEntry, Endpoint, KeyGrant
@@ -236,17 +237,45 @@ class Rig:
 
 
 class AsgiCall:
-    """One POST driven through the ASGI app by hand, to see and cut a stream."""
+    """One POST driven through the ASGI app by hand, to see and cut a stream.
 
-    def __init__(self, proxy: Proxy, body: dict[str, Any], path: str = CHAT) -> None:
+    `direct`: the server also offers the body's direct writes, as `llmgw
+    serve`'s does (app/router/direct_body.py; app/gateway/slowclients.py's
+    `ChunkedBody` on uvicorn): a piped stream's chunks arrive here as body
+    messages all the same, and a client not reading fills the socket."""
+
+    def __init__(self, proxy: Proxy, body: dict[str, Any], path: str = CHAT,
+                 direct: bool = False) -> None:
         self.sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.leave = asyncio.Event()  # set: the client disconnects
         self.stop_reading = False  # set: every later send blocks (a client not reading)
+        self.direct_writes = 0
+        self._started = self._complete = False
         self._body: bytes | None = json.dumps(body).encode()
-        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
-                 "headers": [(b"authorization", f"Bearer {CLIENT_KEY}".encode()),
-                             (b"content-type", b"application/json")]}
+        scope: dict[str, Any] = {
+            "type": "http", "method": "POST", "path": path, "query_string": b"",
+            "headers": [(b"authorization", f"Bearer {CLIENT_KEY}".encode()),
+                        (b"content-type", b"application/json")]}
+        if direct:
+            scope[DIRECT_BODY] = self
         self.task = asyncio.create_task(proxy(scope, self._receive, self._send))
+
+    # --- the DirectBody a server offers (direct=True) ---------------------------------
+
+    def usable(self) -> bool:
+        return self._started and not self._complete
+
+    def write(self, chunk: bytes) -> bool:
+        assert self.usable() and chunk
+        self.direct_writes += 1
+        if self.stop_reading:
+            return False  # buffered in the socket, never read: full
+        self.sent.put_nowait({"type": "http.response.body", "body": chunk, "more_body": True})
+        return True
+
+    async def drain(self) -> None:
+        if self.stop_reading:
+            await asyncio.Event().wait()  # a client that never reads again
 
     async def _receive(self) -> dict[str, Any]:
         if self._body is not None:
@@ -258,6 +287,9 @@ class AsgiCall:
     async def _send(self, message: Any) -> None:
         if self.stop_reading:
             await asyncio.Event().wait()  # as a server's send waits for a full socket
+        self._started = True
+        self._complete = message["type"] == "http.response.body" and not message.get(
+            "more_body", False)
         await self.sent.put(dict(message))
 
     async def next(self) -> dict[str, Any]:
