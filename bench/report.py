@@ -131,6 +131,9 @@ def render(figures: list[Figures], args: argparse.Namespace, load_before: tuple[
                 "A tick late by as much as the p99 means the process stalled; ticks on time "
                 "beside a long p99 mean the requests waited elsewhere (accept queue, "
                 "connection setup, the client).", ""]
+    if args.gateway_env:
+        out += ["**What-if run**: llmgw's gateway ran with "
+                + ", ".join(f"`{k}={v}`" for k, v in args.gateway_env) + ".", ""]
     if args.gc_tune:
         out += [f"**What-if run**: llmgw's gateway ran with gc thresholds {args.gc_tune} and "
                 "`gc.freeze()` after setup (bench/gcprobe, `--gc-tune`); app/ unchanged.", ""]

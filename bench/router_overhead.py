@@ -257,6 +257,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gc-tune", default="", metavar="T0,T1,T2",
                    help="what-if, llmgw only: these gc thresholds, gc.freeze() after setup")
     p.add_argument("--profile", action="store_true", help="py-spy llmgw at c=256 afterwards")
+    p.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE",
+                   type=lambda kv: tuple(kv.split("=", 1)),
+                   help="a setting of llmgw's gateway for this run (repeatable), e.g. "
+                        "LLMGW_GC_THRESHOLD=70000: a what-if, said in RESULTS.md")
     p.add_argument("--profile-native", action="store_true", help="py-spy --native")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs)")
@@ -287,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     gw_env = ({**probe_env, "BENCH_GC_PROBE": str(tmp / "gc-llmgw.log")} if probe_env else {})
     if args.gc_tune:
         gw_env["BENCH_GC_TUNE"] = args.gc_tune
+    gw_env.update(dict(args.gateway_env))
     gw = peers.Llmgw(tmp, proxy_core, other_core, gw_env)
     figures: list[Figures] = []
     prof = ""

@@ -32,6 +32,7 @@ import fcntl
 import logging
 import termios
 import time
+import weakref
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -188,27 +189,31 @@ class ChunkedBody:
     uvicorn frames it, with none of the ASGI send's per-message steps.
     uvicorn's own state (started, complete, disconnected, its flow control)
     is read, never changed: the response's last message still goes through
-    its send, which writes the final chunk and completes the cycle."""
+    its send, which writes the final chunk and completes the cycle.
+
+    It holds its cycle weakly: the scope holds it and the cycle holds the
+    scope, and a strong reference would make every request a reference
+    cycle, garbage only the collector can free (a collection's pause then
+    grows with the requests served since the last)."""
 
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
+        self._cycle = weakref.ref(cycle)
 
     def usable(self) -> bool:
-        c = self._cycle
-        return (c.response_started and not c.response_complete and c.chunked_encoding is True
-                and c.scope["method"] != "HEAD")
+        c = self._cycle()
+        return (c is not None and c.response_started and not c.response_complete
+                and c.chunked_encoding is True and c.scope["method"] != "HEAD")
 
     def write(self, chunk: bytes) -> bool:
-        c = self._cycle
-        if c.disconnected:
+        c = self._cycle()
+        if c is None or c.disconnected:
             return True  # dropped, as uvicorn's send drops it
         c.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         return not c.flow.write_paused
 
     async def drain(self) -> None:
-        c = self._cycle
-        if c.flow.write_paused and not c.disconnected:
+        c = self._cycle()
+        if c is not None and c.flow.write_paused and not c.disconnected:
             await c.flow.drain()
-

@@ -98,12 +98,14 @@ class StreamRelay:
         self._owed = (self._framed and meter is not None and up.prompts is not None
                       and stream_usage.owed(meter, ep.engine))
         self._earlier = b""
-        self._chain = self._transforms()
         # Piped once the response has started, if the server allows it
         # (run()); a usage event owed before [DONE] needs the task.
         self._direct: DirectBody | None = None if self._owed else call.direct
 
     def _transforms(self) -> list[Transform]:
+        """The stream's chain, from what was decided when it was built. Held
+        by the pump's frame, never by the relay: its bound methods would
+        make the relay a reference cycle, garbage only the collector frees."""
         chain: list[Transform] = []
         if self._decoder is not None:
             chain.append(self._inflate)
@@ -161,18 +163,19 @@ class StreamRelay:
 
     async def _pump(self, chunk: bytes) -> None:
         """Passes chunks on through the chain until the engine's answer ends."""
+        chain = self._transforms()
         if self._direct is not None:
-            await self._piped(chunk, self._direct)
+            await self._piped(chunk, chain, self._direct)
         else:
-            await self._sent(chunk)
+            await self._sent(chunk, chain)
         if self._splice is not None and self._splice.cut_short():
             raise UpstreamError("the stream ended without [DONE]")
 
-    async def _piped(self, chunk: bytes, direct: DirectBody) -> None:
+    async def _piped(self, chunk: bytes, chain: list[Transform], direct: DirectBody) -> None:
         """The chain run in the engine connection's read callback, each read
         written to the client at once; the task wakes only when the client's
         socket is full, or at the end."""
-        watch, chain = self._call.watch, self._chain
+        watch = self._call.watch
         clock = asyncio.get_running_loop().time
 
         def sink(data: bytes) -> bool:
@@ -196,13 +199,13 @@ class StreamRelay:
         await direct.drain()
         watch.send_since, watch.read_since = 0.0, clock()
 
-    async def _sent(self, chunk: bytes) -> None:
+    async def _sent(self, chunk: bytes, chain: list[Transform]) -> None:
         """Chunk by chunk, each sent as an ASGI message."""
         call = self._call
         watch, send = call.watch, call.send
         loop = asyncio.get_running_loop()
         while chunk:
-            for transform in self._chain:
+            for transform in chain:
                 chunk = transform(chunk)
             if self._owed:
                 chunk = await self._usage_before_done(chunk)

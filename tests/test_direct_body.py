@@ -1,0 +1,170 @@
+"""A stream's body written straight to the client's socket on uvicorn
+(app/gateway/slowclients.py, `ChunkedBody`; docs/design/hot-path.md, "A
+stream's chunks"): a real uvicorn server in-process on llmgw's protocol,
+clients on raw sockets. The framing is uvicorn's own, the response still
+ends through its send, a client not reading fills the socket, and a request
+leaves no reference cycle behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httptools
+import pytest
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from app.gateway.slowclients import ChunkedBody, protocol
+from app.router.direct_body import DIRECT_BODY
+
+CHUNKS = [b"data: %d\n\n" % i for i in range(50)]
+seen: dict[str, Any] = {}  # what the app found, per path
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    direct = scope.get(DIRECT_BODY)
+    path = scope["path"]
+    seen[path + ":before"] = direct is not None and direct.usable()
+    if path == "/plain":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        seen["/plain"] = direct is not None and direct.usable()
+        await send({"type": "http.response.body", "body": b"{}"})
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    seen[path] = direct is not None and direct.usable()
+    if path == "/stream" and seen[path]:
+        for chunk in CHUNKS:
+            if not direct.write(chunk):
+                await direct.drain()
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+    elif path == "/flood" and seen[path]:
+        full = 0
+        for _ in range(2000):  # 128 MiB: far more than any socket holds
+            if not direct.write(b"x" * 65536):
+                full += 1
+                seen["/flood:full"] = full
+                await asyncio.wait_for(direct.drain(), 0.3)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    else:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_config=None, lifespan="off", http=protocol(30, 30))
+    srv = uvicorn.Server(config)
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    for _ in range(500):  # uvicorn says it started with a flag only
+        if srv.started:
+            break
+        await asyncio.sleep(0.01)
+    assert srv.started
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 5)
+        seen.clear()
+
+
+class Reader:
+    """A raw HTTP/1.1 client: the body de-chunked by httptools."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.body = bytearray()
+        self.done = False
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+async def ask(port: int, request: bytes,
+              conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None,
+              ) -> tuple[bytes, bytes]:
+    """The raw answer (head and chunked body as sent) and the body."""
+    r, w = conn or await asyncio.open_connection("127.0.0.1", port)
+    w.write(request)
+    reader, raw = Reader(), bytearray()
+    while not reader.done:
+        data = await asyncio.wait_for(r.read(65536), 5)
+        assert data, f"closed before the answer's end: {bytes(raw)!r}"
+        raw += data
+        reader.parser.feed_data(data)
+    if conn is None:
+        w.close()
+    return bytes(raw), bytes(reader.body)
+
+
+def get(path: str, method: str = "GET") -> bytes:
+    return f"{method} {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode()
+
+
+async def test_a_stream_written_directly_is_framed_as_uvicorn_frames_it(server: int) -> None:
+    raw, body = await ask(server, get("/stream"))
+    assert seen == {"/stream:before": False, "/stream": True}
+    assert body == b"".join(CHUNKS) + b"data: [DONE]\n\n"
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    # One chunk a write, then the last message's chunk and the end.
+    assert chunked == b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in CHUNKS) \
+        + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+
+async def test_only_a_started_chunked_response_takes_direct_writes(server: int) -> None:
+    await ask(server, get("/plain"))  # its length given: not chunked
+    assert seen == {"/plain:before": False, "/plain": False}
+    seen.clear()
+    r, w = await asyncio.open_connection("127.0.0.1", server)
+    w.write(get("/head", "HEAD"))
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    w.close()
+    assert seen == {"/head:before": False, "/head": False}
+
+
+async def test_a_client_not_reading_fills_the_socket_and_drain_waits(server: int) -> None:
+    _, w = await asyncio.open_connection("127.0.0.1", server)
+    w.write(get("/flood"))
+    await asyncio.sleep(1.0)  # reading nothing
+    # The app's writes stopped at a full socket; drain timed out waiting.
+    assert seen.get("/flood") is True
+    assert seen.get("/flood:full") == 1
+    w.close()
+
+
+async def test_a_request_leaves_no_reference_cycle(server: int) -> None:
+    conn = await asyncio.open_connection("127.0.0.1", server)
+    await ask(server, get("/stream"), conn)  # warm
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(20):
+            await ask(server, get("/stream"), conn)
+            await ask(server, get("/plain"), conn)
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, (RequestResponseCycle, ChunkedBody))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        conn[1].close()
+    # Each would be a request's cycle, scope and body writer, freed only by
+    # a collection: its pause grows with the requests served since the last.
+    assert left == [], f"{len(left)} objects of 40 requests left to the collector"
