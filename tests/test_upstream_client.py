@@ -86,6 +86,40 @@ def answer_ok_forever(srv: Server) -> Handler:
     return handle
 
 
+# An answer whose body stops 93 bytes short of its length.
+CUT_SHORT = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial"
+
+
+def answer_once(raw: bytes, linger: float = 0.0) -> Callable[[Server], Handler]:
+    """Reads one request, sends `raw`, and closes `linger` s later."""
+    def once(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(raw)
+            await writer.drain()
+            await asyncio.sleep(linger)
+        return handle
+    return once
+
+
+def big_body(total: int) -> Callable[[Server], Handler]:
+    """Answers with `total` bytes in 64 KiB writes, byte i of write n being n % 251."""
+    def big(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+            for i in range(total // 65536):
+                writer.write(bytes([i % 251]) * 65536)
+                await writer.drain()
+        return handle
+    return big
+
+
+def whole(got: bytes | bytearray, total: int) -> bool:
+    """`got` is all that `big_body(total)` sent, in order."""
+    return len(got) == total and all(got[i * 65536] == i % 251 for i in range(total // 65536))
+
+
 async def test_connections_are_kept_alive_and_reused(client: UpstreamClient) -> None:
     srv, url = await serve(answer_ok_forever)
     try:
@@ -207,14 +241,7 @@ async def test_bodies_by_chunks_and_by_close_are_read_whole(client: UpstreamClie
 
 async def test_a_body_cut_short_raises_and_the_connection_is_not_reused(
         client: UpstreamClient) -> None:
-    def cut(srv: Server) -> Handler:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await srv.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
-            await writer.drain()
-        return handle
-
-    srv, url = await serve(cut)
+    srv, url = await serve(answer_once(CUT_SHORT))
     try:
         r = await client.post(url, "/v1/completions", b"{}", [])
         assert await r.readany() == b"partial"
@@ -278,16 +305,7 @@ async def test_a_slow_reader_pauses_the_socket_and_loses_nothing(
         client: UpstreamClient) -> None:
     total = 4 * 1024 * 1024  # far above the high-water mark
 
-    def big(srv: Server) -> Handler:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await srv.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
-            for i in range(total // 65536):
-                writer.write(bytes([i % 251]) * 65536)
-                await writer.drain()
-        return handle
-
-    srv, url = await serve(big)
+    srv, url = await serve(big_body(total))
     try:
         r = await client.post(url, "/v1/completions", b"{}", [])
         await asyncio.sleep(0.3)  # the server writes while nobody reads
@@ -297,8 +315,7 @@ async def test_a_slow_reader_pauses_the_socket_and_loses_nothing(
         got = bytearray()
         while chunk := await r.readany():
             got += chunk
-        assert len(got) == total
-        assert all(got[i * 65536] == i % 251 for i in range(total // 65536))
+        assert whole(got, total)
         r.close()
     finally:
         await srv.close()
@@ -424,16 +441,7 @@ async def test_a_held_pipe_pauses_the_socket_and_loses_nothing(
         client: UpstreamClient) -> None:
     total = 4 * 1024 * 1024
 
-    def big(srv: Server) -> Handler:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await srv.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
-            for i in range(total // 65536):
-                writer.write(bytes([i % 251]) * 65536)
-                await writer.drain()
-        return handle
-
-    srv, url = await serve(big)
+    srv, url = await serve(big_body(total))
     try:
         r = await client.post(url, "/v1/completions", b"{}", [])
         got = bytearray()
@@ -451,8 +459,7 @@ async def test_a_held_pipe_pauses_the_socket_and_loses_nothing(
             await asyncio.sleep(0.01)  # the server writes while held
             assert conn._buffered < 2 * 1024 * 1024, "a held pipe buffered without bound"
         assert holds > 1
-        assert len(got) == total
-        assert all(got[i * 65536] == i % 251 for i in range(total // 65536))
+        assert whole(got, total)
         r.close()
     finally:
         await srv.close()
@@ -476,15 +483,7 @@ async def test_what_the_sink_raises_pipe_raises_and_the_connection_is_dropped(
 
 
 async def test_a_piped_body_cut_short_raises(client: UpstreamClient) -> None:
-    def cut(srv: Server) -> Handler:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await srv.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
-            await writer.drain()
-            await asyncio.sleep(0.05)
-        return handle
-
-    srv, url = await serve(cut)
+    srv, url = await serve(answer_once(CUT_SHORT, linger=0.05))
     try:
         r = await client.post(url, "/v1/completions", b"{}", [])
         got: list[bytes] = []
