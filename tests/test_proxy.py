@@ -208,7 +208,7 @@ async def test_a_llamacpp_stream_is_counted_its_prompt_by_the_engine_after_it(
                                                             {"prompt": "hello"})):
             r = await rig.http.post(path, json={"model": "small", "stream": True} | body,
                                     headers={"Authorization": f"Bearer {CLIENT_KEY}"})
-            assert r.status_code == 200 and r.text.endswith("data: [DONE]\r\n\r\n")
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         assert [(k, c[:3]) for k, c in rig.proxy.limits.take_usage().items()] == [
             (("k1", "small"), (2, 0, 8))]  # the prompts are not counted yet
         got = [0, 0, 0, 0]

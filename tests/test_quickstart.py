@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.llamacpp_real import smollm2_path
 from tests.support.procs import ROOT, free_port
-from tests.test_llamacpp import smollm2_path
 
 
 class Quickstart:

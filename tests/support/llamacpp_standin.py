@@ -1,8 +1,10 @@
 """llama-cpp-python's server as the router meets it, stood in: its streams
 (a role-only event for a chat, one event a token, a last with the finish
-reason, `[DONE]`, never usage) and its counts (the prompt tokens route our
-agent adds, app/wire/engine_routes.py; `/extras/tokenize/count`). The real
-engine: tests/test_llamacpp.py."""
+reason, `[DONE]`, never usage; each event ended by a blank line, LF) and
+its counts (the prompt tokens route our agent adds,
+app/wire/engine_routes.py; `/extras/tokenize/count`). The real engine:
+tests/test_llamacpp.py; both against one contract:
+tests/test_llamacpp_contract.py."""
 
 from __future__ import annotations
 
@@ -60,6 +62,6 @@ class LlamaCppStandin:
             {"delta": {}, "finish_reason": "length"}]
         for e in events:
             await resp.write(b"data: " + json.dumps(head | {"choices": [e]}).encode()
-                             + b"\r\n\r\n")
-        await resp.write(b"data: [DONE]\r\n\r\n")
+                             + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
         return resp
