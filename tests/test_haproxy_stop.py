@@ -62,6 +62,20 @@ class Rig:
                          5, f"haproxy's log line for {tag}")
         return str(found[-1])
 
+    def servers(self, tags: list[str]) -> tuple[set[str], list[str]]:
+        """The servers haproxy logged for `tags`, and the tags it logged no
+        line for within 5 s (a CI rehearsal found one request of dozens
+        unlogged, its answer a 200 to its client)."""
+        def logged() -> dict[str, str]:
+            found = re.findall(r"gateways/(\S+) .*\?i=(\w+) HTTP", self.log.read_text())
+            return {tag: server for server, tag in found}
+        deadline = time.monotonic() + 5
+        lines = logged()
+        while not set(tags) <= set(lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            lines = logged()
+        return {lines[t] for t in tags if t in lines}, [t for t in tags if t not in lines]
+
 
 @pytest.fixture
 def rig(cluster: Cluster, haproxy_bin: str) -> Iterator[Rig]:
@@ -151,8 +165,9 @@ def test_a_gateway_stopped_with_sigterm_loses_no_request(rig: Rig) -> None:
     direct.finish()
     assert load.failed == {} and direct.failed == {}, (load.failed, direct.failed)
     assert len(direct.ok) == 3
-    served = {rig.server_of(tag) for tag in load.ok}
+    served, unlogged = rig.servers(load.ok)
     assert served == {"gateway1", "gateway2", "gateway3"}, served
+    assert len(unlogged) <= 1, f"haproxy logged no line for {unlogged} of {len(load.ok)}"
 
 
 def test_a_gateway_killed_loses_no_plain_request(rig: Rig) -> None:
