@@ -152,23 +152,14 @@ class _Connection(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body.clear()
-        self._buffered = 0
-        if self._paused and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
+        data = self._take()
+        self._resume()
         return data
 
     async def pipe(self, sink: Sink) -> bool:
         self._held = False
-        if self._body:
-            self._flush(sink)
-        if self._paused and not self._held and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
         while True:
-            if self._body:  # came with the end, or before an error
+            if self._body:  # what is already here, or came with the end or an error
                 self._flush(sink)
             if self._error is not None:
                 raise self._error
@@ -176,6 +167,7 @@ class _Connection(asyncio.Protocol):
                 return False
             if self._complete:
                 return True
+            self._resume()  # held before: the sink takes more now
             self._sink = sink
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -184,13 +176,22 @@ class _Connection(asyncio.Protocol):
                 self._waiter = None
                 self._sink = None
 
-    def _flush(self, sink: Sink) -> None:
-        """The buffered body to `sink`, as one piece."""
+    def _take(self) -> bytes:
+        """The buffered body, as one piece; the buffer emptied."""
         data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()
         self._buffered = 0
+        return data
+
+    def _resume(self) -> None:
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def _flush(self, sink: Sink) -> None:
+        """The buffered body to `sink`, as one piece."""
         try:
-            go_on = sink(data)
+            go_on = sink(self._take())
         except Exception as exc:  # the reader's to raise, from pipe()
             self._sink = None
             self._fail(exc)
