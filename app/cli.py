@@ -112,7 +112,13 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(2) from None
     try:
         if n == 1:
-            _serve(args, settings, held.release)
+            def stopped() -> None:
+                # Next, uvicorn raises the signal it caught again and the
+                # process ends without its exit handlers: the pid file goes,
+                # and the queued log lines are written, before that.
+                held.release()
+                stop_logging()
+            _serve(args, settings, stopped)
         else:
             workers.supervise(args.log_level, args.log_format, settings, n, held.release)
     finally:

@@ -182,8 +182,18 @@ def configure(level: str, fmt: str) -> None:
 
 
 def stop() -> None:
-    """Writes the queued records and stops the writer thread."""
+    """Writes the queued records and stops the writer thread; later records
+    are written as they are made, on the caller's thread. Called where the
+    process may end without its exit handlers (a signal raised again),
+    which would lose what is still queued."""
     global _listener
-    if _listener is not None:
-        _listener.stop()
-        _listener = None
+    if _listener is None:
+        return
+    listener, _listener = _listener, None
+    listener.stop()
+    root = logging.getLogger()
+    for queued in [h for h in root.handlers if isinstance(h, _Enqueue)]:
+        root.removeHandler(queued)
+    out = listener.handlers[0]
+    out.addFilter(RequestIdFilter())  # read here now, on the record's own thread
+    root.addHandler(out)

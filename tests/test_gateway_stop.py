@@ -7,8 +7,13 @@ balancer in front is tests/test_haproxy_stop.py)."""
 
 from __future__ import annotations
 
+import array
+import fcntl
+import os
+import select
 import signal
 import subprocess
+import termios
 import threading
 import time
 from pathlib import Path
@@ -143,3 +148,45 @@ def test_the_grace_period_is_at_most_the_request_timeout(tmp_path: Path) -> None
     Settings(data_dir=tmp_path, shutdown_grace_seconds=600)
     Settings(data_dir=tmp_path, shutdown_grace_seconds=30, request_timeout=30,
              drain_seconds=60)
+
+
+def test_a_stop_writes_every_queued_log_line_before_the_process_ends(solo: Cluster) -> None:
+    """Lines are written by a thread (app/logs.py), and uvicorn ends a stop
+    by raising the caught SIGTERM again: the process then dies at once, so
+    whatever was still queued had to be written before that. Here the log
+    is a pipe of one page that nobody reads until the process has stopped,
+    so the writer is stuck at the signal with the stop's lines queued
+    behind it: the last of them must still come out (CI once lost them on
+    a busy machine: "gateway ... stopped" missing after a clean stop)."""
+    fifo = solo.tmp / "gw-pipe.log"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4096)
+        gw = solo.gateway("gw-pipe", local_agent="false", shutdown_notice_seconds="0")
+
+        def queued() -> int:
+            n = array.array("i", [0])
+            fcntl.ioctl(reader, termios.FIONREAD, n)
+            return n[0]
+
+        def fill() -> bool:  # a refused request is a log line
+            httpx.get(gw.url + "/v1/models", headers={"Authorization": "Bearer no"})
+            return queued() > 4096 - 200
+        wait_for(fill, 20, "the log pipe full", 0)
+        gw.signal(signal.SIGTERM)
+        time.sleep(2.0)  # stopped (no notice period), its last lines queued
+        out = bytearray()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([reader], [], [], 0.5)
+            chunk = os.read(reader, 65536) if ready else b""
+            if ready and not chunk:
+                break  # every writer gone: the process has ended
+            out += chunk
+        code = gw.wait(10)
+    finally:
+        os.close(reader)
+    text = out.decode(errors="replace")
+    assert code in (0, -signal.SIGTERM), code
+    assert "gateway gw-pipe stopped" in text, text[-1500:]
