@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.choice import (
+    SATURATED_HOLD,
     Candidate,
     EngineLoad,
     affinity_key,
@@ -125,6 +126,31 @@ def test_a_table_uses_fresh_engine_loads_only() -> None:
     rows = {r["replica"]: r for r in table.explain("m")}
     assert rows["a"]["why"] == "candidate" and rows["a"]["engine"] is None
 
+
+
+def test_a_full_engine_whose_scrape_comes_late_stays_full_for_a_while() -> None:
+    """A scrape times out exactly when its engine is busiest (seen in CI:
+    two CPU engines on two cores). Had the late figure's replica become
+    unknown, hence not saturated, a conversation would have gone back into
+    its queue, behind a full batch (a 504). A saturated figure stays in
+    force for SATURATED_HOLD staleness bounds; a figure with room does not."""
+    now = [NOW]
+    table = RouteTable(clock=lambda: now[0])
+    a, b = Endpoint("a", "http://a", "ka"), Endpoint("b", "http://b", "kb")
+    table.set_endpoints({"m": [a, b]})
+    table.rand = seeded().random
+    key = next(k for k in (f"s:{i}" for i in range(100)) if ring_order(["a", "b"], k)[0] == "a")
+    table.set_loads({"a": EngineLoad(4, 10, 0.5, NOW), "b": EngineLoad(0, 0, 0.1, NOW)})
+    assert table.choose("m", set(), affinity=key) == b  # fresh and full: moved
+    now[0] = NOW + table.stale_after + 0.1  # both figures stale: a's still full
+    assert {table.choose("m", set(), affinity=key) for _ in range(10)} == {b}
+    assert {r["replica"]: r["why"] for r in table.explain("m")}["a"] == "saturated"
+    now[0] = NOW + SATURATED_HOLD * table.stale_after + 0.1  # long unheard of: unknown
+    assert table.choose("m", set(), affinity=key) == a
+    # A figure with room is not held: stale, it is unknown (charged the worst).
+    table.set_loads({"a": EngineLoad(4, 7, 0.5, NOW), "b": EngineLoad(0, 0, 0.1, NOW)})
+    now[0] = NOW + table.stale_after + 0.1
+    assert {r["replica"]: r["engine"] for r in table.explain("m")} == {"a": None, "b": None}
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -7,6 +7,7 @@ injected clocks. Across real processes: tests/test_node_loads_procs.py."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,13 @@ class Ready:
 
 
 async def test_the_agent_keeps_each_engines_figures_with_their_age(
-    servers: Callable[[str, str], Any], tmp_path: Path,
+    servers: Callable[[str, str], Any], tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = await servers("/metrics", "key-a")
     clock = Clock(10.0)
     ready = Ready([LoadTarget("a", engine.url, "key-a"), LoadTarget("dead", DEAD, "key-d")])
     gatherer = LoadGatherer(ready, clock=clock)
+    caplog.set_level(logging.INFO, "app.agent.loads")
     try:
         got = await gatherer.step()
         # Read with the engine's key; an engine that does not answer has no figures.
@@ -115,6 +117,10 @@ async def test_the_agent_keeps_each_engines_figures_with_their_age(
         clock.now = 13.0
         assert (await gatherer.step())["a"] is None
         assert gatherer.figures() == {"a": (Counts(5.0, 4.0, 0.5), 3.0)}
+        await gatherer.step()  # a streak is logged once, at its start
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("engine of a: /metrics not read" in m for m in said) == 1, said
+        assert sum("engine of dead: /metrics not read" in m for m in said) == 1, said
         # Served on the node API, with the node token only.
         api = NodeApi(NodeApiConfig(node="n1", token="node-token", work_dir=tmp_path,
                                     cache_dir=tmp_path), ready, gatherer)
@@ -133,6 +139,9 @@ async def test_the_agent_keeps_each_engines_figures_with_their_age(
                 "a": (Counts(5.0, 4.0, 0.5), 3.0)}
         finally:
             await api.stop()
+        engine.answer = lambda: web.Response(text=METRICS)
+        await gatherer.step()
+        assert "engine of a: /metrics read again" in caplog.records[-1].getMessage()
         # A replica no longer ready here is dropped at once.
         ready.targets = ready.targets[1:]
         await gatherer.step()

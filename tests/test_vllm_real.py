@@ -235,11 +235,11 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
         out = []
         for i in range(n):
             if chat:
-                # Each chat chosen on a fresh view of the full queue: a
-                # scrape of the busy engine that comes late (a loaded CI
-                # machine) leaves its load unknown, and an unknown load is
-                # not saturated (choice.py): the chat then stays on its ring
-                # replica, behind ten generations (seen twice in CI: a 504).
+                # Each chat chosen with the full queue in view. A scrape of
+                # the busy engine comes late on a loaded machine; a full
+                # figure stays in force a while (choice.in_force), without
+                # which the chat went back behind ten generations (a 504,
+                # three times in CI).
                 wait_for(lambda: seen(4, 10), 60, "the busy engine's queue seen full", 0.2)
                 raw = c.chat.completions.with_raw_response.create(
                     model=MODEL, max_tokens=2,

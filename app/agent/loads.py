@@ -64,6 +64,8 @@ class LoadGatherer:
         # replica -> (counts, clock time they were read)
         self._latest: dict[str, tuple[Counts, float]] = {}
         self._session: aiohttp.ClientSession | None = None
+        # Replicas whose last read failed (logged once a streak).
+        self._failing: set[str] = set()
 
     async def step(self) -> dict[str, Counts | None]:
         """Reads every ready engine once; returns what each answered (None:
@@ -85,8 +87,21 @@ class LoadGatherer:
         for t, counts in zip(targets, got, strict=True):
             if counts is not None:
                 latest[t.replica_id] = (counts, now)
+            self._note(t.replica_id, counts is not None)
+        self._failing &= ready
         self._latest = latest
         return {t.replica_id: c for t, c in zip(targets, got, strict=True)}
+
+    def _note(self, rid: str, answered: bool) -> None:
+        """Logs a streak of unanswered reads at its start and end: a late read
+        is most likely an engine too busy to answer within the timeout."""
+        if not answered and rid not in self._failing:
+            self._failing.add(rid)
+            logger.info("engine of %s: /metrics not read within %.1f s; its last figures "
+                        "age", rid, self._timeout.total or 0.0)
+        elif answered and rid in self._failing:
+            self._failing.discard(rid)
+            logger.info("engine of %s: /metrics read again", rid)
 
     async def _read(self, session: aiohttp.ClientSession, t: LoadTarget) -> Counts | None:
         try:

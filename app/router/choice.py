@@ -23,7 +23,9 @@ Load is this gateway's in-flight requests and the engine's own counts
 (vLLM's running and waiting requests and KV-cache use, polled about once a
 second, see engine_load.py). A count older than `stale_after` is unknown,
 never idle: an unknown replica is charged the highest known load of its
-tier, so it is not preferred for having gone quiet.
+tier, so it is not preferred for having gone quiet. A count that said
+saturated is held longer (`in_force`): a scrape is late when its engine is
+busiest.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ SERIAL_SATURATED = 3
 # Points per replica on the affinity ring: more spreads keys more evenly
 # over replicas (each replica owns many small arcs) for a little memory.
 RING_POINTS = 64
+# A saturated figure stays in force this many staleness bounds after its
+# read, unless a newer figure replaces it: a scrape comes late exactly when
+# its engine is busiest (its server has a full batch to feed), and a full
+# engine forgotten would take conversations back into its queue, behind a
+# whole batch. Held wrongly, a conversation loses its cached prefix for a
+# few seconds; forgotten wrongly, it waits for a batch to finish.
+SATURATED_HOLD = 4
 
 
 class EngineLoad(NamedTuple):
@@ -96,13 +105,25 @@ def fresh(load: EngineLoad | None, now: float, stale_after: float) -> EngineLoad
     return load if load is not None and now - load.at <= stale_after else None
 
 
+def in_force(load: EngineLoad | None, now: float, stale_after: float) -> EngineLoad | None:
+    """The figure a choice goes by: a fresh one, or a saturated one up to
+    `SATURATED_HOLD` staleness bounds old (a late scrape does not make a
+    full engine look free); None (unknown) otherwise."""
+    if load is None:
+        return None
+    age = now - load.at
+    if age <= stale_after or (age <= SATURATED_HOLD * stale_after and saturated(load)):
+        return load
+    return None
+
+
 def saturated(load: EngineLoad | None, *, serial: bool = False, queued: int = 0) -> bool:
     """Whether a replica admits no more work. On the engine's own figures,
     which every gateway scrapes alike; a serial engine (no figures) on the
     requests `queued` on it over every gateway. An unknown load (a stale or
     failed scrape) is not saturated: a gateway that cannot see a replica's
     figures keeps its conversations there, as the others do until they see
-    it full."""
+    it full; a full one seen lately is still full (`in_force`)."""
     if serial:
         return queued >= SERIAL_SATURATED
     return load is not None and (load.waiting >= SATURATED_WAITING
@@ -171,7 +192,7 @@ def choose(
     rand: Callable[[], float] = random.random,
 ) -> Choice | None:
     """Picks one of `candidates` (ready, not cooled down, not yet tried).
-    `loads` must hold only fresh loads (see `fresh`); `inflight` is this
+    `loads` must hold only the figures in force (see `in_force`); `inflight` is this
     gateway's requests in flight, `queued` every gateway's as far as this
     one knows (for serial engines; default `inflight`)."""
     if not candidates:

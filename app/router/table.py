@@ -105,7 +105,7 @@ class RouteTable:
             eps = self._warm(eps) or eps
         if not eps:
             return False
-        _, full = choice.tier([_candidate(e) for e in eps], self._fresh_loads(eps),
+        _, full = choice.tier([_candidate(e) for e in eps], self._loads_in_force(eps),
                               self.queued())
         return full
 
@@ -244,7 +244,7 @@ class RouteTable:
             if len(eps) == 1:
                 return eps[0]
         picked = choice.choose(
-            [_candidate(e) for e in eps], self._inflight, self._fresh_loads(eps),
+            [_candidate(e) for e in eps], self._inflight, self._loads_in_force(eps),
             affinity=affinity, queued=self.queued() if self._peer_inflight else None,
             rand=self.rand)
         assert picked is not None
@@ -257,11 +257,12 @@ class RouteTable:
         return {rid: load for rid, load in self._loads.items()
                 if choice.fresh(load, now, self.stale_after) is not None}
 
-    def _fresh_loads(self, eps: Sequence[Endpoint]) -> dict[str, EngineLoad | None]:
+    def _loads_in_force(self, eps: Sequence[Endpoint]) -> dict[str, EngineLoad | None]:
         if not self._loads:
             return {}
         now = self._clock()
-        return {e.replica_id: choice.fresh(self._loads.get(e.replica_id), now, self.stale_after)
+        return {e.replica_id: choice.in_force(self._loads.get(e.replica_id), now,
+                                              self.stale_after)
                 for e in eps}
 
     def explain(self, model: str) -> list[dict[str, object]]:
@@ -269,7 +270,7 @@ class RouteTable:
         being chosen and why not (GET /admin/routes)."""
         eps = list(self._endpoints.get(model, ()))
         cooling = self.cooldowns()
-        loads = self._fresh_loads(eps)
+        loads = self._loads_in_force(eps)
         cands = [_candidate(e) for e in eps if e.replica_id not in cooling]
         queued = self.queued()
         level, all_saturated = choice.tier(cands, loads, queued)
