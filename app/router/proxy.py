@@ -271,7 +271,7 @@ class Proxy:
         # its claim to be raised (docs/design/client-keys.md).
         ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
         return Call(
-            ex, Watch(receive, self._timeouts, ex.started), send, model,
+            ex, Watch(receive, self._timeouts, ex.started, self._loop), send, model,
             f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True,
             meter=ticket.meter, grant=grant, ticket=ticket, affinity=affinity,
             # The client's bytes go on untouched when nothing was rewritten:
@@ -289,8 +289,9 @@ class Proxy:
             grant.id, plan.model, grant.limits, grant.gateways)
         if plan.stream:
             ticket.meter.body = plan.estimate  # estimated from, if cut short
+        watch = Watch(receive, self._timeouts, ex.started, self._loop)
         return Call(
-            ex, Watch(receive, self._timeouts, ex.started), plan.sender(send), plan.model,
+            ex, watch, plan.sender(send), plan.model,
             f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream,
             meter=ticket.meter if plan.metered else None, grant=grant, ticket=ticket,
             affinity=affinity, pin=plan.pin,

@@ -123,7 +123,7 @@ class StreamRelay:
         # A failure before this read completes propagates: nothing was sent
         # yet, so the caller may still retry or answer with an error.
         chunk = await self._upstream.readany()
-        call.ex.first_byte = asyncio.get_running_loop().time()
+        call.ex.first_byte = call.watch.loop.time()
         call.ex.upstream_wait += perf_counter() - call.sent
         call.watch.streaming()
         if call.meter is not None and ep.engine == "llamacpp":
@@ -176,7 +176,7 @@ class StreamRelay:
         written to the client at once; the task wakes only when the client's
         socket is full, or at the end."""
         watch = self._call.watch
-        clock = asyncio.get_running_loop().time
+        clock = watch.loop.time
 
         def sink(data: bytes) -> bool:
             for transform in chain:
@@ -194,7 +194,7 @@ class StreamRelay:
     async def _drained(self, direct: DirectBody) -> None:
         """Waits for a client whose socket is full: timed as a send (Watch)."""
         watch = self._call.watch
-        clock = asyncio.get_running_loop().time
+        clock = watch.loop.time
         watch.read_since, watch.send_since = 0.0, clock()
         await direct.drain()
         watch.send_since, watch.read_since = 0.0, clock()
@@ -203,7 +203,7 @@ class StreamRelay:
         """Chunk by chunk, each sent as an ASGI message."""
         call = self._call
         watch, send = call.watch, call.send
-        loop = asyncio.get_running_loop()
+        loop = watch.loop
         while chunk:
             for transform in chain:
                 chunk = transform(chunk)

@@ -94,10 +94,13 @@ class Watch:
     __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listen_at", "_listener", "_loop",
                  "_receive", "_task", "_timeouts", "_timer", "read_since", "send_since", "why")
 
-    def __init__(self, receive: Receive, timeouts: Timeouts, started: float) -> None:
-        """`started`: the loop's time at the request's arrival."""
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
+    def __init__(self, receive: Receive, timeouts: Timeouts, started: float,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """`started`: the loop's time at the request's arrival; `loop`: the
+        running loop, when the caller has it (Python 3.11 asks the kernel
+        for the process id on each `get_running_loop()`: a system call)."""
+        self._loop = loop or asyncio.get_running_loop()
+        task = asyncio.current_task(self._loop)
         assert task is not None, "a Watch runs inside the request's task"
         self._task = task
         self._timeouts = timeouts
@@ -126,6 +129,10 @@ class Watch:
         self._first = False
         self.read_since = 0.0
         self._schedule(self._loop.time() + self._limit)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
 
     def left(self) -> float:
         """Seconds until the request's deadline."""
@@ -169,7 +176,7 @@ class Watch:
         self._timer = self._loop.call_at(min(due, self._deadline), self._check)
 
     def _listen(self) -> None:
-        self._listener = asyncio.ensure_future(_disconnect(self._receive))
+        self._listener = self._loop.create_task(_disconnect(self._receive))
         self._listener.add_done_callback(self._left)
 
     def _check(self) -> None:

@@ -100,9 +100,12 @@ Sink = Callable[[bytes], bool]
 class _Connection(asyncio.Protocol):
     """One connection: writes a request, parses its response."""
 
-    def __init__(self, pool: UpstreamClient, key: tuple[str, str, int]) -> None:
+    def __init__(self, pool: UpstreamClient, key: tuple[str, str, int],
+                 loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
         self._key = key
+        # Kept: Python 3.11's get_running_loop() is a system call (getpid).
+        self._loop = loop
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._paused = False
@@ -134,7 +137,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> asyncio.Future[tuple[int, dict[str, str]]]:
         self._reset()
         self._busy = True
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = self._loop.create_future()
         if self._transport is None or self._transport.is_closing():
             self._fail(UpstreamError("the server closed the connection"))
         else:
@@ -147,7 +150,7 @@ class _Connection(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -169,7 +172,7 @@ class _Connection(asyncio.Protocol):
                 return True
             self._resume()  # held before: the sink takes more now
             self._sink = sink
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -373,7 +376,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(self, key), o.host, o.port, ssl=ssl_arg,
+                    lambda: _Connection(self, key, loop), o.host, o.port, ssl=ssl_arg,
                     server_hostname=o.host if ssl_arg is not None else None)
         except TimeoutError:
             raise UpstreamError(f"connect to {o.host}:{o.port} timed out after "
