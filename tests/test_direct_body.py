@@ -21,6 +21,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from app.gateway.slowclients import ChunkedBody, protocol
 from app.router.direct_body import DIRECT_BODY
+from app.router.own_answers import send_whole
 
 CHUNKS = [b"data: %d\n\n" % i for i in range(50)]
 seen: dict[str, Any] = {}  # what the app found, per path
@@ -32,6 +33,11 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     direct = scope.get(DIRECT_BODY)
     path = scope["path"]
     seen[path + ":before"] = direct is not None and direct.usable()
+    if path in ("/whole", "/whole-close"):
+        extra = [(b"connection", b"close")] if path == "/whole-close" else None
+        await send_whole(send, 200, b'{"answer": "whole"}', extra, direct=direct)
+        seen[path] = direct is not None and direct.usable()
+        return
     if path == "/plain":
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", b"2")]})
@@ -168,3 +174,30 @@ async def test_a_request_leaves_no_reference_cycle(server: int) -> None:
     # Each would be a request's cycle, scope and body writer, freed only by
     # a collection: its pause grows with the requests served since the last.
     assert left == [], f"{len(left)} objects of 40 requests left to the collector"
+
+
+def data_segments_in(sock: socket.socket) -> int:
+    """Segments with data this socket has received (Linux's TCP_INFO,
+    tcpi_data_segs_in)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    return int.from_bytes(info[152:156], "little")
+
+
+@pytest.mark.parametrize("path", ["/whole", "/whole-close"])
+async def test_a_whole_answer_leaves_in_one_write(server: int, path: str) -> None:
+    """Head and body gathered into one write: one system call and one
+    packet, not two (a loopback write costs some 7 us of CPU here). The
+    connection is kept, or closed after the answer when it says so."""
+    r, w = await asyncio.open_connection("127.0.0.1", server)
+    try:
+        for i in range(2 if path == "/whole" else 1):
+            raw, body = await ask(server, get(path), (r, w))
+            assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and body == b'{"answer": "whole"}'
+            assert b"content-length: 19\r\n" in raw
+            sock = w.get_extra_info("socket")
+            assert data_segments_in(sock) == i + 1, raw  # one write each
+        if path == "/whole-close":
+            assert await asyncio.wait_for(r.read(), 5) == b""  # closed after the answer
+        assert seen[path] is False  # complete: no direct write after it
+    finally:
+        w.close()

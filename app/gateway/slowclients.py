@@ -186,7 +186,9 @@ def protocol(header_timeout: float, body_timeout: float) -> type[TimedHttpTools]
 class ChunkedBody:
     """A request's `DirectBody` (app/router/direct_body.py) on uvicorn's
     cycle: a stream's chunk goes to the socket in one write, framed as
-    uvicorn frames it, with none of the ASGI send's per-message steps.
+    uvicorn frames it, with none of the ASGI send's per-message steps; a
+    whole answer's head and body, which uvicorn's send writes one message
+    at a time, are gathered into one write.
     uvicorn's own state (started, complete, disconnected, its flow control)
     is read, never changed: the response's last message still goes through
     its send, which writes the final chunk and completes the cycle.
@@ -217,3 +219,44 @@ class ChunkedBody:
         c = self._cycle()
         if c is not None and c.flow.write_paused and not c.disconnected:
             await c.flow.drain()
+
+    def gather(self) -> None:
+        # uvicorn's send writes through the cycle's `transport`: for a
+        # while, that is a holder of the writes (everything else, closing
+        # included, goes to the real one, held bytes first).
+        c = self._cycle()
+        if c is not None and not isinstance(c.transport, _Gathered):
+            c.transport = _Gathered(c.transport)  # type: ignore[assignment]
+
+    def flush(self) -> None:
+        c = self._cycle()
+        if c is not None and isinstance(c.transport, _Gathered):
+            held = c.transport
+            c.transport = held.real
+            held.flush()
+
+
+class _Gathered:
+    """A transport's writes held, to be written as one by `flush()`."""
+
+    __slots__ = ("_parts", "real")
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self.real = real
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def flush(self) -> None:
+        if self._parts:
+            data = b"".join(self._parts)
+            self._parts.clear()
+            self.real.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self.real.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)

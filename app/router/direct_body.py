@@ -1,6 +1,7 @@
-"""What a server may offer a stream's relay: the response body written
-straight to the client's socket, without an ASGI message per chunk
-(docs/design/hot-path.md, "A stream's chunks").
+"""What a server may offer the relay: a stream's body written straight to
+the client's socket, without an ASGI message per chunk, and a whole
+answer's head and body gathered into one write (docs/design/hot-path.md,
+"A stream's chunks" and "A whole answer in one write").
 
 `llmgw serve`'s server offers it in the request's scope under `DIRECT_BODY`
 (app/gateway/slowclients.py, on uvicorn's httptools protocol); under any
@@ -32,4 +33,14 @@ class DirectBody(Protocol):
 
     async def drain(self) -> None:
         """Returns once the client's socket takes writes again (or it is gone)."""
+        ...
+
+    def gather(self) -> None:
+        """Holds what the server writes for this response from now on, until
+        `flush()`: a whole answer's head and body then leave in one write
+        (one system call, one packet) instead of two."""
+        ...
+
+    def flush(self) -> None:
+        """Writes what `gather()` held, as one; writes go straight out again."""
         ...

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from app.router import sse
+from app.router.direct_body import DirectBody
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -43,13 +44,24 @@ def error(status: int, message: str, type_: str, code: str | None = None,
 
 async def send_whole(send: Send, status: int, body: bytes,
                      extra: list[tuple[bytes, bytes]] | None = None,
-                     content_type: bytes = b"application/json") -> None:
-    """A whole answer with its length (`extra`: more headers)."""
+                     content_type: bytes = b"application/json",
+                     direct: DirectBody | None = None) -> None:
+    """A whole answer with its length (`extra`: more headers). With the
+    server's `direct` (and `send` its own), its head and body leave in one
+    write (DirectBody.gather)."""
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if extra:
         headers += extra
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    if direct is None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    direct.gather()
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    finally:
+        direct.flush()
 
 
 def error_event(message: str, code: str) -> bytes:

@@ -188,7 +188,8 @@ class Proxy:
             ex.status = 429
             await send_whole(send, 429, openai_error_body(
                 over.message, over.kind, over.code),
-                [(b"retry-after", str(over.retry_after).encode()), ex.header])
+                [(b"retry-after", str(over.retry_after).encode()), ex.header],
+                direct=scope.get(DIRECT_BODY))
         except Reply as r:
             ex.status = r.status
             extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
@@ -197,7 +198,8 @@ class Proxy:
                 # connection closes rather than read the rest to reach a
                 # next request (docs/design/security.md).
                 extra.append((b"connection", b"close"))
-            await send_whole(send, r.status, r.body, [*extra, *r.headers, ex.header])
+            await send_whole(send, r.status, r.body, [*extra, *r.headers, ex.header],
+                             direct=scope.get(DIRECT_BODY))
         except ClientGone:
             ex.status = CLIENT_GONE
         except Exception:

@@ -264,7 +264,8 @@ class Upstreams:
         if call.meter is not None and upstream.status == 200:
             answer = call.meter.read_answer(answer, upstream.headers.get("content-encoding"))
         await send_whole(call.send, upstream.status, answer, passed_on(upstream, ep, call.ex),
-                         upstream.headers.get("content-type", "application/json").encode())
+                         upstream.headers.get("content-type", "application/json").encode(),
+                         call.direct)
         if not call.started:
             call.ex.answered = perf_counter()
         return upstream.status
@@ -284,7 +285,7 @@ class Upstreams:
                         "upstream_error")
         await send_whole(call.send, 500, answer or openai_error_body(
             f"Replica {ep.replica_id} failed.", "server_error", "upstream_error"),
-            passed_on(upstream, ep, call.ex))
+            passed_on(upstream, ep, call.ex), direct=call.direct)
         return 500
 
     def _stopped(self, why: Why, ep: Endpoint) -> int:

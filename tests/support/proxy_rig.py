@@ -250,6 +250,7 @@ class AsgiCall:
         self.leave = asyncio.Event()  # set: the client disconnects
         self.stop_reading = False  # set: every later send blocks (a client not reading)
         self.direct_writes = 0
+        self.gathered = 0  # whole answers gathered into one write
         self._started = self._complete = False
         self._body: bytes | None = json.dumps(body).encode()
         scope: dict[str, Any] = {
@@ -276,6 +277,13 @@ class AsgiCall:
     async def drain(self) -> None:
         if self.stop_reading:
             await asyncio.Event().wait()  # a client that never reads again
+
+    def gather(self) -> None:
+        assert not self._started, "gathered after the response began"
+        self.gathered += 1
+
+    def flush(self) -> None:
+        assert self.gathered, "flushed without gathering"
 
     async def _receive(self) -> dict[str, Any]:
         if self._body is not None:
