@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -159,3 +160,50 @@ def test_advertising_loopback_to_a_remote_gateway_is_said_loudly(
     assert advertise_address("http://no-such-host.invalid:8080") == "127.0.0.1"
     assert any("--advertise-host" in r.getMessage() for r in caplog.records
                if r.levelname == "ERROR")
+
+
+async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM binds its ZeroMQ sockets in the temporary folder and leaves them
+    when killed: an engine gets a folder of its own (VLLM_RPC_BASE_PATH),
+    removed once it has died, or been stopped. The fake binds one socket
+    there as vLLM does (the real engine: tests/test_vllm_real.py)."""
+    from app.agent.engines import EngineProcess, free_port
+
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    monkeypatch.setenv("FAKE_VLLM_PYTHON", sys.executable)  # the fake needs this venv's aiohttp
+
+    async def started(rid: str) -> tuple[EngineProcess, Path]:
+        spec = EngineSpec(replica_id=rid, model="m", weights="acme/m", engine="vllm",
+                          gpus=(0,), key="k-" + rid)
+        engine = EngineProcess(spec, "127.0.0.1", free_port("127.0.0.1"), logs / f"{rid}.log")
+        await engine.start(str(FAKE_BIN / "vllm"))
+        rpc = engine.rpc_dir
+        assert rpc is not None and len(str(rpc)) + 37 < 108  # a socket's path limit
+        for _ in range(200):
+            if rpc.is_dir() and any(p.is_socket() for p in rpc.iterdir()):
+                break
+            await asyncio.sleep(0.05)
+        assert [p.is_socket() for p in rpc.iterdir()] == [True], list(rpc.iterdir())
+        return engine, rpc
+
+    killed, rpc = await started("r1")
+    assert killed.pid is not None
+    os.killpg(killed.pid, signal.SIGKILL)
+    for _ in range(100):
+        if killed.exit_code() is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert rpc.is_dir()  # left by the kill, as vLLM leaves its sockets
+    killed.clear_group()  # the agent's step when it sees the death
+    assert not rpc.exists()
+
+    stopped, rpc = await started("r2")
+    await stopped.stop()
+    assert not rpc.exists()
+    # llama.cpp has no such sockets: no folder.
+    spec = EngineSpec(replica_id="r3", model="m", weights="w.gguf", engine="llamacpp",
+                      gpus=(), key="k")
+    assert EngineProcess(spec, "127.0.0.1", 1, logs / "r3.log").rpc_dir is None

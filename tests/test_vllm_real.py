@@ -204,6 +204,14 @@ def test_embeddings_from_a_small_embedding_model_on_the_real_engine(fleet: RealF
             admin.delete(f"/admin/models/{EMBEDDER}")
 
 
+def rpc_sockets(pid: int) -> tuple[Path, set[str]]:
+    """An engine's VLLM_RPC_BASE_PATH (from its environment) and the sockets in it."""
+    env = dict(v.split("=", 1) for v in
+               Path(f"/proc/{pid}/environ").read_text(errors="replace").split("\0") if "=" in v)
+    rpc = Path(env["VLLM_RPC_BASE_PATH"])
+    return rpc, {p.name for p in rpc.iterdir() if p.is_socket()}
+
+
 def _busy(url: str, key: str, stop: threading.Event, n: int) -> list[threading.Thread]:
     """`n` long generations straight to one engine, each ended once `stop` is set."""
     def one() -> None:
@@ -405,6 +413,9 @@ def test_a_stream_whose_engine_is_killed_is_continued_on_the_other_real_replica(
     raw = c.chat.completions.with_raw_response.create(**ask)  # type: ignore[call-overload]
     first = raw.headers["x-llmgw-replica"]
     url, _ = fleet.engine(first)
+    # vLLM's ZeroMQ sockets, in the folder the agent gave the engine.
+    rpc, before = rpc_sockets(engine_pid(url))
+    assert before, f"no socket in {rpc}"
     got = []
     for chunk in raw.parse():
         got.append(chunk)
@@ -418,8 +429,12 @@ def test_a_stream_whose_engine_is_killed_is_continued_on_the_other_real_replica(
     assert len({ch.id for ch in got}) == 1
     assert got[-1].usage is not None and whole[-1].usage is not None
     assert got[-1].usage.completion_tokens >= whole[-1].usage.completion_tokens
-    # The killed replica comes back (the agent restarts its engine).
+    # The killed replica comes back (the agent restarts its engine), and
+    # the killed engine's sockets went with it: only the new engine's are
+    # left (a node whose engines die for months does not fill /tmp).
     fleet.whole()
+    again, after = rpc_sockets(engine_pid(fleet.engine(first)[0]))
+    assert again == rpc and len(after) == len(before) and not after & before, (before, after)
 
 
 def test_a_rotated_secret_restarts_the_engines_new_before_old(fleet: RealFleet) -> None:

@@ -19,12 +19,19 @@ tensor parallelism has worker processes, and a stop signals the whole group
 so that no worker outlives its engine holding GPU memory. The agent's own
 signals (a Ctrl-C in its terminal, systemd stopping it with
 KillMode=process) then reach the agent alone, and engines outlive it.
+
+vLLM's processes talk over ZeroMQ on Unix sockets it makes in the system's
+temporary folder and leaves there when it is killed: months of engine
+crashes and restarts would fill /tmp with them. Each vLLM engine gets a
+folder of its own for them (`VLLM_RPC_BASE_PATH`, `rpc_dir`), removed once
+the engine is gone, however it went.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -33,6 +40,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -122,7 +130,15 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
     ]
 
 
-def environment(spec: EngineSpec) -> dict[str, str]:
+def rpc_dir(log_path: Path) -> Path:
+    """The folder of an engine's ZeroMQ sockets: short (a socket's path
+    holds 107 bytes, and vLLM adds a uuid), named after the engine's log
+    (unique on the node, and in the record an agent adopts from)."""
+    digest = hashlib.blake2b(str(log_path).encode(), digest_size=6).hexdigest()
+    return Path(tempfile.gettempdir()) / f"llmgw-rpc-{digest}"
+
+
+def environment(spec: EngineSpec, rpc: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # Our own secrets are not the engine's business.
     for name in ("LLMGW_SECRET", "LLMGW_AGENT_TOKEN", "LLMGW_ADMIN_TOKEN"):
@@ -130,6 +146,8 @@ def environment(spec: EngineSpec) -> dict[str, str]:
     if spec.engine == "vllm":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
         env["VLLM_API_KEY"] = spec.key
+        if rpc is not None:
+            env["VLLM_RPC_BASE_PATH"] = str(rpc)
         if "--enable-lora" in spec.engine_args:
             # The leader loads adapters at run time (/v1/load_lora_adapter),
             # which vLLM serves only with this set (docs/design/lora-adapters.md).
@@ -222,13 +240,21 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else self._pid
 
+    @property
+    def rpc_dir(self) -> Path | None:
+        return rpc_dir(self.log_path) if self.spec.engine == "vllm" else None
+
     async def start(self, vllm_bin: str) -> None:
         cmd = command(self.spec, self.host, self.port, vllm_bin)
+        rpc = self.rpc_dir
+        if rpc is not None:
+            self._remove_rpc_dir()  # an earlier engine's, killed with the agent
+            rpc.mkdir(mode=0o700)
         fd = open_log(self.log_path)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd,
-                env=environment(self.spec), start_new_session=True,
+                env=environment(self.spec, rpc), start_new_session=True,
             )
         finally:
             os.close(fd)
@@ -267,16 +293,25 @@ class EngineProcess:
 
     def clear_group(self) -> None:
         """SIGKILLs what is left of a dead engine's process group: workers
-        outlive a leader killed by a signal, and hold its GPUs' memory.
+        outlive a leader killed by a signal, and hold its GPUs' memory; and
+        removes its sockets' folder.
 
         Done once, as soon as the death is seen: a group's number is not
         reused while a member lives, but once the group is empty it may be.
         """
-        if self._proc is None or self._proc.returncode is None or self._cleared:
+        if self.exit_code() is None:
+            return
+        self._remove_rpc_dir()
+        if self._proc is None or self._cleared:
             return
         self._cleared = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
+
+    def _remove_rpc_dir(self) -> None:
+        rpc = self.rpc_dir
+        if rpc is not None:
+            shutil.rmtree(rpc, ignore_errors=True)
 
     async def stop(self) -> None:
         """SIGTERM to the engine's group, SIGKILL to it after the grace period
@@ -296,6 +331,7 @@ class EngineProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+        self._remove_rpc_dir()
         logger.info("stopped engine for %s (%s)", self.spec.replica_id,
                     describe_exit(proc.returncode or 0))
 
@@ -334,6 +370,7 @@ class EngineProcess:
                     if group is not None:  # stragglers, seen alive 0.1 s ago
                         with contextlib.suppress(ProcessLookupError, PermissionError):
                             os.killpg(group, signal.SIGKILL)
+                    self._remove_rpc_dir()
                     logger.info("stopped adopted engine for %s", self.spec.replica_id)
                     return
                 await asyncio.sleep(0.1)

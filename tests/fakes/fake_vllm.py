@@ -43,6 +43,9 @@ Environment:
   the agent while that engine runs but is not ready.
 * ``VLLM_API_KEY``            the key ``/v1`` demands when ``--api-key`` is not given,
   as real vLLM reads it (``args.api_key or envs.VLLM_API_KEY``).
+* ``VLLM_RPC_BASE_PATH``      a folder: a Unix socket is bound there under a uuid, as
+  vLLM binds its ZeroMQ sockets, removed on a clean exit and left by a kill, as
+  vLLM's are (unset: none; vLLM would use the system's temporary folder).
 * ``FAKE_VLLM_BASE_LOAD``     ``RUNNING,WAITING``: added to the live
   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, a steady load
   a test can look for (default none).
@@ -101,6 +104,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import sys
 import time
@@ -956,6 +960,7 @@ async def serve(args: argparse.Namespace) -> int:
         _log(f"cannot bind {host or '0.0.0.0'}:{args.port}: {e}", "ERROR")
         await runner.cleanup()
         return 1
+    rpc = _bind_rpc_socket()
     shown = host if host is not None else "0.0.0.0"
     _log(f"Starting vLLM API server 0 on http://{shown}:{args.port} "
          f"(fake vllm serving model {args.model} as {fake.names}, "
@@ -964,7 +969,20 @@ async def serve(args: argparse.Namespace) -> int:
     await stop.wait()
     _log("Shutting down FastAPI HTTP server.")
     await runner.cleanup()
+    if rpc is not None:
+        rpc.close()
+        os.unlink(rpc.getsockname())
     return 0
+
+
+def _bind_rpc_socket() -> socket.socket | None:
+    base = os.environ.get("VLLM_RPC_BASE_PATH")
+    if not base:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(os.path.join(base, str(uuid.uuid4())))
+    sock.listen()
+    return sock
 
 
 def _import_aiohttp() -> None:
