@@ -169,7 +169,7 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
     when killed: an engine gets a folder of its own (VLLM_RPC_BASE_PATH),
     removed once it has died, or been stopped. The fake binds one socket
     there as vLLM does (the real engine: tests/test_vllm_real.py)."""
-    from app.agent.engines import EngineProcess, free_port
+    from app.agent.engines import EngineProcess, free_port, sweep_rpc_dirs
 
     logs = tmp_path / "logs"
     logs.mkdir(mode=0o700)
@@ -189,13 +189,16 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
         assert [p.is_socket() for p in rpc.iterdir()] == [True], list(rpc.iterdir())
         return engine, rpc
 
+    async def kill(engine: EngineProcess) -> None:
+        assert engine.pid is not None
+        os.killpg(engine.pid, signal.SIGKILL)
+        for _ in range(100):
+            if engine.exit_code() is not None:
+                return
+            await asyncio.sleep(0.05)
+
     killed, rpc = await started("r1")
-    assert killed.pid is not None
-    os.killpg(killed.pid, signal.SIGKILL)
-    for _ in range(100):
-        if killed.exit_code() is not None:
-            break
-        await asyncio.sleep(0.05)
+    await kill(killed)
     assert rpc.is_dir()  # left by the kill, as vLLM leaves its sockets
     killed.clear_group()  # the agent's step when it sees the death
     assert not rpc.exists()
@@ -203,6 +206,17 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
     stopped, rpc = await started("r2")
     await stopped.stop()
     assert not rpc.exists()
+
+    # Killed with its agent: the next agent's start sweeps what no live
+    # socket is bound in, and leaves a live engine's folder (another agent's).
+    lost, lost_rpc = await started("r4")
+    live, live_rpc = await started("r5")
+    try:
+        await kill(lost)
+        assert lost_rpc in sweep_rpc_dirs() and not lost_rpc.exists()
+        assert live_rpc.is_dir() and live_rpc not in sweep_rpc_dirs()
+    finally:
+        await live.stop()
     # llama.cpp has no such sockets: no folder.
     spec = EngineSpec(replica_id="r3", model="m", weights="w.gguf", engine="llamacpp",
                       gpus=(), key="k")

@@ -29,7 +29,14 @@ import aiohttp
 from app import __version__
 from app.agent import applied, health
 from app.agent.config import AgentConfig
-from app.agent.engines import EngineProcess, EngineSpec, free_port, load_records, save_records
+from app.agent.engines import (
+    EngineProcess,
+    EngineSpec,
+    free_port,
+    load_records,
+    save_records,
+    sweep_rpc_dirs,
+)
 from app.agent.gateway_client import (
     GatewayAPI,
     GatewayClient,
@@ -94,7 +101,10 @@ class Agent:
     # --- engines left by an earlier run ---------------------------------------------
 
     def adopt(self) -> list[str]:
-        """Takes over the engines an earlier run of this agent left running."""
+        """Takes over the engines an earlier run of this agent left running;
+        the sockets' folders of engines gone are removed."""
+        if gone := sweep_rpc_dirs():
+            logger.info("removed the sockets' folders of %d engines gone", len(gone))
         adopted = []
         for rec in load_records(self._state_path):
             proc = EngineProcess.adopt(rec)

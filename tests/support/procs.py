@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from app.agent.engines import sweep_rpc_dirs
+
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_BIN = ROOT / "tests" / "fakes" / "bin"
 SECRET = "test-secret-0123456789abcdef"
@@ -254,6 +256,9 @@ class Cluster:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.kill()
+        # Killed with their agents, engines leave their sockets' folders, as
+        # on a node that crashed; the next agent's start would sweep them.
+        sweep_rpc_dirs()
 
 
 def make_key(gw: GatewayProc, name: str = "tests") -> str:
