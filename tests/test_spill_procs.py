@@ -6,7 +6,10 @@ replica as before (docs/design/catalog.md, "Spill-over")."""
 
 from __future__ import annotations
 
+import collections
 import json
+import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 from app.router.usage.estimates import DEFAULT_RESERVE, reservation
 from tests.support.procs import (
     Cluster,
+    GatewayProc,
     make_key,
     outside_provider,
     put_model,
@@ -197,3 +201,81 @@ def test_fifty_spills_at_once_stay_within_the_budget_and_one_reservation(
         return int(remote.get("prompt_tokens", 0) + remote.get("completion_tokens", 0))
 
     wait_for(lambda: used() == bill, 10, "the key's usage written")
+
+
+def test_spills_over_three_gateways_of_two_workers_stay_within_the_budget(
+    cluster: Cluster, tmp_path: Path, slow_provider: str,
+) -> None:
+    """The external budget over three gateways of two workers each (etcd),
+    traffic skewed four ways, each on a key of its own: all on one gateway,
+    round robin, moving from one to the next, and round robin with a gateway
+    SIGKILLed while its spills are in flight. Each time the provider bills at
+    most the budget and one reservation per gateway: N counts gateways, not
+    workers (docs/design/client-keys.md; the workers' floor, in-process, in
+    tests/test_key_shares.py)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "provider.key").write_text("sk-good\n")
+    gws = [cluster.gateway(name, ready_within=60, workers="2", provider_key_dir=str(keys),
+                           publish_interval="0.3", key_usage_interval="0.5")
+           for name in ("gw-a", "gw-b", "gw-c")]
+    a = gws[0]
+    put_model(a, "remote", {"external": {"url": slow_provider, "model": "other-model",
+                                         "api_key_file": str(keys / "provider.key")}})
+    put_model(a, "m", {"model": "acme/m", "gpus": 1, "replicas": {"min": 0, "max": 0},
+                       "overflow": "remote"})
+    budget = 300
+    body: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "one two three four five six seven eight"}]}
+    one = reservation(body, len(json.dumps(body, separators=(",", ":")).encode()),
+                      DEFAULT_RESERVE)
+
+    def routed(gw: GatewayProc) -> bool:
+        with gw.admin() as admin:
+            route = admin.get("/admin/routes", params={"model": "m"}).json()
+            remote = admin.get("/admin/routes", params={"model": "remote"}).json()
+        return route.get("overflow") == "remote" and bool(remote.get("endpoints"))
+
+    for gw in gws:
+        wait_for(lambda gw=gw: routed(gw), 20, f"m's overflow routed on {gw.name}")  # type: ignore[misc]
+
+    def ask(gw: GatewayProc, key: str) -> str:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
+                               timeout=30)
+        try:
+            client.chat.completions.create(**body)
+            return "served"
+        except openai.APIStatusError as exc:
+            return str(exc.code)
+        except openai.APIConnectionError:
+            return "gateway gone"
+
+    def burst(name: str, *phases: list[GatewayProc], during: Any = None) -> None:
+        """50 spills on a new key with the budget, the phases one after the
+        other, each's requests at once, round robin over its gateways."""
+        key = ok_json("keys", "create", name, "--external-tokens-per-day", str(budget),
+                      gateway=a.url)["key"]
+        before = billed(slow_provider)
+        outcomes: collections.Counter[str] = collections.Counter()
+        with ThreadPoolExecutor(50) as pool:
+            for targets in phases:
+                n = 50 // len(phases)
+                futures = [pool.submit(ask, targets[i % len(targets)], key) for i in range(n)]
+                if during is not None:
+                    during()
+                outcomes.update(f.result() for f in futures)
+        bill = billed(slow_provider) - before
+        assert 0 < bill <= budget + len(gws) * one, (name, bill, outcomes)
+        assert outcomes["served"] and set(outcomes) <= {
+            "served", "external_budget_exceeded", "gateway gone"}, (name, outcomes)
+        print(f"{name}: billed {bill} of {budget} + {len(gws)} x {one}; {dict(outcomes)}")
+
+    burst("all-on-one", [a])
+    burst("round-robin", gws)
+    burst("moving", [gws[0]], [gws[1]], [gws[2]])
+
+    def kill_c() -> None:
+        time.sleep(0.5)  # its spills under way
+        gws[2].signal(signal.SIGKILL)
+
+    burst("one-killed", gws, during=kill_c)
