@@ -169,7 +169,7 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
     when killed: an engine gets a folder of its own (VLLM_RPC_BASE_PATH),
     removed once it has died, or been stopped. The fake binds one socket
     there as vLLM does (the real engine: tests/test_vllm_real.py)."""
-    from app.agent.engines import EngineProcess, free_port, sweep_rpc_dirs
+    from app.agent.engines import EngineProcess, free_port
 
     logs = tmp_path / "logs"
     logs.mkdir(mode=0o700)
@@ -207,14 +207,15 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
     await stopped.stop()
     assert not rpc.exists()
 
-    # Killed with its agent: the next agent's start sweeps what no live
-    # socket is bound in, and leaves a live engine's folder (another agent's).
+    # Killed with its agent: the next agent's start finds its record, the
+    # engine gone, and removes its folder; a live engine keeps its own.
     lost, lost_rpc = await started("r4")
     live, live_rpc = await started("r5")
     try:
+        records = [lost.record(), live.record()]
         await kill(lost)
-        assert lost_rpc in sweep_rpc_dirs() and not lost_rpc.exists()
-        assert live_rpc.is_dir() and live_rpc not in sweep_rpc_dirs()
+        assert EngineProcess.adopt(records[0]) is None and not lost_rpc.exists()
+        assert EngineProcess.adopt(records[1]) is not None and live_rpc.is_dir()
     finally:
         await live.stop()
     # llama.cpp has no such sockets: no folder.

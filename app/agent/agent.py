@@ -35,7 +35,6 @@ from app.agent.engines import (
     free_port,
     load_records,
     save_records,
-    sweep_rpc_dirs,
 )
 from app.agent.gateway_client import (
     GatewayAPI,
@@ -101,10 +100,7 @@ class Agent:
     # --- engines left by an earlier run ---------------------------------------------
 
     def adopt(self) -> list[str]:
-        """Takes over the engines an earlier run of this agent left running;
-        the sockets' folders of engines gone are removed."""
-        if gone := sweep_rpc_dirs():
-            logger.info("removed the sockets' folders of %d engines gone", len(gone))
+        """Takes over the engines an earlier run of this agent left running."""
         adopted = []
         for rec in load_records(self._state_path):
             proc = EngineProcess.adopt(rec)

@@ -138,24 +138,6 @@ def rpc_dir(log_path: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"llmgw-rpc-{digest}"
 
 
-def sweep_rpc_dirs(unix_sockets: Path = Path("/proc/net/unix")) -> list[Path]:
-    """Removes the sockets' folders of engines that are gone (none of their
-    sockets bound, as the kernel lists them): an engine killed with its
-    agent, or one whose agent lost its records. Another agent's live
-    engines on the same node keep theirs. Returns what was removed."""
-    try:
-        with open(unix_sockets, encoding="utf-8", errors="replace") as f:
-            bound = {line.split()[-1] for line in f if len(line.split()) >= 8}
-    except OSError:
-        return []  # not Linux, or no /proc: nothing is known to be gone
-    live = {Path(p).parent for p in bound}
-    gone = [d for d in Path(tempfile.gettempdir()).glob("llmgw-rpc-*")
-            if d.is_dir() and not d.is_symlink() and d not in live]
-    for d in gone:
-        shutil.rmtree(d, ignore_errors=True)
-    return gone
-
-
 def environment(spec: EngineSpec, rpc: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # Our own secrets are not the engine's business.
@@ -217,13 +199,18 @@ class EngineProcess:
 
     @classmethod
     def adopt(cls, record: dict[str, Any]) -> EngineProcess | None:
-        """The engine `record` describes, if that very process still runs.
+        """The engine `record` describes, if that very process still runs
+        (else its sockets' folder is removed).
 
         Its key is not recorded (keys are derived, never stored): it is set
         from the next assignment, before the engine is checked or reported.
         """
         pid, ticks = int(record["pid"]), int(record["ticks"])
         if start_ticks(pid) != ticks:
+            # Gone (killed with the agent, as in a node's crash): what it
+            # left of its sockets goes too.
+            if record.get("engine") == "vllm":
+                shutil.rmtree(rpc_dir(Path(record["log"])), ignore_errors=True)
             return None
         spec = EngineSpec(replica_id=record["replica_id"], model=record["model"],
                           weights=record["weights"], engine=record["engine"],

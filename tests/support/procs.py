@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from app.agent.engines import sweep_rpc_dirs
+from app.agent.engines import EngineProcess, load_records
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_BIN = ROOT / "tests" / "fakes" / "bin"
@@ -257,8 +257,12 @@ class Cluster:
         for p in reversed(self.procs):
             p.kill()
         # Killed with their agents, engines leave their sockets' folders, as
-        # on a node that crashed; the next agent's start would sweep them.
-        sweep_rpc_dirs()
+        # on a node that crashed: what the agents' next start would remove.
+        for p in self.procs:
+            if p.args[:1] == ["agent"]:
+                work = Path(p.args[p.args.index("--work-dir") + 1])
+                for record in load_records(work / "engines.json"):
+                    EngineProcess.adopt(record)
 
 
 def make_key(gw: GatewayProc, name: str = "tests") -> str:
