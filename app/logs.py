@@ -33,6 +33,7 @@ import logging
 import logging.handlers
 import queue
 import sys
+import threading
 import time
 from contextvars import ContextVar
 from typing import Any
@@ -129,7 +130,7 @@ def _iso(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
-def handler(fmt: str, stream: Any = None) -> logging.Handler:
+def handler(fmt: str, stream: Any = None) -> logging.StreamHandler[Any]:
     """A stream handler writing `fmt` ("text" or "json"), request ids added."""
     if fmt not in FORMATS:
         raise ValueError(f"LLMGW_LOG_FORMAT must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -148,19 +149,63 @@ class _Enqueue(logging.handlers.QueueHandler):
         return record
 
 
-_listener: logging.handlers.QueueListener | None = None
+class _Writer:
+    """The thread that formats and writes the queued records, in batches:
+    it wakes every `every` s, not at each record (a record put to a queue
+    no thread waits on costs the event loop no system call and no wake of
+    another thread), and writes what came in one call."""
+
+    def __init__(self, queued: queue.SimpleQueue[logging.LogRecord],
+                 out: logging.StreamHandler[Any], every: float) -> None:
+        self.queued, self.out, self.every = queued, out, every
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmgw-log-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.every):
+            self._write()
+        self._write()
+
+    def _write(self) -> None:
+        lines = []
+        while True:
+            try:
+                record = self.queued.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                lines.append(self.out.format(record) + self.out.terminator)
+            except Exception:
+                self.out.handleError(record)
+        if lines:
+            try:
+                self.out.stream.write("".join(lines))
+                self.out.flush()
+            except Exception:
+                self.out.handleError(logging.makeLogRecord({"msg": "log lines not written"}))
+
+    def stop(self) -> None:
+        """Writes what is queued; the thread ends."""
+        self._stopping.set()
+        self._thread.join()
 
 
-def configure(level: str, fmt: str) -> None:
-    """The root logger writes `fmt` to stderr at `level` (a name: "info").
+_writer: _Writer | None = None
+
+
+def configure(level: str, fmt: str, stream: Any = None, every: float = 0.05) -> None:
+    """The root logger writes `fmt` to stderr (or `stream`) at `level` (a
+    name: "info").
 
     The event loop only makes each record and queues it: a thread formats
-    and writes it, so a slow stderr (a full pipe to a log shipper) never
-    stalls requests, and a line costs the loop a few microseconds
-    (docs/design/logs.md). The record's caller, thread and process
-    names are not looked up (the logging HOWTO's "Optimization"): no line
-    shows them. `stop()` writes what is queued (also run at exit)."""
-    global _listener
+    and writes them, every `every` s what came in one write, so a slow
+    stderr (a full pipe to a log shipper) never stalls requests, and a line
+    costs the loop a few microseconds and no system call
+    (docs/design/logs.md). The record's caller, thread and process names
+    are not looked up (the logging HOWTO's "Optimization"): no line shows
+    them. `stop()` writes what is queued (also run at exit)."""
+    global _writer
     stop()
     logging._srcfile = None  # no frame walk per record for funcName/lineno
     logging.logThreads = False
@@ -169,15 +214,14 @@ def configure(level: str, fmt: str) -> None:
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    out = handler(fmt)
+    out = handler(fmt, stream)
     out.removeFilter(out.filters[0])  # the request id is read in the request's task
     queued: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     enqueue = _Enqueue(queued)
     enqueue.addFilter(RequestIdFilter())
     root.addHandler(enqueue)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    _listener = logging.handlers.QueueListener(queued, out)
-    _listener.start()
+    _writer = _Writer(queued, out, every)
     atexit.register(stop)
 
 
@@ -186,14 +230,14 @@ def stop() -> None:
     are written as they are made, on the caller's thread. Called where the
     process may end without its exit handlers (a signal raised again),
     which would lose what is still queued."""
-    global _listener
-    if _listener is None:
+    global _writer
+    if _writer is None:
         return
-    listener, _listener = _listener, None
-    listener.stop()
+    writer, _writer = _writer, None
     root = logging.getLogger()
     for queued in [h for h in root.handlers if isinstance(h, _Enqueue)]:
         root.removeHandler(queued)
-    out = listener.handlers[0]
+    writer.stop()  # what was queued, before a line written directly
+    out = writer.out
     out.addFilter(RequestIdFilter())  # read here now, on the record's own thread
     root.addHandler(out)

@@ -170,9 +170,16 @@ def test_a_stop_writes_every_queued_log_line_before_the_process_ends(solo: Clust
             fcntl.ioctl(reader, termios.FIONREAD, n)
             return n[0]
 
-        def fill() -> bool:  # a refused request is a log line
+        seen: list[tuple[float, int]] = []
+
+        def fill() -> bool:
+            """Requests (a refused one is a log line) until the pipe has not
+            taken a byte for half a second: its writer is stuck on it."""
             httpx.get(gw.url + "/v1/models", headers={"Authorization": "Bearer no"})
-            return queued() > 4096 - 200
+            now, n = time.monotonic(), queued()
+            if not seen or seen[-1][1] != n:
+                seen.append((now, n))
+            return n > 0 and now - seen[-1][0] > 0.5
         wait_for(fill, 20, "the log pipe full", 0)
         gw.signal(signal.SIGTERM)
         time.sleep(2.0)  # stopped (no notice period), its last lines queued

@@ -9,12 +9,14 @@ import io
 import json
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from urllib.parse import quote
 
 import pytest
 import uvicorn
 
+from app import logs
 from app.gateway.slowclients import protocol
 from app.logs import handler, request_id
 from tests.support.proxy_rig import MESSAGES, Rig
@@ -176,3 +178,45 @@ def test_a_field_cannot_forge_a_line(captured: tuple[io.StringIO, io.StringIO]) 
     assert line.endswith(' said model="small\\rERROR\\u001b[2J\\u2028" plain=a-b'), line
     (record,) = _records(js)
     assert record["model"] == value
+
+
+class Writes(io.StringIO):
+    """A stream that counts its write calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def write(self, s: str) -> int:
+        self.calls += 1
+        return super().write(s)
+
+
+def test_lines_logged_together_leave_in_one_write_and_none_is_lost_at_stop() -> None:
+    """The writer thread takes what is queued in batches: a line costs the
+    event loop no wake of another thread (a queue nobody waits on is put to
+    without a system call), and a burst leaves in one write. `stop()`
+    writes what is still queued."""
+    root = logging.getLogger()
+    saved, level = list(root.handlers), root.level
+    out = Writes()
+    try:
+        logs.configure("info", "text", stream=out, every=0.2)
+        burst = logging.getLogger("app.burst")
+        for i in range(100):
+            burst.info("line %d", i)
+        time.sleep(0.5)  # the writer's batch
+        assert out.getvalue().count("app.burst: line ") == 100, out.getvalue()[-300:]
+        assert out.calls <= 2, out.calls  # one write (two if a wake fell in the burst)
+        burst.info("the last")
+        logs.stop()
+        assert out.getvalue().endswith("app.burst: the last\n"), out.getvalue()[-200:]
+        burst.info("after the stop")  # written at once, on this thread
+        assert out.getvalue().endswith("app.burst: after the stop\n")
+    finally:
+        logs.stop()
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved:
+            root.addHandler(h)
+        root.setLevel(level)
