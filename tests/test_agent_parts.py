@@ -95,7 +95,7 @@ def test_an_engine_is_adopted_only_if_its_pid_still_names_the_same_process(
         record = {"replica_id": "r", "model": "m", "weights": "w", "weights_revision": None,
                   "engine_args": [], "engine": "vllm",
                   "gpus": [0], "host": "127.0.0.1", "port": 1, "log": str(tmp_path / "l"),
-                  "pid": proc.pid, "ticks": ticks}
+                  "pid": proc.pid, "ticks": ticks, "rpc": None}
         adopted = EngineProcess.adopt(record)
         assert adopted is not None and adopted.pid == proc.pid
         assert adopted.exit_code() is None and adopted.spec.key == ""
@@ -180,7 +180,7 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
                           gpus=(0,), key="k-" + rid)
         engine = EngineProcess(spec, "127.0.0.1", free_port("127.0.0.1"), logs / f"{rid}.log")
         await engine.start(str(FAKE_BIN / "vllm"))
-        rpc = engine.rpc_dir
+        rpc = engine.rpc
         assert rpc is not None and len(str(rpc)) + 37 < 108  # a socket's path limit
         for _ in range(200):
             if rpc.is_dir() and any(p.is_socket() for p in rpc.iterdir()):
@@ -218,7 +218,5 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
         assert EngineProcess.adopt(records[1]) is not None and live_rpc.is_dir()
     finally:
         await live.stop()
-    # llama.cpp has no such sockets: no folder.
-    spec = EngineSpec(replica_id="r3", model="m", weights="w.gguf", engine="llamacpp",
-                      gpus=(), key="k")
-    assert EngineProcess(spec, "127.0.0.1", 1, logs / "r3.log").rpc_dir is None
+    # Not a name derived from anything: another local user cannot take it first.
+    assert lost_rpc.name != live_rpc.name and lost_rpc.name.startswith("llmgw-rpc-")

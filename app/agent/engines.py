@@ -23,15 +23,15 @@ KillMode=process) then reach the agent alone, and engines outlive it.
 vLLM's processes talk over ZeroMQ on Unix sockets it makes in the system's
 temporary folder and leaves there when it is killed: months of engine
 crashes and restarts would fill /tmp with them. Each vLLM engine gets a
-folder of its own for them (`VLLM_RPC_BASE_PATH`, `rpc_dir`), removed once
-the engine is gone, however it went.
+folder of its own for them (`VLLM_RPC_BASE_PATH`, `EngineProcess.rpc`),
+removed once the engine is gone, however it went. Made by `mkdtemp`: a name
+another local user cannot guess and take first in the shared /tmp.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -130,14 +130,6 @@ def command(spec: EngineSpec, host: str, port: int, vllm_bin: str) -> list[str]:
     ]
 
 
-def rpc_dir(log_path: Path) -> Path:
-    """The folder of an engine's ZeroMQ sockets: short (a socket's path
-    holds 107 bytes, and vLLM adds a uuid), named after the engine's log
-    (unique on the node, and in the record an agent adopts from)."""
-    digest = hashlib.blake2b(str(log_path).encode(), digest_size=6).hexdigest()
-    return Path(tempfile.gettempdir()) / f"llmgw-rpc-{digest}"
-
-
 def environment(spec: EngineSpec, rpc: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # Our own secrets are not the engine's business.
@@ -196,6 +188,8 @@ class EngineProcess:
         # Whether the group of a dead engine was cleared: after that its pgid
         # is never signalled again, as the number may be reused.
         self._cleared = False
+        # A vLLM engine's folder of ZeroMQ sockets (VLLM_RPC_BASE_PATH).
+        self.rpc: Path | None = None
 
     @classmethod
     def adopt(cls, record: dict[str, Any]) -> EngineProcess | None:
@@ -209,8 +203,8 @@ class EngineProcess:
         if start_ticks(pid) != ticks:
             # Gone (killed with the agent, as in a node's crash): what it
             # left of its sockets goes too.
-            if record.get("engine") == "vllm":
-                shutil.rmtree(rpc_dir(Path(record["log"])), ignore_errors=True)
+            if record.get("rpc"):
+                shutil.rmtree(record["rpc"], ignore_errors=True)
             return None
         spec = EngineSpec(replica_id=record["replica_id"], model=record["model"],
                           weights=record["weights"], engine=record["engine"],
@@ -219,6 +213,7 @@ class EngineProcess:
                           engine_args=tuple(record.get("engine_args") or ()))
         proc = cls(spec, record["host"], int(record["port"]), Path(record["log"]))
         proc._pid, proc._ticks = pid, ticks
+        proc.rpc = Path(record["rpc"]) if record.get("rpc") else None
         return proc
 
     def record(self) -> dict[str, Any]:
@@ -228,7 +223,8 @@ class EngineProcess:
                 "engine_args": list(self.spec.engine_args),
                 "engine": self.spec.engine,
                 "gpus": list(self.spec.gpus), "host": self.host, "port": self.port,
-                "log": str(self.log_path), "pid": self.pid, "ticks": self._ticks}
+                "log": str(self.log_path), "pid": self.pid, "ticks": self._ticks,
+                "rpc": str(self.rpc) if self.rpc is not None else None}
 
     def runs(self, spec: EngineSpec) -> bool:
         """Whether this engine serves `spec` (keys aside)."""
@@ -245,21 +241,18 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else self._pid
 
-    @property
-    def rpc_dir(self) -> Path | None:
-        return rpc_dir(self.log_path) if self.spec.engine == "vllm" else None
-
     async def start(self, vllm_bin: str) -> None:
         cmd = command(self.spec, self.host, self.port, vllm_bin)
-        rpc = self.rpc_dir
-        if rpc is not None:
-            self._remove_rpc_dir()  # an earlier engine's, killed with the agent
-            rpc.mkdir(mode=0o700)
+        self._remove_rpc_dir()  # an earlier start's
+        if self.spec.engine == "vllm":
+            # A name no other user can guess and take first; 23 bytes, well
+            # within a socket path's 107 with vLLM's uuid after it.
+            self.rpc = Path(tempfile.mkdtemp(prefix="llmgw-rpc-"))
         fd = open_log(self.log_path)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd,
-                env=environment(self.spec, rpc), start_new_session=True,
+                env=environment(self.spec, self.rpc), start_new_session=True,
             )
         finally:
             os.close(fd)
@@ -314,9 +307,9 @@ class EngineProcess:
             os.killpg(self._proc.pid, signal.SIGKILL)
 
     def _remove_rpc_dir(self) -> None:
-        rpc = self.rpc_dir
-        if rpc is not None:
-            shutil.rmtree(rpc, ignore_errors=True)
+        if self.rpc is not None:
+            shutil.rmtree(self.rpc, ignore_errors=True)
+            self.rpc = None
 
     async def stop(self) -> None:
         """SIGTERM to the engine's group, SIGKILL to it after the grace period

@@ -191,7 +191,9 @@ class ChunkedBody:
     at a time, are gathered into one write.
     uvicorn's own state (started, complete, disconnected, its flow control)
     is read, never changed: the response's last message still goes through
-    its send, which writes the final chunk and completes the cycle.
+    its send, which writes the final chunk and completes the cycle. (To
+    gather, the cycle's transport is a holder of its writes for the length
+    of the answer's two messages: uvicorn's send writes through it.)
 
     It holds its cycle weakly: the scope holds it and the cycle holds the
     scope, and a strong reference would make every request a reference
