@@ -256,13 +256,16 @@ class Cluster:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.kill()
-        # Killed with their agents, engines leave their sockets' folders, as
-        # on a node that crashed: what the agents' next start would remove.
-        for p in self.procs:
-            if p.args[:1] == ["agent"]:
-                work = Path(p.args[p.args.index("--work-dir") + 1])
-                for record in load_records(work / "engines.json"):
-                    EngineProcess.adopt(record)
+        # Killed with their agents (in-process ones too), engines leave their
+        # sockets' folders, as on a node that crashed: removed as the agents'
+        # next start would (EngineProcess.adopt of each record, once its
+        # engine is gone).
+        records = [r for f in self.tmp.rglob("engines.json") for r in load_records(f)]
+        deadline = time.monotonic() + 5
+        while records and time.monotonic() < deadline:
+            records = [r for r in records if EngineProcess.adopt(r) is not None]
+            if records:
+                time.sleep(0.05)
 
 
 def make_key(gw: GatewayProc, name: str = "tests") -> str:
