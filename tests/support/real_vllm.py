@@ -165,9 +165,17 @@ def real_fleet(tmp: Path) -> Iterator[RealFleet]:
                         "request_timeout": "25", "drain_seconds": "30",
                         "shutdown_grace_seconds": "10"}
             gws = [cluster.gateway(n, ready_within=60, **settings) for n in ("gw-1", "gw-2")]
-            env = agent_env()
-            agents = {n: cluster.agent(n, gws, "--gpus", "0", env_extra=env)
-                      for n in ("cpu-1", "cpu-2")}
+            # Two nodes on one machine: each engine of vLLM's CPU build binds
+            # its compute threads to the cores it is given, by default the
+            # first (core 0), the others reserved. Both nodes' engines then
+            # shared core 0, and one engine's full batch starved the other:
+            # a two-token completion on the idle one made no token in 25 s
+            # (a 504 in a rehearsal). Each node here gets a core of its own,
+            # as each would on a machine of its own.
+            cores = sorted(os.sched_getaffinity(0))
+            agents = {n: cluster.agent(n, gws, "--gpus", "0", env_extra=agent_env() | {
+                          "VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])})
+                      for i, n in enumerate(("cpu-1", "cpu-2"))}
 
             def seen() -> bool:
                 with gws[0].admin() as admin:
@@ -191,7 +199,7 @@ def real_fleet(tmp: Path) -> Iterator[RealFleet]:
                                          "replicas": {"min": 1, "max": 1},
                                          "profiles": [{"engine": "vllm", "gpus": 0,
                                                        "engine_args": EMBEDDER_ARGS}]})
-            fleet = RealFleet(cluster, gws, agents, make_key(gws[0]), env)
+            fleet = RealFleet(cluster, gws, agents, make_key(gws[0]), agent_env())
             started = time.monotonic()
             fleet.whole()
             chat = time.monotonic() - started
