@@ -29,13 +29,7 @@ import aiohttp
 from app import __version__
 from app.agent import applied, health
 from app.agent.config import AgentConfig
-from app.agent.engines import (
-    EngineProcess,
-    EngineSpec,
-    free_port,
-    load_records,
-    save_records,
-)
+from app.agent.engines import EngineProcess, EngineSpec, free_port, load_records, save_records
 from app.agent.gateway_client import (
     GatewayAPI,
     GatewayClient,

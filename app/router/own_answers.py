@@ -52,16 +52,14 @@ async def send_whole(send: Send, status: int, body: bytes,
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if extra:
         headers += extra
-    if direct is None:
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-        return
-    direct.gather()
+    if direct is not None:
+        direct.gather()
     try:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
     finally:
-        direct.flush()
+        if direct is not None:
+            direct.flush()
 
 
 def error_event(message: str, code: str) -> bytes:
