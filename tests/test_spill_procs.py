@@ -7,6 +7,7 @@ replica as before (docs/design/catalog.md, "Spill-over")."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import signal
 import time
@@ -126,6 +127,14 @@ def slow_provider(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+def overflow_routed(gw: GatewayProc) -> bool:
+    """Whether `gw` routes model m's spills to "remote", and "remote" itself."""
+    with gw.admin() as admin:
+        route = admin.get("/admin/routes", params={"model": "m"}).json()
+        remote = admin.get("/admin/routes", params={"model": "remote"}).json()
+    return route.get("overflow") == "remote" and bool(remote.get("endpoints"))
+
+
 def billed(provider: str) -> int:
     """The tokens the provider served (its own count: what it bills)."""
     seen = samples(scrape_text(provider))
@@ -169,13 +178,7 @@ def test_fifty_spills_at_once_stay_within_the_budget_and_one_reservation(
         except openai.APIStatusError as exc:
             return exc
 
-    def routed() -> bool:
-        with gw.admin() as admin:
-            route = admin.get("/admin/routes", params={"model": "m"}).json()
-            remote = admin.get("/admin/routes", params={"model": "remote"}).json()
-        return route.get("overflow") == "remote" and bool(remote.get("endpoints"))
-
-    wait_for(routed, 15, "m's overflow routed")
+    wait_for(lambda: overflow_routed(gw), 15, "m's overflow routed")
     with ThreadPoolExecutor(50) as pool:
         answers = list(pool.map(lambda _: ask(created["key"]), range(50)))
     served = [a for a in answers if not isinstance(a, openai.APIStatusError)]
@@ -230,14 +233,8 @@ def test_spills_over_three_gateways_of_two_workers_stay_within_the_budget(
     one = reservation(body, len(json.dumps(body, separators=(",", ":")).encode()),
                       DEFAULT_RESERVE)
 
-    def routed(gw: GatewayProc) -> bool:
-        with gw.admin() as admin:
-            route = admin.get("/admin/routes", params={"model": "m"}).json()
-            remote = admin.get("/admin/routes", params={"model": "remote"}).json()
-        return route.get("overflow") == "remote" and bool(remote.get("endpoints"))
-
     for gw in gws:
-        wait_for(lambda gw=gw: routed(gw), 20, f"m's overflow routed on {gw.name}")  # type: ignore[misc]
+        wait_for(functools.partial(overflow_routed, gw), 20, f"m's overflow routed on {gw.name}")
 
     def ask(gw: GatewayProc, key: str) -> str:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
