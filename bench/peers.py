@@ -287,6 +287,17 @@ def start_floor(tmp: Path, core: int | None, upstream: str, key: str,
     return peer
 
 
+def start_tcp_relay(tmp: Path, core: int | None, upstream: str, key: str) -> Peer:
+    port = free_port()
+    proc = Process("relay", pinned(core, [sys.executable, str(BENCH / "tcp_relay.py"), str(port),
+                                          upstream]), tmp / "relay.log").start()
+    # Bytes through as they are: the load generator sends the engine key.
+    peer = Peer("relay", f"http://127.0.0.1:{port}", key, proc,
+                "bytes from one socket to the other on uvloop, nothing parsed (bench/tcp_relay.py)")
+    wait_for(lambda: chat_ok(peer.url, key), 20, "the byte relay", proc.alive)
+    return peer
+
+
 NGINX_CONF = """worker_processes 1;
 daemon off;
 pid {tmp}/nginx.pid;

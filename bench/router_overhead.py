@@ -54,15 +54,21 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
+    return sum(cpu_split(pids))
+
+
+def cpu_split(pids: list[int]) -> tuple[float, float]:
+    """The processes' CPU seconds so far: in user space, in the kernel."""
+    user = kernel = 0.0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
+        user += int(fields[11]) / CLK_TCK
+        kernel += int(fields[12]) / CLK_TCK
+    return user, kernel
 
 
 def group(pgid: int) -> list[int]:

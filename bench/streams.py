@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Concurrent SSE streams per core: llmgw beside vllm-router, nginx and the
-Python floor, in front of one stand-in, stepping up the number of streams.
+"""Concurrent SSE streams per core: llmgw beside vllm-router, nginx, the
+Python floor and a byte relay, in front of one stand-in, stepping up the
+number of streams.
 
 Not a test (pytest never collects bench/). From the repository root:
 
@@ -26,11 +27,17 @@ The client is raw asyncio protocols on uvloop (an aiohttp client costs more
 CPU per chunk than some proxies do). Beside each figure: the proxy's CPU
 share of its core, the stand-in's and the client's, over the step's wall
 time; when the load side's two (on one core) pass 0.9, the step measures the
-load side, and the row says so.
+load side, and the row says so. The proxy's CPU a chunk is split into user
+space (its own code and its runtime's) and the kernel (the reads and writes
+every proxy makes): the kernel's share is much the same for all, so the
+user figure is what a proxy's design decides. `relay` (bench/tcp_relay.py)
+is the least any Python proxy on uvloop can spend a chunk: bytes from one
+socket written to the other, nothing parsed.
 
 Writes its section of bench/RESULTS.md (bench/sections.py); the last line
 (also printed last):
-`streams: llmgw_clean=N vllmrouter_clean=N nginx_clean=N floor_clean=N direct_clean=N`.
+`streams: llmgw_clean=N vllmrouter_clean=N nginx_clean=N floor_clean=N relay_clean=N
+direct_clean=N` and each target's streams per core.
 """
 
 from __future__ import annotations
@@ -62,9 +69,9 @@ import peers  # noqa: E402
 import sections  # noqa: E402
 from loop_seen import LoopSeen, between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
-from router_overhead import cpu_seconds, group  # noqa: E402
+from router_overhead import cpu_seconds, cpu_split, group  # noqa: E402
 
-TARGETS = ("direct", "llmgw", "llmgw-granian", "vllm-router", "nginx", "floor")
+TARGETS = ("direct", "llmgw", "llmgw-granian", "vllm-router", "nginx", "floor", "relay")
 STAMP = re.compile(rb"@(\d+\.\d+) ")
 LOAD_SIDE_BUSY = 0.9
 
@@ -78,6 +85,7 @@ class Step:
     first_error: str = ""
     wall: float = 0.0
     proxy_util: float = float("nan")
+    proxy_user_util: float = float("nan")  # of proxy_util, what ran in user space
     standin_util: float = 0.0
     client_util: float = 0.0
     added_p99_ms: float = float("nan")
@@ -90,6 +98,13 @@ class Step:
         steadier than delays on a shared machine, where the proxy gets a
         share of its core that moves from minute to minute."""
         return self.proxy_util * self.wall / self.chunks * 1e6 if self.chunks else float("nan")
+
+    def user_kernel_per_chunk_us(self) -> tuple[float, float]:
+        """CPU per chunk split: in the proxy's own code (and its runtime's),
+        in the kernel (the system calls every proxy makes)."""
+        whole = self.cpu_per_chunk_us()
+        user = whole * self.proxy_user_util / self.proxy_util if self.proxy_util else float("nan")
+        return user, whole - user
 
     def per_core(self, chunk_s: float) -> float:
         """Streams one whole core would carry at this CPU per chunk (a
@@ -225,12 +240,14 @@ def measure(runner: asyncio.Runner, peer: Peer, n: int, pids: list[int], standin
     step = Step(peer.name, n, limit_ms=args.limit_ms)
     steady = args.steady
     chunks = round((args.ramp + steady) / (args.chunk_ms / 1e3))
-    p0, s0, c0, t0 = cpu_seconds(pids), cpu_seconds([standin]), sum(os.times()[:2]), \
+    p0, s0, c0, t0 = cpu_split(pids), cpu_seconds([standin]), sum(os.times()[:2]), \
         time.monotonic()
     runner.run(run_step(peer, n, chunks, args.chunk_ms / 1e3, args.ramp, steady, step))
     step.wall = time.monotonic() - t0
     if pids:
-        step.proxy_util = (cpu_seconds(pids) - p0) / step.wall
+        p1 = cpu_split(pids)
+        step.proxy_util = (sum(p1) - sum(p0)) / step.wall
+        step.proxy_user_util = (p1[0] - p0[0]) / step.wall
     step.standin_util = (cpu_seconds([standin]) - s0) / step.wall
     step.client_util = (sum(os.times()[:2]) - c0) / step.wall
     return step
@@ -279,17 +296,19 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
         "core 1. CPU columns: share of one core over the step. A row whose stand-in + client "
         f"pass {LOAD_SIDE_BUSY} measured the load side, not the proxy.", "",
         "| target | streams | clean | delay p50/p99 ms | added p99 ms | proxy CPU "
-        "| stand-in CPU | client CPU | proxy CPU/chunk us | streams/core at that CPU "
-        "| first problem |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| stand-in CPU | client CPU | proxy CPU/chunk us | of which user/kernel us "
+        "| streams/core at that CPU | first problem |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in steps:
         busy = s.standin_util + s.client_util > LOAD_SIDE_BUSY
+        user, kernel = s.user_kernel_per_chunk_us()
         out.append(
             f"| {s.target} | {s.streams} | {s.clean} | "
             f"{load.pct(s.delays, .5) * 1e3:.1f}/{s.p99_ms():.1f} | {s.added_p99_ms:.1f} | "
             f"{s.proxy_util:.2f} | {s.standin_util:.2f} | {s.client_util:.2f}"
             f"{' (load side busy)' if busy else ''} | {s.cpu_per_chunk_us():.1f} | "
+            f"{user:.1f}/{kernel:.1f} | "
             f"{s.per_core(args.chunk_ms / 1e3):.0f} | {s.first_error or '-'} |")
     out += ["", "Targets: " + "; ".join(f"{k}: {v}" for k, v in notes.items()), ""]
     seen = [s for s in steps if s.loop is not None]
@@ -323,16 +342,16 @@ def largest_clean(steps: list[Step], target: str) -> int:
 
 def summary(steps: list[Step], args: argparse.Namespace) -> str:
     names = {"llmgw": "llmgw", "llmgw-granian": "granian", "vllm-router": "vllmrouter",
-             "nginx": "nginx", "floor": "floor", "direct": "direct"}
+             "nginx": "nginx", "floor": "floor", "relay": "relay", "direct": "direct"}
     first: dict[str, Step] = {}
     for s in steps:
         first.setdefault(s.target, s)
     per_core = " ".join(f"{names[t]}_per_core={first[t].per_core(args.chunk_ms / 1e3):.0f}"
-                        for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx", "floor")
-                        if t in first)
+                        for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx", "floor",
+                                  "relay") if t in first)
     return "streams: " + " ".join(f"{names[t]}_clean={largest_clean(steps, t)}"
                                   for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx",
-                                            "floor", "direct")) \
+                                            "floor", "relay", "direct")) \
         + (" " + per_core if per_core else "")
 
 
@@ -361,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "cluster mode (etcd), through the agent's engine"),
                 "llmgw-granian": gw.start_granian,
                 "floor": lambda: peers.start_floor(tmp, proxy_core, up, key),
+                "relay": lambda: peers.start_tcp_relay(tmp, proxy_core, up, key),
                 "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
                 "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,
                                                                args.vllm_router_venv),

@@ -102,20 +102,31 @@ class StreamRelay:
         # (run()); a usage event owed before [DONE] needs the task.
         self._direct: DirectBody | None = None if self._owed else call.direct
 
-    def _transforms(self) -> list[Transform]:
-        """The stream's chain, from what was decided when it was built. Held
-        by the pump's frame, never by the relay: its bound methods would
-        make the relay a reference cycle, garbage only the collector frees."""
-        chain: list[Transform] = []
-        if self._decoder is not None:
-            chain.append(self._inflate)
-        if self._framed:
-            chain.append(self._frame)
-        if self._splice is not None:
-            chain.append(self._spliced)
-        if self._framed and self._call.meter is not None:
-            chain.append(self._call.meter.read_events)  # usage noted, maybe cut
-        return chain
+    def _through(self) -> Transform:
+        """The stream's chain as one function, from what was decided when it
+        was built: a transform a stream lacks costs a chunk one test, and
+        none is called through a loop (each chunk is a few Python calls in
+        all, docs/design/hot-path.md). Held by the pump's frame, never by
+        the relay, which would then hold itself: a reference cycle, garbage
+        only the collector frees."""
+        inflate = self._inflate if self._decoder is not None else None
+        framed = self._framed
+        ends = sse.EVENT_ENDS
+        splice = self._splice
+        meter = self._call.meter if framed else None
+
+        def through(chunk: bytes) -> bytes:
+            if inflate is not None:
+                chunk = inflate(chunk)
+            if framed and (self._tail or not chunk.endswith(ends)):
+                chunk, self._tail = sse.whole_events(self._tail + chunk)
+            if splice is not None and chunk:
+                chunk = splice.pass_on(chunk)  # kept, or rewritten
+            if meter is not None:
+                chunk = meter.read_events(chunk)  # usage noted, maybe cut
+            return chunk
+
+        return through
 
     async def run(self) -> int:
         """Relays the stream to its end; returns the status for metrics."""
@@ -163,15 +174,15 @@ class StreamRelay:
 
     async def _pump(self, chunk: bytes) -> None:
         """Passes chunks on through the chain until the engine's answer ends."""
-        chain = self._transforms()
+        through = self._through()
         if self._direct is not None:
-            await self._piped(chunk, chain, self._direct)
+            await self._piped(chunk, through, self._direct)
         else:
-            await self._sent(chunk, chain)
+            await self._sent(chunk, through)
         if self._splice is not None and self._splice.cut_short():
             raise UpstreamError("the stream ended without [DONE]")
 
-    async def _piped(self, chunk: bytes, chain: list[Transform], direct: DirectBody) -> None:
+    async def _piped(self, chunk: bytes, through: Transform, direct: DirectBody) -> None:
         """The chain run in the engine connection's read callback, each read
         written to the client at once; the task wakes only when the client's
         socket is full, or at the end."""
@@ -179,8 +190,7 @@ class StreamRelay:
         clock = watch.loop.time
 
         def sink(data: bytes) -> bool:
-            for transform in chain:
-                data = transform(data)
+            data = through(data)
             watch.read_since = clock()  # the next read pending from now
             return not data or direct.write(data)
 
@@ -199,14 +209,13 @@ class StreamRelay:
         await direct.drain()
         watch.send_since, watch.read_since = 0.0, clock()
 
-    async def _sent(self, chunk: bytes, chain: list[Transform]) -> None:
+    async def _sent(self, chunk: bytes, through: Transform) -> None:
         """Chunk by chunk, each sent as an ASGI message."""
         call = self._call
         watch, send = call.watch, call.send
         loop = watch.loop
         while chunk:
-            for transform in chain:
-                chunk = transform(chunk)
+            chunk = through(chunk)
             if self._owed:
                 chunk = await self._usage_before_done(chunk)
             if chunk:
@@ -223,15 +232,6 @@ class StreamRelay:
         if self._decoder.unconsumed_tail:
             raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} bytes")
         return chunk
-
-    def _frame(self, chunk: bytes) -> bytes:
-        if self._tail or not chunk.endswith(sse.EVENT_ENDS):
-            chunk, self._tail = sse.whole_events(self._tail + chunk)
-        return chunk
-
-    def _spliced(self, chunk: bytes) -> bytes:
-        assert self._splice is not None
-        return self._splice.pass_on(chunk) if chunk else chunk  # kept, or rewritten
 
     async def _usage_before_done(self, chunk: bytes) -> bytes:
         meter = self._call.meter

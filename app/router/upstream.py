@@ -192,9 +192,14 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
 
     def _flush(self, sink: Sink) -> None:
-        """The buffered body to `sink`, as one piece."""
+        """The buffered body to `sink`, as one piece (taken here, not by
+        `_take`: once a chunk, a call less counts)."""
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
         try:
-            go_on = sink(self._take())
+            go_on = sink(data)
         except Exception as exc:  # the reader's to raise, from pipe()
             self._sink = None
             self._fail(exc)
