@@ -152,6 +152,12 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # (app/gateway/accept.py).
                             loop="app.gateway.accept:Loop",
                             timeout_keep_alive=settings.keep_alive_timeout,
+                            # X-Forwarded-* are read for the admin API and the
+                            # pages only (GatewayApp): not a step of every /v1
+                            # request. And no "server: uvicorn" on every answer:
+                            # a header less through uvicorn's checks, the
+                            # implementation not advertised.
+                            proxy_headers=False, server_header=False,
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
                             ssl_keyfile=settings.tls_key_file)

@@ -303,3 +303,17 @@ def test_agent_reports_are_capped_field_by_field(gw: GatewayProc) -> None:
     assert r.status_code == 200, r.text
     r = httpx.get(gw.url + "/readyz", timeout=10)
     assert r.json()["store"] == "ok"
+
+
+def test_forwarded_headers_are_read_for_the_pages_and_no_answer_names_the_server(
+        gw: GatewayProc) -> None:
+    # uvicorn's X-Forwarded-* rewrite is kept off /v1 (the router reads no
+    # client address) but still serves the rest: a redirect behind a local
+    # TLS-terminating proxy keeps its scheme. No answer says "server: uvicorn".
+    forwarded = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"}
+    r = httpx.get(gw.url + "/docs/", headers=forwarded, follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].startswith("https://"), r.headers
+    v1 = httpx.post(gw.url + "/v1/chat/completions", json={}, headers={"Authorization": "Bearer x"})
+    assert v1.status_code == 401
+    for answer in (r, v1, httpx.get(gw.url + "/healthz")):
+        assert "server" not in answer.headers, answer.headers

@@ -9,7 +9,9 @@ three differently configured gateways in one process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app import __version__
 from app.api import admin, agent, cluster, docs, errors, fabric, fleet, keys, nodes, stats
@@ -44,10 +47,14 @@ class GatewayApp(FastAPI):
 
     The request path skips FastAPI's routing and request objects: measured
     in bench/proxy.py, they cost more CPU per request than the proxying.
+    It skips uvicorn's X-Forwarded-For and X-Forwarded-Proto rewrite too (a
+    coroutine and a walk of the headers a request), which only the rest
+    gets (`admin`): the router reads no client address or scheme.
     """
 
     v1: Proxy
     edge: Edge
+    admin: Any  # this app's FastAPI side, behind uvicorn's proxy-headers rewrite
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -62,7 +69,7 @@ class GatewayApp(FastAPI):
             receive = await self.edge.admit(scope, receive, send)
             if receive is None:
                 return
-        await super().__call__(scope, receive, send)
+        await self.admin(scope, receive, send)
 
 
 def create_app(settings: Settings, campaign: bool = True,
@@ -89,6 +96,11 @@ def create_app(settings: Settings, campaign: bool = True,
     )
     app.state.gateway = gw
     app.v1 = gw.proxy
+    # Whose X-Forwarded-* to believe: uvicorn's own setting, which `llmgw
+    # serve` turns off for the whole app (cli.py) to keep it off /v1.
+    app.admin = ProxyHeadersMiddleware(
+        functools.partial(FastAPI.__call__, app),
+        trusted_hosts=os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1,::1"))
     app.edge = Edge(gw.admin_token, gw.secrets, settings.admin_max_body,
                     settings.agent_max_body)
     errors.install(app, unavailable=StoreUnavailable, full=StoreFull)
