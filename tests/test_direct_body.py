@@ -33,10 +33,18 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     direct = scope.get(DIRECT_BODY)
     path = scope["path"]
     seen[path + ":before"] = direct is not None and direct.usable()
-    if path in ("/whole", "/whole-close"):
+    if path in ("/whole", "/whole-close", "/whole-asgi"):
         extra = [(b"connection", b"close")] if path == "/whole-close" else None
-        await send_whole(send, 200, b'{"answer": "whole"}', extra, direct=direct)
+        sent = []
+
+        async def counted(message: Any) -> None:
+            sent.append(message["type"])
+            await send(message)
+
+        await send_whole(counted, 200, b'{"answer": "whole"}', extra,
+                         direct=None if path == "/whole-asgi" else direct)
         seen[path] = direct is not None and direct.usable()
+        seen[path + ":messages"] = sent
         return
     if path == "/plain":
         await send({"type": "http.response.start", "status": 200,
@@ -165,6 +173,7 @@ async def test_a_request_leaves_no_reference_cycle(server: int) -> None:
         for _ in range(20):
             await ask(server, get("/stream"), conn)
             await ask(server, get("/plain"), conn)
+            await ask(server, get("/whole"), conn)
         gc.collect()
         left = [o for o in gc.garbage if isinstance(o, (RequestResponseCycle, ChunkedBody))]
     finally:
@@ -173,7 +182,7 @@ async def test_a_request_leaves_no_reference_cycle(server: int) -> None:
         conn[1].close()
     # Each would be a request's cycle, scope and body writer, freed only by
     # a collection: its pause grows with the requests served since the last.
-    assert left == [], f"{len(left)} objects of 40 requests left to the collector"
+    assert left == [], f"{len(left)} objects of 60 requests left to the collector"
 
 
 def data_segments_in(sock: socket.socket) -> int:
@@ -199,5 +208,38 @@ async def test_a_whole_answer_leaves_in_one_write(server: int, path: str) -> Non
         if path == "/whole-close":
             assert await asyncio.wait_for(r.read(), 5) == b""  # closed after the answer
         assert seen[path] is False  # complete: no direct write after it
+    finally:
+        w.close()
+
+
+async def test_a_whole_answer_is_written_as_uvicorn_writes_it_without_its_messages(
+        server: int) -> None:
+    """The direct answer skips uvicorn's send (two ASGI messages, its
+    header checks) and writes the very bytes it would have (date aside)."""
+    r, w = await asyncio.open_connection("127.0.0.1", server)
+    try:
+        answers = []
+        for path in ("/whole", "/whole-asgi", "/whole"):  # one kept connection
+            raw, body = await ask(server, get(path), (r, w))
+            assert body == b'{"answer": "whole"}'
+            answers.append(b"\r\n".join(line for line in raw.split(b"\r\n")
+                                         if not line.startswith(b"date: ")))
+        assert seen["/whole:messages"] == []
+        assert seen["/whole-asgi:messages"] == ["http.response.start", "http.response.body"]
+        assert answers[0] == answers[1] == answers[2], answers
+    finally:
+        w.close()
+
+
+async def test_a_request_pipelined_behind_a_direct_answer_is_served(server: int) -> None:
+    r, w = await asyncio.open_connection("127.0.0.1", server)
+    try:
+        w.write(get("/whole") + get("/whole"))  # both at once: the second waits
+        got = b""
+        while got.count(b'{"answer": "whole"}') < 2:
+            more = await asyncio.wait_for(r.read(65536), 5)
+            assert more, got
+            got += more
+        assert got.count(b"HTTP/1.1 200 OK\r\n") == 2
     finally:
         w.close()

@@ -369,8 +369,8 @@ async def test_a_request_leaves_no_garbage_for_the_collector(
         assert (await call.next())["status"] == 200
         await call.rest()
         await asyncio.wait_for(call.task, 2)
-        # Where the server offers it, a whole answer leaves in one write.
-        assert call.gathered == (1 if direct and body is not STREAM else 0)
+        # Where the server offers it, a whole answer is written directly.
+        assert call.answered == (1 if direct and body is not STREAM else 0)
 
     await one()  # warm: what the first request builds once
     gc.collect()

@@ -41,7 +41,13 @@ import time
 import weakref
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from app.router.access import ARRIVED
 from app.router.direct_body import DIRECT_BODY
@@ -226,13 +232,15 @@ class ChunkedBody:
     """A request's `DirectBody` (app/router/direct_body.py) on uvicorn's
     cycle: a stream's chunk goes to the socket in one write, framed as
     uvicorn frames it, with none of the ASGI send's per-message steps; a
-    whole answer's head and body, which uvicorn's send writes one message
-    at a time, are gathered into one write.
-    uvicorn's own state (started, complete, disconnected, its flow control)
-    is read, never changed: the response's last message still goes through
-    its send, which writes the final chunk and completes the cycle. (To
-    gather, the cycle's transport is a holder of its writes for the length
-    of the answer's two messages: uvicorn's send writes through it.)
+    whole answer is written and ended as uvicorn's send would, without its
+    two messages (`answer`), or else its head and body, which uvicorn's send
+    writes one message at a time, are gathered into one write.
+    A stream's state in uvicorn (started, complete, disconnected, its flow
+    control) is read, never changed: its last message still goes through
+    uvicorn's send, which writes the final chunk and completes the cycle.
+    `answer` changes what uvicorn's send would, as it would. (To gather,
+    the cycle's transport is a holder of its writes for the length of the
+    answer's two messages: uvicorn's send writes through it.)
 
     It holds its cycle weakly: the scope holds it and the cycle holds the
     scope, and a strong reference would make every request a reference
@@ -260,6 +268,35 @@ class ChunkedBody:
         c = self._cycle()
         if c is not None and c.flow.write_paused and not c.disconnected:
             await c.flow.drain()
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        # What uvicorn's send does for a start and a last body message of
+        # a response with its length, in one step: the head built here (its
+        # status line, its default headers, its checks of names and values,
+        # one search each), then its end of a response (complete, the
+        # request's event set, a close if not kept alive, the protocol told).
+        c = self._cycle()
+        if (c is None or c.response_started or c.disconnected or c.flow.write_paused
+                or c.scope["method"] == "HEAD"):
+            return False
+        every = [*c.default_headers, *headers]
+        if (HEADER_RE.search(b"".join([name for name, _ in every]))
+                or HEADER_VALUE_RE.search(b"\t".join([value for _, value in every]))):
+            return False  # uvicorn's send refuses it, as before
+        if (b"connection", b"close") in headers:
+            c.keep_alive = False
+        elif not c.keep_alive:
+            every.append((b"connection", b"close"))
+        c.response_started = True
+        c.waiting_for_100_continue = False
+        c.transport.write(b"".join([STATUS_LINE[status],
+                                    *[b"%s: %s\r\n" % h for h in every], b"\r\n", body]))
+        c.response_complete = True
+        c.message_event.set()
+        if not c.keep_alive:
+            c.transport.close()
+        c.on_response()
+        return True
 
     def gather(self) -> None:
         # uvicorn's send writes through the cycle's `transport`: for a

@@ -1,6 +1,6 @@
 """What a server may offer the relay: a stream's body written straight to
 the client's socket, without an ASGI message per chunk, and a whole
-answer's head and body gathered into one write (docs/design/hot-path.md,
+answer written in one write without its two messages (docs/design/hot-path.md,
 "A stream's chunks" and "A whole answer in one write").
 
 `llmgw serve`'s server offers it in the request's scope under `DIRECT_BODY`
@@ -33,6 +33,14 @@ class DirectBody(Protocol):
 
     async def drain(self) -> None:
         """Returns once the client's socket takes writes again (or it is gone)."""
+        ...
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Writes a whole answer (`headers` lower-case, its length among
+        them), head and body in one write, and ends the response as the
+        server's own two messages would. False when it cannot (the response
+        started, the client's socket is full or gone, a HEAD request, a
+        header the server would refuse): the caller sends the messages."""
         ...
 
     def gather(self) -> None:

@@ -46,13 +46,16 @@ async def send_whole(send: Send, status: int, body: bytes,
                      extra: list[tuple[bytes, bytes]] | None = None,
                      content_type: bytes = b"application/json",
                      direct: DirectBody | None = None) -> None:
-    """A whole answer with its length (`extra`: more headers). With the
-    server's `direct` (and `send` its own), its head and body leave in one
-    write (DirectBody.gather)."""
+    """A whole answer with its length (`extra`: more headers, lower-case).
+    With the server's `direct` (and `send` its own), it is written in one
+    write without its two ASGI messages (DirectBody.answer), or else its
+    head and body are gathered into one write (DirectBody.gather)."""
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if extra:
         headers += extra
     if direct is not None:
+        if direct.answer(status, headers, body):
+            return
         direct.gather()
     try:
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -251,6 +251,7 @@ class AsgiCall:
         self.stop_reading = False  # set: every later send blocks (a client not reading)
         self.direct_writes = 0
         self.gathered = 0  # whole answers gathered into one write
+        self.answered = 0  # whole answers written directly, without messages
         self._started = self._complete = False
         self._body: bytes | None = json.dumps(body).encode()
         scope: dict[str, Any] = {
@@ -277,6 +278,16 @@ class AsgiCall:
     async def drain(self) -> None:
         if self.stop_reading:
             await asyncio.Event().wait()  # a client that never reads again
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        if self._started or self.stop_reading:
+            return False
+        self.answered += 1
+        self._started = self._complete = True
+        self.sent.put_nowait({"type": "http.response.start", "status": status,
+                              "headers": headers})
+        self.sent.put_nowait({"type": "http.response.body", "body": body, "more_body": False})
+        return True
 
     def gather(self) -> None:
         assert not self._started, "gathered after the response began"
