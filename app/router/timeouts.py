@@ -40,6 +40,8 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 LISTEN_AFTER = 0.25
 # How late a watch's check may run: the width of one slot of `Alarms`.
 ALARM_SLOT = 0.02
+# The event loop's clock and timers are to the millisecond (libuv's).
+_LOOP_CLOCK = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +126,11 @@ class Alarms:
         if self._timer is not None:
             self._timer.cancel()
         self._rung_for = k
-        self._timer = self._loop.call_at(k * ALARM_SLOT, self._ring)
+        # A millisecond after the slot's end: uvloop rounds a timer's delay
+        # to the millisecond and reads a clock cached to it, so a timer for
+        # the very end could ring before it, find nothing due and arm again
+        # for a delay of nothing, turn after turn until the clock moved.
+        self._timer = self._loop.call_at(k * ALARM_SLOT + _LOOP_CLOCK, self._ring)
 
     def _ring(self) -> None:
         self._timer, self._rung_for = None, 0
