@@ -356,6 +356,11 @@ class Rig:
             if m.proc is not None:
                 m.proc.stop()
         kill_tagged(self.tag)
+        # The engines killed leave their sockets' folders, as on a crashed
+        # node: removed as their agents' next start would.
+        from app.agent.engines import sweep_gone
+
+        sweep_gone(self.tmp, 5)
 
 
 def kill_tagged(tag: str) -> None:

@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -386,6 +387,20 @@ def load_records(path: Path) -> list[dict[str, Any]]:
         logger.warning("ignoring unreadable %s: %s", path, exc)
         return []
     return list(records)
+
+
+def sweep_gone(root: Path, within: float) -> None:
+    """For every agent's record under `root` (its engines.json): removes
+    what an engine killed with its agent left (its sockets' folder), as
+    that agent's next start would, waiting up to `within` seconds for the
+    engines to be gone. For the harnesses that kill whole fleets (the test
+    suite's, bench/chaos_rig.py's)."""
+    records = [r for f in root.rglob("engines.json") for r in load_records(f)]
+    deadline = time.monotonic() + within
+    while records and time.monotonic() < deadline:
+        records = [r for r in records if EngineProcess.adopt(r) is not None]
+        if records:
+            time.sleep(0.05)
 
 
 def save_records(path: Path, procs: Iterable[EngineProcess]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from app.agent.engines import EngineProcess, load_records
+from app.agent.engines import sweep_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_BIN = ROOT / "tests" / "fakes" / "bin"
@@ -258,14 +258,8 @@ class Cluster:
             p.kill()
         # Killed with their agents (in-process ones too), engines leave their
         # sockets' folders, as on a node that crashed: removed as the agents'
-        # next start would (EngineProcess.adopt of each record, once its
-        # engine is gone).
-        records = [r for f in self.tmp.rglob("engines.json") for r in load_records(f)]
-        deadline = time.monotonic() + 5
-        while records and time.monotonic() < deadline:
-            records = [r for r in records if EngineProcess.adopt(r) is not None]
-            if records:
-                time.sleep(0.05)
+        # next start would.
+        sweep_gone(self.tmp, 5)
 
 
 def make_key(gw: GatewayProc, name: str = "tests") -> str:
