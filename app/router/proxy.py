@@ -47,7 +47,7 @@ from app.router.request_read import ClientGone, has_body, headers_of, parse_json
 from app.router.responses import ProviderIds
 from app.router.spill import Spill
 from app.router.table import RouteTable
-from app.router.timeouts import Alarms, Timeouts, Watch
+from app.router.timeouts import Timeouts, Watch
 from app.router.upstream import UpstreamClient
 from app.router.usage.estimates import ask_for_usage
 from app.router.usage.limits import Limiter, Ticket
@@ -133,7 +133,6 @@ class Proxy:
                                      observer.prompt_counted if observer else None)
         self._upstreams.prompts = self._counts  # a stream's asked-for usage (relay.py)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._alarms: Alarms | None = None  # the watches' one timer (timeouts.py)
         self._polls: UpstreamClient | None = None
         # Engines' own load, read off the request path with a client of its own.
         self.loads = EngineLoadPoller(table, lambda: self._polls)
@@ -145,7 +144,6 @@ class Proxy:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._alarms = Alarms(self._loop)
         self._polls = UpstreamClient(_POLL_CONNECT)
         self._polling = asyncio.create_task(self.loads.run(), name="engine-loads")
 
@@ -275,7 +273,7 @@ class Proxy:
         # its claim to be raised (docs/design/client-keys.md).
         ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
         return Call(
-            ex, Watch(receive, self._timeouts, ex.started, self._alarms), send, model,
+            ex, Watch(receive, self._timeouts, ex.started, self._loop), send, model,
             f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True,
             meter=ticket.meter, grant=grant, ticket=ticket, affinity=affinity,
             # The client's bytes go on untouched when nothing was rewritten:
@@ -293,7 +291,7 @@ class Proxy:
             grant.id, plan.model, grant.limits, grant.gateways)
         if plan.stream:
             ticket.meter.body = plan.estimate  # estimated from, if cut short
-        watch = Watch(receive, self._timeouts, ex.started, self._alarms)
+        watch = Watch(receive, self._timeouts, ex.started, self._loop)
         return Call(
             ex, watch, plan.sender(send), plan.model,
             f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream,

@@ -5,8 +5,7 @@ of six reasons (`Why`): the client went away, the request's deadline passed,
 a stream's first byte did not come in time, a stream went silent, its
 client stopped taking what it is sent, or the gateway's stop ran out of
 grace (`cut()`). One
-watch per request, armed once its body is read: a place in its proxy's
-`Alarms` (one loop timer for every watch, no timer armed per request), and a
+watch per request, armed once its body is read: one timer handle, and a
 listener task on the ASGI `receive` only for a request still open
 `LISTEN_AFTER` seconds after it arrived (the timer starts it): a task per
 request was the largest single cost of a plain one (bench/README.md). A
@@ -26,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import heapq
-import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +35,6 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 # disconnect. What it costs: an engine may go on this long for a client that
 # left (a plain request finishing sooner never gets a listener task).
 LISTEN_AFTER = 0.25
-# How late a watch's check may run: the width of one slot of `Alarms`.
-ALARM_SLOT = 0.02
-# The event loop's clock and timers are to the millisecond (libuv's).
-_LOOP_CLOCK = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,78 +72,6 @@ class Why(enum.Enum):
     SHUTDOWN = "shutdown"
 
 
-class Alarms:
-    """The watches' one loop timer: a watch due at time T sits in the slot of
-    T rounded up to `ALARM_SLOT`, and the timer rings for the earliest slot
-    that holds one. A request costs a set insertion and a removal instead
-    of a loop timer armed and cancelled (under uvloop a libuv handle made,
-    started, stopped and closed: some 2.4 us of CPU, the close run in the
-    loop's next turn): most requests end before their first check is due
-    (`LISTEN_AFTER`). A check runs at most `ALARM_SLOT` late. Empty slots
-    leave when their time comes: at most one per slot's width up to the
-    furthest due time (the requests' deadline), so the slots stay bounded."""
-
-    __slots__ = ("_due", "_loop", "_rung_for", "_slots", "_timer")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._slots: dict[int, set[Watch]] = {}
-        self._due: list[int] = []  # the slots, a heap
-        self._timer: asyncio.TimerHandle | None = None
-        self._rung_for = 0  # the slot the timer is armed for (0: none)
-
-    def add(self, watch: Watch, due: float) -> int:
-        """`watch` checked at `due` (loop time) or within a slot after; its slot."""
-        k = math.ceil(due / ALARM_SLOT)
-        if k * ALARM_SLOT < due:  # rounded below by the float division
-            k += 1
-        slot = self._slots.get(k)
-        if slot is None:
-            slot = self._slots[k] = set()
-            heapq.heappush(self._due, k)
-            if not self._rung_for or k < self._rung_for:
-                self._arm(k)
-        slot.add(watch)
-        return k
-
-    def remove(self, watch: Watch, k: int) -> None:
-        slot = self._slots.get(k)
-        if slot is not None:
-            slot.discard(watch)
-
-    def pending(self) -> int:
-        """Watches waiting for a check (tests)."""
-        return sum(len(s) for s in self._slots.values())
-
-    def _arm(self, k: int) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._rung_for = k
-        # A millisecond after the slot's end: uvloop rounds a timer's delay
-        # to the millisecond and reads a clock cached to it, so a timer for
-        # the very end could ring before it, find nothing due and arm again
-        # for a delay of nothing, turn after turn until the clock moved.
-        self._timer = self._loop.call_at(k * ALARM_SLOT + _LOOP_CLOCK, self._ring)
-
-    def _ring(self) -> None:
-        self._timer, self._rung_for = None, 0
-        now, due, slots = self._loop.time(), self._due, self._slots
-        ripe: list[set[Watch]] = []
-        while due and due[0] * ALARM_SLOT <= now:
-            slot = slots.pop(heapq.heappop(due), None)
-            if slot:
-                ripe.append(slot)
-        # Checked once the ripe slots are out: a check that sets its watch
-        # again lands in a later slot, for a later ring.
-        for slot in ripe:
-            for watch in slot:
-                watch._check()
-        while due and not slots.get(due[0]):  # emptied by watches that closed
-            slots.pop(heapq.heappop(due), None)
-        if due and not self._rung_for:
-            self._arm(due[0])
-
-
 class Watch:
     """Cancels the current task when its client leaves or a limit expires.
 
@@ -170,19 +91,15 @@ class Watch:
     reading nothing, its socket full) expires too.
     """
 
-    __slots__ = ("_alarms", "_armed", "_deadline", "_first", "_limit", "_listen_at",
-                 "_listener", "_loop", "_receive", "_slot", "_task", "_timeouts", "read_since",
-                 "send_since", "why")
+    __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listen_at", "_listener", "_loop",
+                 "_receive", "_task", "_timeouts", "_timer", "read_since", "send_since", "why")
 
     def __init__(self, receive: Receive, timeouts: Timeouts, started: float,
-                 alarms: Alarms | None = None) -> None:
-        """`started`: the loop's time at the request's arrival; `alarms`:
-        the running loop's, shared by the watches of one proxy (without,
-        the watch has its own)."""
-        if alarms is None:
-            alarms = Alarms(asyncio.get_running_loop())
-        self._alarms = alarms
-        self._loop = alarms._loop
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """`started`: the loop's time at the request's arrival; `loop`: the
+        running loop, when the caller has it (Python 3.11 asks the kernel
+        for the process id on each `get_running_loop()`: a system call)."""
+        self._loop = loop or asyncio.get_running_loop()
         task = asyncio.current_task(self._loop)
         assert task is not None, "a Watch runs inside the request's task"
         self._task = task
@@ -197,7 +114,7 @@ class Watch:
         self._receive = receive
         self._listener: asyncio.Future[None] | None = None  # started by the timer
         self._listen_at = started + LISTEN_AFTER
-        self._slot = alarms.add(self, min(self._deadline, self._listen_at))
+        self._timer = self._loop.call_at(min(self._deadline, self._listen_at), self._check)
 
     def expect_first_byte(self) -> None:
         """A stream attempt starts: its first body byte is due within the limit."""
@@ -237,14 +154,14 @@ class Watch:
     def close(self) -> None:
         if self._armed:
             self._armed = False
-            self._alarms.remove(self, self._slot)
+            self._timer.cancel()
             if self._listener is not None:
                 self._listener.cancel()
 
     def _fire(self, why: Why) -> None:
         if self._armed and self.why is None:
             self.why = why
-            self._alarms.remove(self, self._slot)
+            self._timer.cancel()
             self._task.cancel()
 
     def _left(self, f: asyncio.Future[None]) -> None:
@@ -253,18 +170,16 @@ class Watch:
             self._fire(Why.CLIENT_GONE)
 
     def _schedule(self, due: float) -> None:
-        self._alarms.remove(self, self._slot)
+        self._timer.cancel()
         if self._listener is None:
             due = min(due, self._listen_at)
-        self._slot = self._alarms.add(self, min(due, self._deadline))
+        self._timer = self._loop.call_at(min(due, self._deadline), self._check)
 
     def _listen(self) -> None:
         self._listener = self._loop.create_task(_disconnect(self._receive))
         self._listener.add_done_callback(self._left)
 
     def _check(self) -> None:
-        if not self._armed:
-            return  # closed while its slot rang
         now = self._loop.time()
         if self._listener is None and self._armed and now >= self._listen_at:
             self._listen()
