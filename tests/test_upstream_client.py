@@ -494,3 +494,44 @@ async def test_a_piped_body_cut_short_raises(client: UpstreamClient) -> None:
         assert client.idle_count() == 0
     finally:
         await srv.close()
+
+
+async def test_the_engine_s_time_ends_when_its_answer_arrives_not_when_it_is_read(
+        client: UpstreamClient) -> None:
+    """`Response.engine_seconds` (the engine's share, left out of the
+    gateway's own-time histogram): from the request written to the arrival
+    of what its reader was given. A reader that gets to an answer 0.4 s
+    after it came (its loop busy elsewhere) is the gateway's delay, not the
+    engine's 0.2 s; a stream's piped chunks do not move it."""
+    def slow(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            await asyncio.sleep(0.2)
+            writer.write(OK)
+            await writer.drain()
+            await srv.read_request(reader)
+            await asyncio.sleep(0.2)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            writer.write(b"2\r\ncd\r\n0\r\n\r\n")
+            await writer.drain()
+        return handle
+
+    srv, url = await serve(slow)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        await asyncio.sleep(0.4)  # the answer is here, not yet read
+        assert await r.read() == b"{}"
+        assert 0.2 <= r.engine_seconds() < 0.35, r.engine_seconds()
+        r.close()
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        assert await r.readany() == b"ab"
+        first = r.engine_seconds()
+        assert 0.2 <= first < 0.35, first
+        got: list[bytes] = []
+        assert await r.pipe(lambda data: got.append(data) is None) is True
+        assert got == [b"cd"] and r.engine_seconds() == first
+        r.close()
+    finally:
+        await srv.close()

@@ -259,7 +259,7 @@ class Upstreams:
         """Read whole: nothing has reached the client yet, so a failure here
         is still retried, and the answer keeps its length."""
         answer = await upstream.read()
-        call.ex.upstream_wait += perf_counter() - call.sent
+        call.ex.upstream_wait += upstream.engine_seconds()
         call.watch.close()  # the answer is whole: a client leaving now changes nothing
         if call.meter is not None and upstream.status == 200:
             answer = call.meter.read_answer(answer, upstream.headers.get("content-encoding"))

@@ -26,6 +26,11 @@ client does that and nothing more; see docs/design/routing.md.
   goes to the relay's sink at once, inside this protocol's callback, with no
   task woken per chunk; the sink holds the pipe when its client must be
   waited for, and the socket is not read until it is piped again.
+* The engine's own time is timed where it can be seen (`Response.engine_seconds`):
+  from the request's last byte handed to the kernel to the arrival of what
+  the reader was last given, so that composing the request, waking the
+  reader and parsing the answer count as the gateway's (its own-time
+  histogram, docs/design/metrics.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable
+from time import perf_counter
 from typing import cast
 
 import httptools
@@ -88,6 +94,14 @@ class Response:
         connection broke first; what the sink raised, raised here."""
         return await self._conn.pipe(sink)
 
+    def engine_seconds(self) -> float:
+        """The engine's time on this request so far: from its last byte
+        handed to the kernel to the arrival of the read that brought what
+        the reader was last given (the head, a stream's first chunk, a whole
+        answer's end). Not advanced while the body is piped."""
+        c = self._conn
+        return max(c.heard_at - c.sent_at, 0.0)
+
     def close(self) -> None:
         self._conn.finish()
 
@@ -111,6 +125,10 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self.idle_since = 0.0
         self._busy = False  # an exchange is on: from send() to finish()
+        # `time.perf_counter()` when the request was written, and when the
+        # last read came that was not piped (Response.engine_seconds).
+        self.sent_at = 0.0
+        self.heard_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -142,6 +160,7 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError("the server closed the connection"))
         else:
             self._transport.write(data)
+        self.sent_at = self.heard_at = perf_counter()
         return self._head
 
     async def read_some(self) -> bytes:
@@ -241,6 +260,8 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.received = True
+        if self._sink is None:  # a piped chunk is timed by nobody
+            self.heard_at = perf_counter()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
