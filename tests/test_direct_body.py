@@ -32,7 +32,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     direct = scope.get(DIRECT_BODY)
     path = scope["path"]
-    seen[path + ":before"] = direct is not None and direct.usable()
+    seen[path + ":before"] = direct is not None and direct.writer() is not None
     if path in ("/whole", "/whole-close", "/whole-asgi"):
         extra = [(b"connection", b"close")] if path == "/whole-close" else None
         sent = []
@@ -43,28 +43,29 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
         await send_whole(counted, 200, b'{"answer": "whole"}', extra,
                          direct=None if path == "/whole-asgi" else direct)
-        seen[path] = direct is not None and direct.usable()
+        seen[path] = direct is not None and direct.writer() is not None
         seen[path + ":messages"] = sent
         return
     if path == "/plain":
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", b"2")]})
-        seen["/plain"] = direct is not None and direct.usable()
+        seen["/plain"] = direct is not None and direct.writer() is not None
         await send({"type": "http.response.body", "body": b"{}"})
         return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
-    seen[path] = direct is not None and direct.usable()
+    seen[path] = direct is not None and direct.writer() is not None
     if path == "/stream" and seen[path]:
+        write = direct.writer()
         for chunk in CHUNKS:
-            if not direct.write(chunk):
+            if not write(chunk):
                 await direct.drain()
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
     elif path == "/flood" and seen[path]:
-        full = 0
+        full, write = 0, direct.writer()
         for _ in range(2000):  # 128 MiB: far more than any socket holds
-            if not direct.write(b"x" * 65536):
+            if not write(b"x" * 65536):
                 full += 1
                 seen["/flood:full"] = full
                 await asyncio.wait_for(direct.drain(), 0.3)

@@ -39,8 +39,10 @@ import logging
 import termios
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -252,17 +254,12 @@ class ChunkedBody:
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)
 
-    def usable(self) -> bool:
+    def writer(self) -> Callable[[bytes], bool] | None:
         c = self._cycle()
-        return (c is not None and c.response_started and not c.response_complete
-                and c.chunked_encoding is True and c.scope["method"] != "HEAD")
-
-    def write(self, chunk: bytes) -> bool:
-        c = self._cycle()
-        if c is None or c.disconnected:
-            return True  # dropped, as uvicorn's send drops it
-        c.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        return not c.flow.write_paused
+        if (c is None or not c.response_started or c.response_complete
+                or c.chunked_encoding is not True or c.scope["method"] == "HEAD"):
+            return None
+        return _ChunkWriter(c.transport, c.flow).write
 
     async def drain(self) -> None:
         c = self._cycle()
@@ -312,6 +309,27 @@ class ChunkedBody:
             held = c.transport
             c.transport = held.real
             held.flush()
+
+
+class _ChunkWriter:
+    """A stream's chunks to its client's socket, framed as uvicorn frames
+    them: the transport and the flow control it reads, held directly (a
+    chunk reads two objects, not the cycle through a weak reference). A
+    transport closing is a client gone (uvicorn's `disconnected` is set as
+    it closes): the chunk is dropped, as uvicorn's send drops it."""
+
+    __slots__ = ("_flow", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, flow: FlowControl) -> None:
+        self._transport = transport
+        self._flow = flow
+
+    def write(self, chunk: bytes) -> bool:
+        t = self._transport
+        if t.is_closing():
+            return True
+        t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return not self._flow.write_paused
 
 
 class _Gathered:

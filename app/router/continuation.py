@@ -111,7 +111,7 @@ class Splice:
             return self._rewrite(events)
         if self._kept is not None:
             self._size += len(events)
-            if self._size > MAX_KEPT or b"data: [DONE]" in events:
+            if self._size > MAX_KEPT or events.find(b"data: [DONE]") >= 0:  # find: meter.py
                 self._kept = None
             else:
                 self._kept.append(events)

@@ -10,6 +10,7 @@ other server the relay sends ASGI messages, as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 # The scope key of a request's `DirectBody`, where its server offers one.
@@ -20,15 +21,15 @@ class DirectBody(Protocol):
     """A started response's body, written as it comes; the response still
     ends with its last ASGI message (`more_body: False`)."""
 
-    def usable(self) -> bool:
-        """Whether the started response takes direct writes (chunked, not
-        HEAD, not complete); asked once, after `http.response.start`."""
-        ...
-
-    def write(self, chunk: bytes) -> bool:
-        """Writes one non-empty chunk of the body; False when the client's
-        socket is full and `drain()` must be awaited before the next. A
-        client gone: the chunk is dropped, as the ASGI send drops it."""
+    def writer(self) -> Callable[[bytes], bool] | None:
+        """The started response's writer of body chunks, or None when it
+        takes none (not chunked, a HEAD request, complete); asked once,
+        after `http.response.start`. The writer writes one non-empty chunk
+        and returns False when the client's socket is full and `drain()`
+        must be awaited before the next; a client gone, the chunk is
+        dropped, as the ASGI send drops it. It holds what it writes to,
+        nothing of the request: a stream's chunk touches as little as the
+        server allows (docs/design/hot-path.md, "A stream's chunks")."""
         ...
 
     async def drain(self) -> None:

@@ -8,7 +8,7 @@ continuation.py), `meter` (its usage noted, the usage-only event the client
 did not ask for cut, the answer's model renamed, usage/limits.py) and, for an
 engine that sends no usage event, `usage_before_done` (usage/stream_usage.py).
 Which transforms a stream has is decided once, from its first answer's
-headers, when `StreamRelay` is built.
+headers, when `StreamRelay` is built: its `_Chain`.
 
 A stream's response starts only with the engine's first body byte (vLLM
 sends its headers before the prefill): until then nothing has reached the
@@ -33,15 +33,16 @@ from typing import Protocol
 
 from app.router import own_answers, sse
 from app.router.call import Call
-from app.router.continuation import Resumed, resumable, resume
+from app.router.continuation import Resumed, Splice, resumable, resume
 from app.router.direct_body import DirectBody
 from app.router.engine_headers import passed_on
 from app.router.published import Endpoint
 from app.router.request_line import UpstreamError
 from app.router.table import RouteTable
-from app.router.timeouts import Timeouts, Why, past_deadline
+from app.router.timeouts import Timeouts, Watch, Why, past_deadline
 from app.router.upstream import Response, UpstreamClient
 from app.router.usage import stream_usage
+from app.router.usage.meter import Meter
 from app.router.usage.prompt_count import PromptCounter
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,50 @@ class Upstreams(Protocol):
     client: UpstreamClient
     prompts: PromptCounter | None
     continued: Callable[[str, str], None] | None
+
+
+class _Chain:
+    """A stream's transforms, as decided once when its relay was built, and
+    the rest of a piped chunk's way (`take`): everything a chunk reads is a
+    slot of this one object, so that a chunk touches few objects (with
+    thousands of streams, each chunk finds them out of the CPU's caches:
+    docs/design/hot-path.md, "A stream's chunks"). A transform a stream
+    lacks costs a chunk one test. It holds nothing of the relay, which
+    holds it."""
+
+    __slots__ = ("clock", "framed", "inflate", "meter", "splice", "tail", "watch", "write")
+    # Set when piped (StreamRelay._piped): where `take` writes, and the
+    # watch it tells when the next read became pending.
+    write: Callable[[bytes], bool]
+    watch: Watch
+    clock: Callable[[], float]
+
+    def __init__(self, inflate: Transform | None, framed: bool, splice: Splice | None,
+                 meter: Meter | None) -> None:
+        self.inflate = inflate
+        self.framed = framed
+        self.splice = splice
+        self.meter = meter
+        self.tail = b""  # the start of an event not yet whole (framed only)
+
+    def through(self, chunk: bytes) -> bytes:
+        """What the client gets of `chunk`."""
+        if self.inflate is not None:
+            chunk = self.inflate(chunk)
+        if self.framed and (self.tail or not chunk.endswith(sse.EVENT_ENDS)):
+            chunk, self.tail = sse.whole_events(self.tail + chunk)
+        if self.splice is not None and chunk:
+            chunk = self.splice.pass_on(chunk)  # kept, or rewritten
+        if self.meter is not None:
+            chunk = self.meter.read_events(chunk)  # usage noted, maybe cut
+        return chunk
+
+    def take(self, data: bytes) -> bool:
+        """A piped read (upstream.py's `Sink`): through, timed, written;
+        False when the client's socket is full."""
+        data = self.through(data)
+        self.watch.read_since = self.clock()  # the next read pending from now
+        return not data or self.write(data)
 
 
 class StreamRelay:
@@ -91,7 +136,6 @@ class StreamRelay:
                         and (encoding is None or self._decoder is not None))
         if not self._framed or self._decoder is not None:
             self._splice = None
-        self._tail = b""  # the start of an event not yet whole (framed only)
         meter = call.meter
         # A usage event the client asked for and the engine never sends, put
         # before [DONE] (usage/stream_usage.py); `_earlier`: the events sent so far.
@@ -101,32 +145,8 @@ class StreamRelay:
         # Piped once the response has started, if the server allows it
         # (run()); a usage event owed before [DONE] needs the task.
         self._direct: DirectBody | None = None if self._owed else call.direct
-
-    def _through(self) -> Transform:
-        """The stream's chain as one function, from what was decided when it
-        was built: a transform a stream lacks costs a chunk one test, and
-        none is called through a loop (each chunk is a few Python calls in
-        all, docs/design/hot-path.md). Held by the pump's frame, never by
-        the relay, which would then hold itself: a reference cycle, garbage
-        only the collector frees."""
-        inflate = self._inflate if self._decoder is not None else None
-        framed = self._framed
-        ends = sse.EVENT_ENDS
-        splice = self._splice
-        meter = self._call.meter if framed else None
-
-        def through(chunk: bytes) -> bytes:
-            if inflate is not None:
-                chunk = inflate(chunk)
-            if framed and (self._tail or not chunk.endswith(ends)):
-                chunk, self._tail = sse.whole_events(self._tail + chunk)
-            if splice is not None and chunk:
-                chunk = splice.pass_on(chunk)  # kept, or rewritten
-            if meter is not None:
-                chunk = meter.read_events(chunk)  # usage noted, maybe cut
-            return chunk
-
-        return through
+        self._chain = _Chain(self._inflate if self._decoder is not None else None, self._framed,
+                             self._splice, meter if self._framed else None)
 
     async def run(self) -> int:
         """Relays the stream to its end; returns the status for metrics."""
@@ -144,11 +164,10 @@ class StreamRelay:
                 await call.send({"type": "http.response.start",
                                  "status": self._upstream.status, "headers": self._headers()})
                 call.ex.answered = perf_counter()
-            if self._direct is not None and not self._direct.usable():
-                self._direct = None
+            write = self._direct.writer() if self._direct is not None else None
             while True:
                 try:
-                    await self._pump(chunk)
+                    await self._pump(chunk, write)
                     break
                 except (UpstreamError, zlib.error) as exc:
                     again = await self._broken(exc)
@@ -163,7 +182,8 @@ class StreamRelay:
         finally:
             self._close()
         call.watch.close()
-        await call.send({"type": "http.response.body", "body": self._tail, "more_body": False})
+        await call.send({"type": "http.response.body", "body": self._chain.tail,
+                         "more_body": False})
         return self._upstream.status
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
@@ -172,32 +192,27 @@ class StreamRelay:
         return [*headers, (b"content-type", self._content_type.encode()),
                 (b"cache-control", b"no-cache")]
 
-    async def _pump(self, chunk: bytes) -> None:
+    async def _pump(self, chunk: bytes, write: Callable[[bytes], bool] | None) -> None:
         """Passes chunks on through the chain until the engine's answer ends."""
-        through = self._through()
-        if self._direct is not None:
-            await self._piped(chunk, through, self._direct)
+        if write is not None:
+            await self._piped(chunk, write)
         else:
-            await self._sent(chunk, through)
+            await self._sent(chunk)
         if self._splice is not None and self._splice.cut_short():
             raise UpstreamError("the stream ended without [DONE]")
 
-    async def _piped(self, chunk: bytes, through: Transform, direct: DirectBody) -> None:
+    async def _piped(self, chunk: bytes, write: Callable[[bytes], bool]) -> None:
         """The chain run in the engine connection's read callback, each read
         written to the client at once; the task wakes only when the client's
         socket is full, or at the end."""
-        watch = self._call.watch
-        clock = watch.loop.time
-
-        def sink(data: bytes) -> bool:
-            data = through(data)
-            watch.read_since = clock()  # the next read pending from now
-            return not data or direct.write(data)
-
-        if chunk and not sink(chunk):
+        direct = self._direct
+        assert direct is not None
+        chain, watch = self._chain, self._call.watch
+        chain.write, chain.watch, chain.clock = write, watch, watch.loop.time
+        if chunk and not chain.take(chunk):
             await self._drained(direct)
-        watch.read_since = clock()
-        while not await self._upstream.pipe(sink):
+        watch.read_since = chain.clock()
+        while not await self._upstream.pipe(chain.take):
             await self._drained(direct)
         watch.read_since = 0.0
 
@@ -209,9 +224,9 @@ class StreamRelay:
         await direct.drain()
         watch.send_since, watch.read_since = 0.0, clock()
 
-    async def _sent(self, chunk: bytes, through: Transform) -> None:
+    async def _sent(self, chunk: bytes) -> None:
         """Chunk by chunk, each sent as an ASGI message."""
-        call = self._call
+        call, through = self._call, self._chain.through
         watch, send = call.watch, call.send
         loop = watch.loop
         while chunk:
@@ -268,7 +283,7 @@ class StreamRelay:
                                     "broke off the stream.", "upstream_error")
             return None
         self._resumed = again
-        self._upstream, self._ep, self._tail = again.upstream, again.ep, b""
+        self._upstream, self._ep, self._chain.tail = again.upstream, again.ep, b""
         call.watch.streaming()
         return again.first
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 import socket
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -264,11 +264,11 @@ class AsgiCall:
 
     # --- the DirectBody a server offers (direct=True) ---------------------------------
 
-    def usable(self) -> bool:
-        return self._started and not self._complete
+    def writer(self) -> Callable[[bytes], bool] | None:
+        return self._write if self._started and not self._complete else None
 
-    def write(self, chunk: bytes) -> bool:
-        assert self.usable() and chunk
+    def _write(self, chunk: bytes) -> bool:
+        assert self._started and not self._complete and chunk
         self.direct_writes += 1
         if self.stop_reading:
             return False  # buffered in the socket, never read: full

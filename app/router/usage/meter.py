@@ -89,7 +89,10 @@ class Meter:
         if done:
             self.ended = True
         self.events += chunk.count(b"data:") - done
-        if b'"usage"' not in chunk:  # most events: no parse at all
+        # Most events: no parse at all. (`find`, not `in`: on bytes, `in`
+        # first tries its operand as an integer, and makes and drops a
+        # TypeError each time: a stream's chunk pays for it.)
+        if chunk.find(b'"usage"') < 0:
             return chunk
         # OpenAI's `"usage": null` on every chunk once asked: counted, not
         # split (a key cannot appear unescaped inside a JSON string).
