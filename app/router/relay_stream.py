@@ -53,9 +53,6 @@ _MAX_INFLATED = 16 * 1024 * 1024
 # The status a metric records for a client that left (nginx's convention).
 CLIENT_GONE = 499
 
-Transform = Callable[[bytes], bytes]
-
-
 class Upstreams(Protocol):
     """What a stream's relay uses of relay.py's `Upstreams`."""
 
@@ -73,18 +70,19 @@ class _Chain:
     thousands of streams, each chunk finds them out of the CPU's caches:
     docs/design/hot-path.md, "A stream's chunks"). A transform a stream
     lacks costs a chunk one test. It holds nothing of the relay, which
-    holds it."""
+    holds it (a bound method of the relay here would make every stream a
+    reference cycle for the collector: tests/test_request_life.py)."""
 
-    __slots__ = ("clock", "framed", "inflate", "meter", "splice", "tail", "watch", "write")
+    __slots__ = ("clock", "decoder", "framed", "meter", "splice", "tail", "watch", "write")
     # Set when piped (StreamRelay._piped): where `take` writes, and the
     # watch it tells when the next read became pending.
     write: Callable[[bytes], bool]
     watch: Watch
     clock: Callable[[], float]
 
-    def __init__(self, inflate: Transform | None, framed: bool, splice: Splice | None,
+    def __init__(self, decoder: zlib._Decompress | None, framed: bool, splice: Splice | None,
                  meter: Meter | None) -> None:
-        self.inflate = inflate
+        self.decoder = decoder  # a compressed stream's, inflated here
         self.framed = framed
         self.splice = splice
         self.meter = meter
@@ -92,8 +90,10 @@ class _Chain:
 
     def through(self, chunk: bytes) -> bytes:
         """What the client gets of `chunk`."""
-        if self.inflate is not None:
-            chunk = self.inflate(chunk)
+        if self.decoder is not None:
+            chunk = self.decoder.decompress(chunk, _MAX_INFLATED)
+            if self.decoder.unconsumed_tail:
+                raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} bytes")
         if self.framed and (self.tail or not chunk.endswith(sse.EVENT_ENDS)):
             chunk, self.tail = sse.whole_events(self.tail + chunk)
         if self.splice is not None and chunk:
@@ -145,8 +145,8 @@ class StreamRelay:
         # Piped once the response has started, if the server allows it
         # (run()); a usage event owed before [DONE] needs the task.
         self._direct: DirectBody | None = None if self._owed else call.direct
-        self._chain = _Chain(self._inflate if self._decoder is not None else None, self._framed,
-                             self._splice, meter if self._framed else None)
+        self._chain = _Chain(self._decoder, self._framed, self._splice,
+                             meter if self._framed else None)
 
     async def run(self) -> int:
         """Relays the stream to its end; returns the status for metrics."""
@@ -240,13 +240,6 @@ class StreamRelay:
             watch.read_since = loop.time()
             chunk = await self._upstream.readany()
             watch.read_since = 0.0
-
-    def _inflate(self, chunk: bytes) -> bytes:
-        assert self._decoder is not None
-        chunk = self._decoder.decompress(chunk, _MAX_INFLATED)
-        if self._decoder.unconsumed_tail:
-            raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} bytes")
-        return chunk
 
     async def _usage_before_done(self, chunk: bytes) -> bytes:
         meter = self._call.meter
