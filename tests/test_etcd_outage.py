@@ -79,7 +79,7 @@ def test_routing_survives_etcd_down_and_writes_refuse_cleanly(
         assert r.status_code == 200 and body["status"] == "ready", body
         assert body["store"].startswith("unreachable: etcd "), body
         assert stopped - 5 < body["since"] <= time.time(), body
-        assert gw.output().count(UNREACHABLE_LINE) == 1, gw.output()
+        assert gw.logged(UNREACHABLE_LINE).count(UNREACHABLE_LINE) == 1, gw.output()
 
         own_etcd.start()
         wait_for(lambda: httpx.put(gw.url + "/admin/models/other", json={"model": "x"},
@@ -89,7 +89,7 @@ def test_routing_survives_etcd_down_and_writes_refuse_cleanly(
         assert routes(gw, key, "m")
         body = readyz(gw).json()
         assert body["store"] == "ok" and "since" not in body, body
-        log = gw.output()
+        log = gw.logged(BACK_LINE)
         assert log.count(UNREACHABLE_LINE) == 1 and log.count(BACK_LINE) == 1, log
         assert "Traceback" not in log
     finally:
@@ -124,7 +124,7 @@ def test_a_gateway_cut_off_from_etcd_says_so_once_and_answers_writes_503(
         assert r.status_code == 503 and body["status"] == "loading", body
         assert body["store"].startswith("unreachable: ") and reason in body["store"], body
         assert time.time() - 60 < body["since"] <= time.time(), body
-        log = gw.output()
+        log = gw.logged(UNREACHABLE_LINE)
         (line,) = [ln for ln in log.splitlines() if UNREACHABLE_LINE in ln]
         assert f"etcd at {endpoint} {UNREACHABLE_LINE}" in line and reason in line, line
         assert "Traceback" not in log

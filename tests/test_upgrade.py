@@ -354,7 +354,7 @@ def test_agent_upgrades_itself_and_keeps_its_engines(cluster: Cluster, tmp_path:
     # The same agent process, re-executed; the same engine, adopted.
     assert agent.popen is not None and agent.popen.pid == pid_before
     assert agent.popen.poll() is None
-    assert f"adopted engine of {served.replica['id']}" in agent.output()
+    agent.logged(f"adopted engine of {served.replica['id']}")
     assert engine_pid(served.replica["url"]) == served.pid
     installed = subprocess.run([python, "-c", "import app; print(app.__file__)"],
                                capture_output=True, text=True, cwd=tmp_path, check=True)

@@ -171,6 +171,15 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def logged(self, text: str, timeout: float = 5.0) -> str:
+        """The output once it holds `text`. A process's log lines reach its
+        file in batches, a writer thread's every 50 ms (app/logs.py): a
+        line an event was logged with can come after the event is seen
+        through the API."""
+        out: str = wait_for(lambda: (lambda o: o if text in o else None)(self.output()),
+                            timeout, f"{text!r} in {self.name}'s output")
+        return out
+
 
 @dataclass
 class GatewayProc(Proc):
