@@ -78,3 +78,31 @@ async def test_a_stream_waiting_for_its_first_byte_is_listened_to_after_listen_a
     assert client.asked == 1  # listening now
     client.leave.set()
     assert await asyncio.wait_for(task, 1) is Why.CLIENT_GONE
+
+
+async def test_a_streams_limits_arm_no_timer_while_one_rings_first() -> None:
+    # A stream's first-byte and idle limits come after the listener's
+    # start: the timer armed at arrival serves; none is armed or cancelled
+    # for them. One due earlier than the armed timer is armed at once.
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting(when: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+        armed.append(when)
+        return call_at(when, callback, *args, **kw)
+
+    loop.call_at = counting  # type: ignore[method-assign]
+    try:
+        started = loop.time()
+        watch = Watch(Client().receive, Timeouts(), started)
+        watch.expect_first_byte()
+        watch.streaming()
+        assert armed == [started + timeouts.LISTEN_AFTER]
+        short = Watch(Client().receive, Timeouts(first_byte=0.05), started)
+        short.expect_first_byte()
+        assert len(armed) == 3 and armed[2] == short.read_since + 0.05
+        watch.close()
+        short.close()
+    finally:
+        del loop.call_at  # type: ignore[method-assign]

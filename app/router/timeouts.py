@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,8 +92,9 @@ class Watch:
     reading nothing, its socket full) expires too.
     """
 
-    __slots__ = ("_armed", "_deadline", "_first", "_limit", "_listen_at", "_listener", "_loop",
-                 "_receive", "_task", "_timeouts", "_timer", "read_since", "send_since", "why")
+    __slots__ = ("_armed", "_deadline", "_due", "_first", "_limit", "_listen_at", "_listener",
+                 "_loop", "_receive", "_task", "_timeouts", "_timer", "read_since", "send_since",
+                 "why")
 
     def __init__(self, receive: Receive, timeouts: Timeouts, started: float,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -114,7 +116,13 @@ class Watch:
         self._receive = receive
         self._listener: asyncio.Future[None] | None = None  # started by the timer
         self._listen_at = started + LISTEN_AFTER
-        self._timer = self._loop.call_at(min(self._deadline, self._listen_at), self._check)
+        # When the armed timer rings (inf: none armed). A limit set later
+        # moves it only earlier: one that rings early finds nothing due
+        # and arms itself for what is (a stream's first byte and idle
+        # limits come after the listener's start, so its timer is armed
+        # once, not three times).
+        self._due = min(self._deadline, self._listen_at)
+        self._timer = self._loop.call_at(self._due, self._check)
 
     def expect_first_byte(self) -> None:
         """A stream attempt starts: its first body byte is due within the limit."""
@@ -155,6 +163,7 @@ class Watch:
         if self._armed:
             self._armed = False
             self._timer.cancel()
+            self._due = math.inf
             if self._listener is not None:
                 self._listener.cancel()
 
@@ -162,6 +171,7 @@ class Watch:
         if self._armed and self.why is None:
             self.why = why
             self._timer.cancel()
+            self._due = math.inf
             self._task.cancel()
 
     def _left(self, f: asyncio.Future[None]) -> None:
@@ -170,16 +180,21 @@ class Watch:
             self._fire(Why.CLIENT_GONE)
 
     def _schedule(self, due: float) -> None:
-        self._timer.cancel()
         if self._listener is None:
             due = min(due, self._listen_at)
-        self._timer = self._loop.call_at(min(due, self._deadline), self._check)
+        due = min(due, self._deadline)
+        if due >= self._due:
+            return  # the armed timer rings first, and looks again
+        self._timer.cancel()
+        self._due = due
+        self._timer = self._loop.call_at(due, self._check)
 
     def _listen(self) -> None:
         self._listener = self._loop.create_task(_disconnect(self._receive))
         self._listener.add_done_callback(self._left)
 
     def _check(self) -> None:
+        self._due = math.inf  # rung: none armed
         now = self._loop.time()
         if self._listener is None and self._armed and now >= self._listen_at:
             self._listen()
