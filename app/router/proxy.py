@@ -48,6 +48,7 @@ from app.router.responses import ProviderIds
 from app.router.spill import Spill
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch
+from app.router.turns import Turns
 from app.router.upstream import UpstreamClient
 from app.router.usage.estimates import ask_for_usage
 from app.router.usage.limits import Limiter, Ticket
@@ -133,6 +134,7 @@ class Proxy:
                                      observer.prompt_counted if observer else None)
         self._upstreams.prompts = self._counts  # a stream's asked-for usage (relay.py)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._turns: Turns | None = None  # made with the loop (start())
         self._polls: UpstreamClient | None = None
         # Engines' own load, read off the request path with a client of its own.
         self.loads = EngineLoadPoller(table, lambda: self._polls)
@@ -144,6 +146,7 @@ class Proxy:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._turns = Turns(self._loop)
         self._polls = UpstreamClient(_POLL_CONNECT)
         self._polling = asyncio.create_task(self.loads.run(), name="engine-loads")
 
@@ -175,13 +178,18 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
-        assert self._loop is not None, "Proxy.start() was not awaited"
+        assert self._loop is not None and self._turns is not None, \
+            "Proxy.start() was not awaited"
         started = self._loop.time()
         ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         # From when its server began to read it, where the server says
         # (app/gateway/slowclients.py): its parse and scheduling are the
         # gateway's time too (`Outcome.gateway`).
         ex.arrived = scope.get(ARRIVED) or time.perf_counter()
+        # In a burst, a few begin each loop turn (turns.py).
+        wait = self._turns.begin()
+        if wait is not None:
+            await wait
         try:
             await self._serve(scope, receive, send, ex)
         except OverLimit as over:
