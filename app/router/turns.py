@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-# Requests begun per loop turn while others wait. At 8 a turn's new work is
-# about 2 ms of this gateway's CPU; 256 streams started at once then keep
-# every chunk within 20 ms (bench/RESULTS.md, "New requests take turns").
-PER_TURN = 8
+# Requests begun per loop turn while others wait: a turn's new work is then
+# a few milliseconds of CPU. At 8 and at 16, 512 streams started at once
+# kept every chunk within 25 ms; 8 cost c=64 some 10 us a request (more
+# requests waited a turn), 16 nothing measurable (bench/RESULTS.md, "New
+# requests take turns").
+PER_TURN = 16
 
 
 class Turns:
