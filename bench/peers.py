@@ -390,6 +390,9 @@ def start_vllm_router(tmp: Path, core: int | None, upstream: str, key: str,
     proc = Process("vllm-router", pinned(core, [
         str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream,
         "--policy", "round_robin", "--log-level", "warning", "--log-dir", str(tmp / "vr"),
+        # Its metrics on a port of its own: the default (29000) held by any
+        # other copy makes it exit at start.
+        "--prometheus-port", str(free_port()),
         # One core, like every proxy here (its runtime otherwise sizes itself to the machine).
         ]), tmp / "vllm-router.log",
         dict(os.environ) | {"TOKIO_WORKER_THREADS": "1"}).start()
