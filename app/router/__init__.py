@@ -11,6 +11,7 @@ route, body, model, admission) builds a `call.Call`, which `relay` sends
 
 Modules:
 - `proxy`: the ASGI app at /v1: the edge's stages, /v1/models, the access line.
+- `turns`: a burst's requests begin a few a loop turn, beside the streams flowing.
 - `call`: `Call`, one request on its way to a replica, read by every stage.
 - `outcome`: `Outcome`, how a request ended, told to the gateway's observers.
 - `relay`: forward, attempts on one replica after another, a whole answer.
