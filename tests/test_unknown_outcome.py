@@ -95,4 +95,4 @@ def test_a_key_whose_outcome_stays_unknown_is_named_and_revoked(
     # It was saved (the write reached etcd), and is revoked once etcd answers.
     wait_for(lambda: stored_key_ids(etcd, etcd_prefix) == set(), 10, "the unseen key revoked")
     assert gw.admin().get(f"/admin/keys/{body['id']}").status_code == 404
-    wait_for(lambda: "its key was never shown" in gw.output(), 5, "the revocation logged")
+    gw.logged("its key was never shown")  # the revocation

@@ -176,9 +176,11 @@ class Proc:
         file in batches, a writer thread's every 50 ms (app/logs.py): a
         line an event was logged with can come after the event is seen
         through the API."""
-        out: str = wait_for(lambda: (lambda o: o if text in o else None)(self.output()),
-                            timeout, f"{text!r} in {self.name}'s output")
-        return out
+        def holding() -> str | None:
+            out = self.output()
+            return out if text in out else None
+        found: str = wait_for(holding, timeout, f"{text!r} in {self.name}'s output")
+        return found
 
 
 @dataclass
