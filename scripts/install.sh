@@ -14,19 +14,37 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# The interpreter. The gateway's hot path is the interpreter's own loop, so
+# how CPython was built shows in every request: one built without profile-
+# guided optimization and LTO (pyenv's default, /root/.pyenv on the
+# project's machines) spends 10-25% more CPU a request than the
+# distribution's, which Debian and Ubuntu build with both
+# (docs/design/hot-path.md, "The interpreter"). So the venv is made on the
+# distribution's python3 when it is 3.11 or newer; LLMGW_PYTHON names
+# another.
+PY="${LLMGW_PYTHON:-}"
+if [ -z "$PY" ]; then
+  if /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    PY=/usr/bin/python3
+  else
+    PY=python3
+  fi
+fi
+
 need_apt=()
 command -v curl >/dev/null || need_apt+=(curl)
 command -v gcc >/dev/null || need_apt+=(build-essential)
 command -v cmake >/dev/null || need_apt+=(cmake)
-python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
-python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+"$PY" -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+"$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' 2>/dev/null \
   || need_apt+=(python3-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+echo "llmgw's interpreter: $(.venv/bin/python -c 'import sys; print(sys.version.split()[0], sys._base_executable)')"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --upgrade pip
 
