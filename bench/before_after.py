@@ -7,10 +7,16 @@ share of its core over it).
 
     git archive BASE | tar -x -C /tmp/before
     python bench/before_after.py /tmp/before 4 4 bench/RESULTS-hotpath.md
+
+Or one tree on two interpreters (each a venv's python with llmgw's
+dependencies): the "before" gateway on `--before-python`.
+
+    python bench/before_after.py . 8 3 /tmp/interp.md --before-python /tmp/venv-pyenv/bin/python
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -25,14 +31,26 @@ for p in (str(ROOT), str(ROOT / "bench")):
 
 import load  # noqa: E402
 import peers  # noqa: E402
+import sections  # noqa: E402
 from router_overhead import cpu_seconds  # noqa: E402
 
 Row = tuple[float, float, float, float, float, int]  # req/s, CPU/req us, share, p50, p99, errors
 
 
 def main() -> None:
-    before_root, dur, rounds, out = (Path(sys.argv[1]).resolve(), float(sys.argv[2]),
-                                     int(sys.argv[3]), Path(sys.argv[4]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("before", type=Path, help="the tree the 'before' gateway runs")
+    ap.add_argument("duration", type=float, help="seconds of wrk a point")
+    ap.add_argument("rounds", type=int, help="points a concurrency, alternated")
+    ap.add_argument("out", type=Path, help="where the run's lines are written")
+    ap.add_argument("--before-python", default=sys.executable,
+                    help="the 'before' gateway's interpreter (default: this one)")
+    ap.add_argument("--section", default="",
+                    help="write the run as this section of OUT (bench/sections.py), "
+                    "headed by --title, instead of OUT whole")
+    ap.add_argument("--title", default="llmgw before/after, one run (bench/before_after.py)")
+    args = ap.parse_args()
+    before_root, dur, rounds, out = args.before.resolve(), args.duration, args.rounds, args.out
     os.sched_setaffinity(0, {1})
     lines: list[str] = []
 
@@ -43,10 +61,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
-    a, b = peers.Llmgw(tmp / "a", 0, 1), peers.Llmgw(tmp / "b", 0, 1)
+    a = peers.Llmgw(tmp / "a", 0, 1, python=args.before_python)
+    b = peers.Llmgw(tmp / "b", 0, 1)
     res: dict[tuple[str, int], list[Row]] = {}
-    say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_root}, after = "
-        f"{ROOT}; {dur:g} s a point, {rounds} rounds")
+    say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_root} on "
+        f"{peers.interpreter(a.python)}, after = {ROOT} on {peers.interpreter(b.python)}; "
+        f"{dur:g} s a point, {rounds} rounds")
     try:
         peers.ROOT = before_root  # the processes' cwd: `python -m app.cli` runs that code
         a.start()
@@ -83,8 +103,11 @@ def main() -> None:
             f"({med(aa, 0) / med(bb, 0):.2f}); p50 {med(bb, 3):.2f} -> {med(aa, 3):.2f} ms; "
             f"p99 {med(bb, 4):.2f} -> {med(aa, 4):.2f} ms; errors "
             f"{sum(x[5] for x in bb)} / {sum(x[5] for x in aa)}")
-    out.write_text("# llmgw before/after, one run (bench/before_after.py)\n\n```\n"
-                   + "\n".join(lines) + "\n```\n")
+    text = f"## {args.title}\n\n```\n" + "\n".join(lines) + "\n```\n"
+    if args.section:
+        sections.replace_section(out, args.section, text)
+    else:
+        out.write_text(text)
 
 
 if __name__ == "__main__":

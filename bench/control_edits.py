@@ -153,7 +153,7 @@ async def edits(count: int, preload: Callable[[str, str], Awaitable[str]]) -> li
 
 
 async def preload(endpoint: str, prefix: str, f: Any) -> None:
-    """The fleet's state in etcd (`f`: a control_scale.Fleet), 100 keys per
+    """The fleet's state in etcd (`f`: a control_fleet.Fleet), 100 keys per
     transaction."""
     from app.control import state as s
     from app.store.base import Put

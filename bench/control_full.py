@@ -27,7 +27,7 @@ def full(fleet_of: object, node_count: int, waiting: int) -> tuple[
         dict[str, s.ReplicaStatus], dict[str, float]]:
     """`node_count` nodes x 8 GPUs, every GPU held by a replica of 4 GPUs
     (node_count / 2 models x 4 replicas), and `waiting` models of one
-    4-GPU replica placed nowhere. `fleet_of` is control_scale.fleet."""
+    4-GPU replica placed nowhere. `fleet_of` is control_fleet.fleet."""
     f = fleet_of(node_count, node_count // 2, 4)  # type: ignore[operator]
     models = {name: s.StoredModel.model_validate(spec.model_dump() | {"gpus": GPUS_PER_REPLICA})
               for name, spec in f.models.items()}

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def churn(nodes: int, seconds: int, writes_per_s: int, keep: bool) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
-    from control_scale import fleet
+    from control_fleet import fleet
 
     from app.gateway.gc_keeper import GcKeeper
 

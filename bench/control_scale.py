@@ -49,7 +49,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +57,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import sections  # noqa: E402
 from control_edits import preload  # noqa: E402
-from control_etcd import inventory  # noqa: E402
+from control_fleet import MODELS, REPLICAS_PER_MODEL, Fleet, fleet  # noqa: E402
 from control_full import full_passes  # noqa: E402
 from control_gc import churn_pauses  # noqa: E402
 from control_profile import pass_profile  # noqa: E402
@@ -70,54 +69,7 @@ from app.control.plan.planner import PlanInput, PlanPolicy, plan, wanted  # noqa
 from app.control.plan.scaling import Scaler  # noqa: E402
 
 GPUS_PER_NODE = 8
-MODELS = 5000
-REPLICAS_PER_MODEL = 4
 NOW = 1_800_000_000.0
-
-
-@dataclass
-class Fleet:
-    models: dict[str, s.StoredModel]
-    nodes: dict[str, s.NodeInfo]
-    replicas: dict[str, s.Replica]
-    statuses: dict[str, s.ReplicaStatus]
-    loads: dict[str, float]
-
-
-def fleet(node_count: int, model_count: int = MODELS,
-          per_model: int = REPLICAS_PER_MODEL) -> Fleet:
-    """Every model's replicas spread round robin, one GPU each, all ready."""
-    models = {
-        f"org/model-{m:04d}": s.StoredModel.model_validate({
-            "name": f"org/model-{m:04d}", "model": f"org/weights-{m:04d}", "gpus": 1,
-            "replicas": {"min": per_model, "max": per_model},
-            "aliases": [f"alias-{m:04d}"]})
-        for m in range(model_count)}
-    nodes = {
-        f"node-{n:05d}": s.NodeInfo.model_validate(
-            inventory(f"node-{n:05d}") | {"address": f"10.{n // 250}.{n % 250}.1"})
-        for n in range(node_count)}
-    names = sorted(nodes)
-    used: dict[str, int] = {}
-    replicas: dict[str, s.Replica] = {}
-    statuses: dict[str, s.ReplicaStatus] = {}
-    loads: dict[str, float] = {}
-    slot = itertools.count()
-    for m, (name, spec) in enumerate(sorted(models.items())):
-        for i in range(per_model):
-            node = names[next(slot) % node_count]
-            gpu = used.get(node, 0)
-            used[node] = gpu + 1
-            rid = f"model-{m:04d}-{i:04x}"
-            prof = spec.profile_list[0]
-            replicas[rid] = s.Replica(
-                id=rid, model=name, node=node, gpus=[gpu], engine=prof.engine,
-                weights=spec.model or "", weights_revision=spec.revision, profile=prof.name,
-                engine_args=list(prof.engine_args))
-            statuses[rid] = s.ReplicaStatus(
-                id=rid, node=node, phase="ready", url=f"http://{nodes[node].address}:8000")
-            loads[rid] = float((m * 7 + i) % 16)
-    return Fleet(models, nodes, replicas, statuses, loads)
 
 
 def one_pass(f: Fleet, replicas: Mapping[str, s.Replica], suffix: Callable[[], str]) -> Plan:

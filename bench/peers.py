@@ -29,6 +29,20 @@ BENCH = ROOT / "bench"
 MODEL = "bench-chat"
 
 
+def interpreter(python: str | None = None) -> str:
+    """The CPython a Python proxy runs on: its version and the executable a
+    venv was made from, which tells how it was built (docs/design/hot-path.md,
+    "The interpreter": a build without PGO and LTO costs 10-25% more CPU a
+    request)."""
+    out = subprocess.run(
+        [python or sys.executable, "-c",
+         "import sys, platform; print(platform.python_implementation(), "
+         "platform.python_version(), getattr(sys, '_base_executable', sys.executable))"],
+        capture_output=True, text=True, timeout=30)
+    impl, version, base = (out.stdout.split() + ["?"] * 3)[:3]
+    return f"{impl} {version} ({base})"
+
+
 class Unavailable(Exception):
     """A peer that cannot run here (not installed, or it did not come up)."""
 
@@ -145,8 +159,11 @@ class Llmgw:
     stand-in as its engine: the real path, engine key and client key included."""
 
     def __init__(self, tmp: Path, proxy_core: int | None, other_core: int | None,
-                 gateway_env: dict[str, str] | None = None) -> None:
+                 gateway_env: dict[str, str] | None = None, python: str | None = None) -> None:
         self.tmp = tmp
+        # The gateway's interpreter (a venv's python holding llmgw's
+        # dependencies); the agent and the stand-in run on this one.
+        self.python = python or sys.executable
         self.gateway_env = gateway_env or {}
         self.proxy_core, self.other_core = proxy_core, other_core
         self.secret = "bench-secret-" + secrets.token_hex(16)
@@ -183,7 +200,7 @@ class Llmgw:
                          "LLMGW_DATA_DIR": str(self.tmp / "gw")} | self.gateway_env
         self._gw_env = gw_env
         self.procs.append(Process("gateway", pinned(self.proxy_core, [
-            sys.executable, "-m", "app.cli", "serve"]), self.tmp / "gateway.log",
+            self.python, "-m", "app.cli", "serve"]), self.tmp / "gateway.log",
             gw_env).start())
         wait_for(lambda: http("GET", self.url + "/readyz")[0] == 200, 40, "llmgw /readyz",
                  self.gateway.alive)

@@ -9,12 +9,30 @@ import argparse
 import datetime
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
+import load
 from load import pct
+from loop_seen import LoopSeen
+from peers import interpreter
 
-if TYPE_CHECKING:
-    from router_overhead import Figures
+
+@dataclass
+class Figures:
+    """One target's figures in one run: router_overhead.py measures, render() writes."""
+
+    name: str
+    note: str = ""
+    skipped: str = ""
+    wrk: dict[int, load.WrkResult] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    streams: list[load.StreamStats] = field(default_factory=list)
+    gc256: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # see gc_window
+    loop256: LoopSeen | None = None  # llmgw's own /metrics over the c=256 point
+    # llmgw's own figure of what it added (llmgw_gateway_added_seconds), its
+    # mean over the c=1 point, in ms: checked against the side-by-side one.
+    gateway_c1: float = float("nan")
 
 
 def _ms(v: float, digits: int = 2) -> str:
@@ -69,6 +87,7 @@ def render(figures: list[Figures], args: argparse.Namespace, load_before: tuple[
         "# Router overhead: llmgw beside other proxies, one run",
         "",
         f"Written by `python bench/router_overhead.py` on {now}: nproc {os.cpu_count()}, "
+        f"Python proxies on {interpreter()}, "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, "
         f"{wall:.0f} s in all; {args.duration:g} s per wrk point, chunks every "
         f"{args.chunk_ms:g} ms, {args.chunks} per stream, late = over {args.late_ms:g} ms.",

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
@@ -46,8 +45,9 @@ import load  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
 import sections  # noqa: E402
-from loop_seen import LoopSeen, between, scrape  # noqa: E402
+from loop_seen import between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
+from report import Figures  # noqa: E402
 
 TARGETS = ("direct", "llmgw", "llmgw-granian", "floor", "nginx", "litellm", "vllm-router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -82,21 +82,6 @@ def group(pgid: int) -> list[int]:
             except OSError:
                 continue
     return out
-
-
-@dataclass
-class Figures:
-    name: str
-    note: str = ""
-    skipped: str = ""
-    wrk: dict[int, load.WrkResult] = field(default_factory=dict)
-    ttft: list[float] = field(default_factory=list)
-    streams: list[load.StreamStats] = field(default_factory=list)
-    gc256: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # see gc_window
-    loop256: LoopSeen | None = None  # llmgw's own /metrics over the c=256 point
-    # llmgw's own figure of what it added (llmgw_gateway_added_seconds), its
-    # mean over the c=1 point, in ms: checked against the side-by-side one.
-    gateway_c1: float = float("nan")
 
 
 GC_PROBE = ROOT / "bench" / "gcprobe"

@@ -39,6 +39,7 @@ from typing import Any
 for _p in (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from limits_fleet import Fleet  # noqa: E402
 from peers import http, wait_for  # noqa: E402
 
 from app.router.usage.estimates import DEFAULT_RESERVE, reservation  # noqa: E402
@@ -135,8 +136,6 @@ def measure(urls: list[str], admin: str, external: str, budget: int = 300,
 
 
 def main() -> None:
-    from limits import Fleet
-
     with tempfile.TemporaryDirectory(prefix="llmgw-spill-") as tmp:
         fleet = Fleet(Path(tmp))
         try:

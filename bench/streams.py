@@ -287,7 +287,8 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     out = [
         "## Streams per core: llmgw beside other proxies, one run (bench/streams.py)", "",
-        f"Written by `python bench/streams.py` on {now}: nproc {os.cpu_count()}, load average "
+        f"Written by `python bench/streams.py` on {now}: nproc {os.cpu_count()}, Python "
+        f"proxies on {peers.interpreter()}, load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after, {wall:.0f} s in all; a chunk "
         f"every {args.chunk_ms:g} ms, starts spread over {args.ramp:g} s, delays counted over "
         f"{args.steady:g} s with every stream running; clean = every stream whole and the "
