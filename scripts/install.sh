@@ -44,7 +44,11 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-echo "llmgw's interpreter: $(.venv/bin/python -c 'import sys; print(sys.version.split()[0], sys._base_executable)')"
+base=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')
+echo "llmgw's interpreter: $(.venv/bin/python -c 'import sys; print(sys.version.split()[0])') $base"
+if [ "$(realpath "$base")" != "$(realpath "$(command -v "$PY")")" ]; then
+  echo "  (.venv was made on another interpreter than $PY; to move it there: rm -rf .venv, then run this again)"
+fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -q --upgrade pip
 
