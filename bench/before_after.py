@@ -64,8 +64,10 @@ def main() -> None:
     a = peers.Llmgw(tmp / "a", 0, 1, python=args.before_python)
     b = peers.Llmgw(tmp / "b", 0, 1)
     res: dict[tuple[str, int], list[Row]] = {}
-    say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_root} on "
-        f"{peers.interpreter(a.python)}, after = {ROOT} on {peers.interpreter(b.python)}; "
+    # Named, not given as paths: no path of this machine in RESULTS.
+    before_tree = "this tree" if before_root == ROOT else f"the tree in {before_root.name}"
+    say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_tree} on "
+        f"{peers.interpreter(a.python)}, after = this tree on {peers.interpreter(b.python)}; "
         f"{dur:g} s a point, {rounds} rounds")
     try:
         peers.ROOT = before_root  # the processes' cwd: `python -m app.cli` runs that code

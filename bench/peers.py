@@ -32,7 +32,7 @@ MODEL = "bench-chat"
 def interpreter(python: str | None = None) -> str:
     """The CPython a Python proxy runs on: its version and the executable a
     venv was made from, which tells how it was built (docs/design/hot-path.md,
-    "The interpreter": a build without PGO and LTO costs 10-25% more CPU a
+    "The interpreter": a build without PGO and LTO costs 14-20% more CPU a
     request)."""
     out = subprocess.run(
         [python or sys.executable, "-c",
@@ -40,6 +40,9 @@ def interpreter(python: str | None = None) -> str:
          "platform.python_version(), getattr(sys, '_base_executable', sys.executable))"],
         capture_output=True, text=True, timeout=30)
     impl, version, base = (out.stdout.split() + ["?"] * 3)[:3]
+    home = str(Path.home())
+    if base.startswith(home + "/"):  # no path of this machine in RESULTS
+        base = "~" + base[len(home):]
     return f"{impl} {version} ({base})"
 
 
