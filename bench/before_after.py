@@ -22,6 +22,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,10 @@ def main() -> None:
                     help="write the run as this section of OUT (bench/sections.py), "
                     "headed by --title, instead of OUT whole")
     ap.add_argument("--title", default="llmgw before/after, one run (bench/before_after.py)")
+    ap.add_argument("--streams", default="",
+                    help="comma-separated stream counts: after the requests, each count of "
+                    "SSE streams (bench/streams.py's step) on each gateway, alternated; "
+                    "CPU a chunk")
     args = ap.parse_args()
     before_root, dur, rounds, out = args.before.resolve(), args.duration, args.rounds, args.out
     os.sched_setaffinity(0, {1})
@@ -58,6 +63,10 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
+    if args.streams:  # the stand-ins' chunk interval, as bench/streams.py sets it
+        import streams
+
+        os.environ["STANDIN_CHUNK_MS"] = str(streams.parse_args([]).chunk_ms)
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
@@ -89,6 +98,8 @@ def main() -> None:
                     say(f"{name:6} c={c:<4} req/s {w.ok_rps:7.0f} CPU/req {cpu:5.0f} us "
                         f"CPU share {used / dur:4.2f} p50 {w.p50_ms:6.2f} p99 {w.p99_ms:7.2f} "
                         f"errors {w.errors}")
+        if args.streams:
+            compare_streams(a, b, [int(n) for n in args.streams.split(",")], rounds, say)
     finally:
         a.stop()
         b.stop()
@@ -110,6 +121,34 @@ def main() -> None:
         sections.replace_section(out, args.section, text)
     else:
         out.write_text(text)
+
+
+def compare_streams(a: peers.Llmgw, b: peers.Llmgw, counts: list[int], rounds: int,
+                    say: Callable[[str], None]) -> None:
+    """bench/streams.py's step, at its defaults, on each gateway in turn."""
+    import asyncio
+
+    import streams
+    import uvloop
+
+    opts = streams.parse_args([])  # its chunk interval is the stand-ins' (main)
+    got: dict[tuple[str, int], list[float]] = {}
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        for n in counts:
+            for r in range(rounds):
+                order = [("before", a), ("after", b)]
+                for name, gw in order if r % 2 == 0 else order[::-1]:
+                    assert gw.engine_pid is not None
+                    peer = peers.Peer("llmgw", gw.url, gw.client_key)
+                    s = streams.measure(runner, peer, n, [gw.gateway.pid], gw.engine_pid, opts)
+                    user, kernel = s.user_kernel_per_chunk_us()
+                    got.setdefault((name, n), []).append(user)
+                    say(f"{name:6} {n:4} streams: {s.clean} clean, CPU a chunk "
+                        f"{s.cpu_per_chunk_us():5.1f} us (user {user:5.1f}, kernel "
+                        f"{kernel:5.1f}), delay p99 {s.p99_ms():.1f} ms")
+            bu, au = (statistics.median(got[(k, n)]) for k in ("before", "after"))
+            say(f"{n} streams: user CPU a chunk before {bu:.1f} after {au:.1f} us "
+                f"(after/before {au / bu:.2f})")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ MODEL = "bench-chat"
 def interpreter(python: str | None = None) -> str:
     """The CPython a Python proxy runs on: its version and the executable a
     venv was made from, which tells how it was built (docs/design/hot-path.md,
-    "The interpreter": a build without PGO and LTO costs 14-20% more CPU a
+    "The interpreter": a build without PGO and LTO costs 14-32% more CPU a
     request)."""
     out = subprocess.run(
         [python or sys.executable, "-c",

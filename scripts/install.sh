@@ -17,7 +17,7 @@ export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 # The interpreter. The gateway's hot path is the interpreter's own loop, so
 # how CPython was built shows in every request: one built without profile-
 # guided optimization and LTO (pyenv's default; the project's machines
-# carry one first on PATH) spends 14-20% more CPU a request than the
+# carry one first on PATH) spends 14-32% more CPU a request than the
 # distribution's, which Debian and Ubuntu build with both
 # (docs/design/hot-path.md, "The interpreter"). So the venv is made on the
 # distribution's python3 when it is 3.11 or newer; LLMGW_PYTHON names
