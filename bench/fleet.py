@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peers import free_port
+from peers import etcd_argv, free_port
 from peers import http as peers_http
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,16 +104,8 @@ class Fleet:
                       "LLMGW_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
 
     def start_etcd(self) -> None:
-        etcd = shutil.which("etcd") or "/usr/bin/etcd"
-        cport, pport = free_port(), free_port()
-        client, peer = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-        self.procs.append(Proc("etcd", [
-            etcd, "--name", "bench", "--data-dir", str(self.tmp / "etcd"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"bench={peer}", "--unsafe-no-fsync",
-            "--log-level", "warn"], self.tmp / "etcd.log").start())
-        self.etcd = f"127.0.0.1:{cport}"
+        argv, self.etcd = etcd_argv(self.tmp / "etcd")
+        self.procs.append(Proc("etcd", argv, self.tmp / "etcd.log").start())
 
     def start_gateway(self, name: str, affinity: bool) -> Gateway:
         port = free_port()

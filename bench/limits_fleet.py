@@ -8,7 +8,6 @@ import contextlib
 import functools
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -17,7 +16,7 @@ import urllib.request
 from http.client import HTTPException
 from pathlib import Path
 
-from peers import ROOT, Process, free_port, http, wait_for
+from peers import ROOT, Process, etcd_argv, free_port, http, wait_for
 
 TTL = 4
 PROVIDER_KEY = "bench-provider-key-0123456789"
@@ -32,15 +31,8 @@ class Fleet:
         self.gws: list[tuple[Process, str]] = []
 
     def start(self) -> None:
-        etcd = shutil.which("etcd") or "/usr/bin/etcd"
-        cport, pport = free_port(), free_port()
-        client, peer = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-        self.procs.append(Process("etcd", [
-            etcd, "--name", "bench", "--data-dir", str(self.tmp / "etcd"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"bench={peer}", "--unsafe-no-fsync", "--log-level", "warn"],
-            self.tmp / "etcd.log").start())
+        argv, endpoint = etcd_argv(self.tmp / "etcd")
+        self.procs.append(Process("etcd", argv, self.tmp / "etcd.log").start())
         sport = free_port()
         env = dict(os.environ) | {"VLLM_API_KEY": PROVIDER_KEY, "STANDIN_CHUNK_MS": "50"}
         self.procs.append(Process("standin", [
@@ -52,7 +44,7 @@ class Fleet:
         (keys / "provider").write_text(PROVIDER_KEY)
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")} | {
             "LLMGW_SECRET": "bench-secret-0123456789abcdef", "LLMGW_ADMIN_TOKEN": self.admin,
-            "LLMGW_LOG_LEVEL": "warning", "LLMGW_ETCD_ENDPOINTS": f"127.0.0.1:{cport}",
+            "LLMGW_LOG_LEVEL": "warning", "LLMGW_ETCD_ENDPOINTS": endpoint,
             "LLMGW_LEASE_TTL": str(TTL), "LLMGW_ETCD_TIMEOUT": "2",
             "LLMGW_PROVIDER_KEY_DIR": str(keys)}
         for i in range(3):

@@ -56,6 +56,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def etcd_argv(data_dir: Path) -> tuple[list[str], str]:
+    """A throwaway one-member etcd on free loopback ports, for a `Process`:
+    its command line and its client endpoint (host:port)."""
+    etcd = shutil.which("etcd") or "/usr/bin/etcd"
+    cport, pport = free_port(), free_port()
+    client, peer = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+    return [etcd, "--name", "bench", "--data-dir", str(data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"bench={peer}", "--unsafe-no-fsync",
+            "--log-level", "warn"], f"127.0.0.1:{cport}"
+
+
 def http(method: str, url: str, body: Any = None, token: str = "",
          timeout: float = 5.0) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
@@ -185,19 +198,13 @@ class Llmgw:
         return self.procs[1]
 
     def start(self) -> None:
-        etcd = shutil.which("etcd") or "/usr/bin/etcd"
-        cport, pport = free_port(), free_port()
-        client, peer = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-        self.procs.append(Process("etcd", pinned(self.other_core, [
-            etcd, "--name", "bench", "--data-dir", str(self.tmp / "etcd"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"bench={peer}", "--unsafe-no-fsync",
-            "--log-level", "warn"]), self.tmp / "etcd.log").start())
+        argv, endpoint = etcd_argv(self.tmp / "etcd")
+        self.procs.append(Process("etcd", pinned(self.other_core, argv),
+                                  self.tmp / "etcd.log").start())
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         base.update({"LLMGW_SECRET": self.secret, "LLMGW_ADMIN_TOKEN": self.admin,
                      "LLMGW_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"})
-        gw_env = base | {"LLMGW_ETCD_ENDPOINTS": f"127.0.0.1:{cport}",
+        gw_env = base | {"LLMGW_ETCD_ENDPOINTS": endpoint,
                          "LLMGW_PORT": str(self.port), "LLMGW_GATEWAY_ID": "bench-gw",
                          "LLMGW_WORKERS": "1",
                          "LLMGW_DATA_DIR": str(self.tmp / "gw")} | self.gateway_env
