@@ -23,6 +23,10 @@ export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 # distribution's python3 when it is 3.11 or newer; LLMGW_PYTHON names
 # another.
 PY="${LLMGW_PYTHON:-}"
+if [ -n "$PY" ] && ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "install: LLMGW_PYTHON=$PY is not a Python 3.11 or newer that runs" >&2
+  exit 2
+fi
 if [ -z "$PY" ]; then
   if /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     PY=/usr/bin/python3

