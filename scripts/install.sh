@@ -22,17 +22,14 @@ export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 # (docs/design/hot-path.md, "The interpreter"). So the venv is made on the
 # distribution's python3 when it is 3.11 or newer; LLMGW_PYTHON names
 # another.
+runs_py311() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 PY="${LLMGW_PYTHON:-}"
-if [ -n "$PY" ] && ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+if [ -n "$PY" ] && ! runs_py311 "$PY"; then
   echo "install: LLMGW_PYTHON=$PY is not a Python 3.11 or newer that runs" >&2
   exit 2
 fi
 if [ -z "$PY" ]; then
-  if /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    PY=/usr/bin/python3
-  else
-    PY=python3
-  fi
+  if runs_py311 /usr/bin/python3; then PY=/usr/bin/python3; else PY=python3; fi
 fi
 
 need_apt=()
@@ -48,8 +45,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-base=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')
-echo "llmgw's interpreter: $(.venv/bin/python -c 'import sys; print(sys.version.split()[0])') $base"
+read -r version base < <(.venv/bin/python -c 'import sys; print(sys.version.split()[0], sys._base_executable)') || true
+echo "llmgw's interpreter: $version $base"
 if [ "$(realpath "$base")" != "$(realpath "$(command -v "$PY")")" ]; then
   echo "  (.venv was made on another interpreter than $PY; to move it there: rm -rf .venv, then run this again)"
 fi

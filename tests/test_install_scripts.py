@@ -92,7 +92,6 @@ def test_install_sh_installs_what_running_needs_and_no_test_tool(tmp_path: Path)
     assert not [line for line in pips if re.search(r"\[[^]]*test|playwright|pytest", line)], pips
 
 
-
 def test_the_venv_is_made_on_the_python_llmgw_python_names(tmp_path: Path) -> None:
     # docs/design/hot-path.md, "The interpreter": the venv's interpreter is
     # chosen, not whichever python3 comes first on PATH.
@@ -128,6 +127,7 @@ def test_a_llmgw_python_that_is_no_python_3_11_stops_before_anything_is_installe
         assert done.returncode == 2, done.stdout + done.stderr
         assert f"LLMGW_PYTHON={named} is not a Python 3.11 or newer" in done.stderr
         assert calls(tmp_path) == [], "nothing may be installed"
+
 
 # The venv's python as pip builds llama-cpp-python: ninja's steps in its
 # verbose output, then the wheel in the -w folder (or a failure, with FAIL set).
