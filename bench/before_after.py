@@ -63,10 +63,12 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
-    if args.streams:  # the stand-ins' chunk interval, as bench/streams.py sets it
+    stream_opts = None
+    if args.streams:  # bench/streams.py's defaults; its chunk interval is the stand-ins'
         import streams
 
-        os.environ["STANDIN_CHUNK_MS"] = str(streams.parse_args([]).chunk_ms)
+        stream_opts = streams.parse_args([])
+        os.environ["STANDIN_CHUNK_MS"] = str(stream_opts.chunk_ms)
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
@@ -98,8 +100,9 @@ def main() -> None:
                     say(f"{name:6} c={c:<4} req/s {w.ok_rps:7.0f} CPU/req {cpu:5.0f} us "
                         f"CPU share {used / dur:4.2f} p50 {w.p50_ms:6.2f} p99 {w.p99_ms:7.2f} "
                         f"errors {w.errors}")
-        if args.streams:
-            compare_streams(a, b, [int(n) for n in args.streams.split(",")], rounds, say)
+        if stream_opts is not None:
+            compare_streams(a, b, [int(n) for n in args.streams.split(",")], rounds,
+                            stream_opts, say)
     finally:
         a.stop()
         b.stop()
@@ -124,14 +127,13 @@ def main() -> None:
 
 
 def compare_streams(a: peers.Llmgw, b: peers.Llmgw, counts: list[int], rounds: int,
-                    say: Callable[[str], None]) -> None:
-    """bench/streams.py's step, at its defaults, on each gateway in turn."""
+                    opts: argparse.Namespace, say: Callable[[str], None]) -> None:
+    """bench/streams.py's step, with its options `opts`, on each gateway in turn."""
     import asyncio
 
     import streams
     import uvloop
 
-    opts = streams.parse_args([])  # its chunk interval is the stand-ins' (main)
     got: dict[tuple[str, int], list[float]] = {}
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         for n in counts:
