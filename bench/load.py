@@ -57,14 +57,14 @@ class WrkResult:
 
 
 def run_wrk(url: str, token: str, model: str, concurrency: int, duration: float,
-            timeout: float = 10.0) -> WrkResult:
+            timeout: float = 10.0, threads: int = 1) -> WrkResult:
     body = json.dumps(chat_body(model, False, 8))
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(WRK_LUA.format(body=lua_quote(body), auth=lua_quote(f"Bearer {token}")))
         script = f.name
     try:
         out = subprocess.run(
-            ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration))}s",
+            ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, round(duration))}s",
              f"--timeout={timeout:.0f}s", "-s", script, url + "/v1/chat/completions"],
             capture_output=True, text=True, timeout=duration + timeout + 30)
     finally:

@@ -411,7 +411,9 @@ def start_litellm(tmp: Path, core: int | None, upstream: str, key: str,
 
 
 def start_vllm_router(tmp: Path, core: int | None, upstream: str, key: str,
-                      venv: Path) -> Peer:
+                      venv: Path, threads: int | None = 1) -> Peer:
+    """vllm-router with `threads` runtime threads (None: as many as it
+    sizes itself to, the machine's cores)."""
     exe = _venv_bin(venv, "vllm-router")
     port = free_port()
     proc = Process("vllm-router", pinned(core, [
@@ -420,9 +422,10 @@ def start_vllm_router(tmp: Path, core: int | None, upstream: str, key: str,
         # Its metrics on a port of its own: the default (29000) held by any
         # other copy makes it exit at start.
         "--prometheus-port", str(free_port()),
-        # One core, like every proxy here (its runtime otherwise sizes itself to the machine).
+        # One core by default, like every proxy here (its runtime otherwise
+        # sizes itself to the machine).
         ]), tmp / "vllm-router.log",
-        dict(os.environ) | {"TOKIO_WORKER_THREADS": "1"}).start()
+        dict(os.environ) | ({"TOKIO_WORKER_THREADS": str(threads)} if threads else {})).start()
     # It passes the client's Authorization header through: the load generator
     # sends the engine key (as a client of a bare vLLM would).
     peer = Peer("vllm-router", f"http://127.0.0.1:{port}", key, proc,
