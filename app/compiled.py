@@ -137,6 +137,21 @@ def state() -> str:
     return _state
 
 
+def build_tree(root: Path, work: Path) -> None:
+    """What mypyc builds in: a copy of the package under `root` (mypyc
+    writes its output beside its input, and its type check reads every
+    module the router imports), and the type check's settings: strict, as
+    the project's own, but a package that is not installed, such as an
+    extra's (OpenTelemetry, imported only when tracing is on), is read as
+    untyped rather than failing the build."""
+    import shutil
+
+    shutil.copytree(root / "app", work / "app",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "static"))
+    (work / "mypy.ini").write_text(
+        "[mypy]\npython_version = 3.11\nstrict = True\nignore_missing_imports = True\n")
+
+
 def build(root: Path = ROOT, dest: Path | None = None) -> Path:
     """Compiles the router's source under `root` into `dest` (this
     environment's `home()`), replacing what was there once it has built;
@@ -151,13 +166,7 @@ def build(root: Path = ROOT, dest: Path | None = None) -> Path:
     files = sources(root)
     with tempfile.TemporaryDirectory(prefix="llmgw-compile-") as tmp:
         work = Path(tmp)
-        # A copy of the package: mypyc writes its output beside its input,
-        # and the type check sees every module the router imports.
-        shutil.copytree(root / "app", work / "app",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "static"))
-        (work / "mypy.ini").write_text(
-            "[mypy]\npython_version = 3.11\nstrict = True\n"
-            "[mypy-etcd3aio.*,swagger_ui,yaml,granian,granian.*]\nignore_missing_imports = True\n")
+        build_tree(root, work)
         setup = (
             "import sys\n"
             "from setuptools import setup\n"
