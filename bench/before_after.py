@@ -46,6 +46,10 @@ def main() -> None:
     ap.add_argument("out", type=Path, help="where the run's lines are written")
     ap.add_argument("--before-python", default=sys.executable,
                     help="the 'before' gateway's interpreter (default: this one)")
+    ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                    type=lambda kv: tuple(kv.split("=", 1)),
+                    help="a setting of the 'before' gateway alone (repeatable), e.g. "
+                    "LLMGW_ROUTER_COMPILED=off: the same tree, its router not compiled")
     ap.add_argument("--section", default="",
                     help="write the run as this section of OUT (bench/sections.py), "
                     "headed by --title, instead of OUT whole")
@@ -72,12 +76,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
-    a = peers.Llmgw(tmp / "a", 0, 1, python=args.before_python)
+    before_env = dict(args.before_env)
+    a = peers.Llmgw(tmp / "a", 0, 1, before_env, python=args.before_python)
     b = peers.Llmgw(tmp / "b", 0, 1)
     res: dict[tuple[str, int], list[Row]] = {}
     # Named, not given as paths: no path of this machine in RESULTS.
     before_tree = "this tree" if before_root == ROOT else f"the tree in {before_root.name}"
-    say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_tree} on "
+    settings = "".join(f", {k}={v}" for k, v in before_env.items())
+    say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_tree}{settings} on "
         f"{peers.interpreter(a.python)}, after = this tree on {peers.interpreter(b.python)}; "
         f"{dur:g} s a point, {rounds} rounds")
     try:
