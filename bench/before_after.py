@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
                     type=lambda kv: tuple(kv.split("=", 1)),
                     help="a setting of the 'before' gateway alone (repeatable), e.g. "
-                    "LLMGW_ROUTER_COMPILED=off: the same tree, its router not compiled")
+                    "LLMGW_GC_THRESHOLD=700: the same tree, another setting")
     ap.add_argument("--section", default="",
                     help="write the run as this section of OUT (bench/sections.py), "
                     "headed by --title, instead of OUT whole")

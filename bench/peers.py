@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -457,3 +457,30 @@ def signals_raise() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def running(gw: Llmgw, tmp: Path, keep: bool = False,
+            others: Callable[[], Iterable[Peer | None]] = tuple) -> Iterator[None]:
+    """A benchmark's body with llmgw's stack (started inside it): SIGTERM
+    as Ctrl-C; on the way out, the peers `others` names and the stack
+    stopped, and `tmp` removed (kept with `keep`, and said). Ctrl-C exits
+    130; a stack that did not come up exits 1, with its processes' last
+    lines."""
+    with signals_raise():
+        try:
+            yield
+        except KeyboardInterrupt:
+            print("interrupted; stopping everything", file=sys.stderr)
+            raise SystemExit(130) from None
+        except Unavailable as exc:
+            raise SystemExit(did_not_come_up(exc, gw)) from None
+        finally:
+            for peer in others():
+                if peer is not None:
+                    peer.stop()
+            gw.stop()
+            if keep:
+                print(f"kept {tmp}", file=sys.stderr)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)

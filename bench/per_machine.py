@@ -172,49 +172,35 @@ def main(argv: list[str] | None = None) -> int:
     gw = peers.Llmgw(tmp, None, None, {"LLMGW_WORKERS": str(args.cores)})
     series: list[Series] = []
     router: Peer | None = None
-    with peers.signals_raise():
+    with peers.running(gw, tmp, args.keep, lambda: [router]):
+        gw.start()
+        ours = Peer("llmgw", gw.url, gw.client_key, None,
+                    f"`llmgw serve`, {args.cores} workers, cluster mode (etcd)")
+        runs: list[tuple[Series, Peer, int]] = [
+            (Series("llmgw", ours.note), ours, gw.gateway.pid)]
         try:
-            gw.start()
-            ours = Peer("llmgw", gw.url, gw.client_key, None,
-                        f"`llmgw serve`, {args.cores} workers, cluster mode (etcd)")
-            runs: list[tuple[Series, Peer, int]] = [
-                (Series("llmgw", ours.note), ours, gw.gateway.pid)]
-            try:
-                router = peers.start_vllm_router(tmp, None, gw.engine_url, gw.engine_key,
-                                                 args.vllm_router_venv, threads=args.cores)
-            except Unavailable as exc:
-                print(f"  vllm-router: not measured: {exc}", flush=True)
-                router = None
-            if router is not None:
-                assert router.proc is not None
-                runs.append((Series("vllm-router", router.note + f", {args.cores} threads"),
-                             router, router.proc.pid))
-            print(f"llmgw at {gw.url} ({len(descendants(gw.gateway.pid))} processes); setup "
-                  f"{time.monotonic() - started:.1f} s", flush=True)
-            for _, peer, _ in runs:  # warm-up, untimed
-                load.run_wrk(peer.url, peer.token, MODEL, 64, 2, threads=args.cores)
-            for rnd in range(args.rounds):
-                for s, peer, root in runs:
-                    for c in args.concurrency:
-                        pt = measure(peer, root, c, args.duration, args.cores)
-                        s.points.setdefault(c, []).append(pt)
-                        print(f"  round {rnd + 1} {s.name:<12} c={c:<4} {pt.rps:8.0f} req/s  "
-                              f"p99 {pt.p99_ms:7.2f} ms  CPU/req {pt.cpu_us:5.0f} us  "
-                              f"machine {pt.machine:.2f}  errors {pt.errors}", flush=True)
-                series = [s for s, _, _ in runs]
-        except KeyboardInterrupt:
-            print("interrupted; stopping everything", file=sys.stderr)
-            return 130
+            router = peers.start_vllm_router(tmp, None, gw.engine_url, gw.engine_key,
+                                             args.vllm_router_venv, threads=args.cores)
         except Unavailable as exc:
-            return peers.did_not_come_up(exc, gw)
-        finally:
-            if router is not None:
-                router.stop()
-            gw.stop()
-            if args.keep:
-                print(f"kept {tmp}", file=sys.stderr)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+            print(f"  vllm-router: not measured: {exc}", flush=True)
+            router = None
+        if router is not None:
+            assert router.proc is not None
+            runs.append((Series("vllm-router", router.note + f", {args.cores} threads"),
+                         router, router.proc.pid))
+        print(f"llmgw at {gw.url} ({len(descendants(gw.gateway.pid))} processes); setup "
+              f"{time.monotonic() - started:.1f} s", flush=True)
+        for _, peer, _ in runs:  # warm-up, untimed
+            load.run_wrk(peer.url, peer.token, MODEL, 64, 2, threads=args.cores)
+        for rnd in range(args.rounds):
+            for s, peer, root in runs:
+                for c in args.concurrency:
+                    pt = measure(peer, root, c, args.duration, args.cores)
+                    s.points.setdefault(c, []).append(pt)
+                    print(f"  round {rnd + 1} {s.name:<12} c={c:<4} {pt.rps:8.0f} req/s  "
+                          f"p99 {pt.p99_ms:7.2f} ms  CPU/req {pt.cpu_us:5.0f} us  "
+                          f"machine {pt.machine:.2f}  errors {pt.errors}", flush=True)
+            series = [s for s, _, _ in runs]
     text = render(series, args, args.cores, time.monotonic() - started)
     sections.replace_section(args.results, SECTION, text)
     print()

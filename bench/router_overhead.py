@@ -286,60 +286,48 @@ def main(argv: list[str] | None = None) -> int:
     gw = peers.Llmgw(tmp, proxy_core, other_core, gw_env)
     figures: list[Figures] = []
     prof = ""
-    with peers.signals_raise():
-        try:
-            gw.start()
-            print(f"llmgw at {gw.url}, stand-in at {gw.engine_url} (pid {gw.engine_pid}); "
-                  f"setup {time.monotonic() - started:.1f} s; load {load_before[0]:.2f}",
-                  flush=True)
-            if args.gc_tune:  # the what-if: freeze what startup left, as the app would
-                os.kill(gw.gateway.pid, signal.SIGUSR1)
-                time.sleep(0.5)
-            up, key = gw.engine_url, gw.engine_key
-            floor_env = ({**probe_env, "BENCH_GC_PROBE": str(tmp / "gc-floor.log")}
-                         if probe_env else None)
-            starters: dict[str, Callable[[], Peer]] = {
-                "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
-                "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
-                                      "main, cluster mode (etcd), through the agent's engine"),
-                "llmgw-granian": gw.start_granian,
-                "floor": lambda: peers.start_floor(tmp, proxy_core, up, key, floor_env),
-                "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
-                "litellm": lambda: peers.start_litellm(tmp, proxy_core, up, key,
-                                                       args.litellm_venv),
-                "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,
-                                                               args.vllm_router_venv),
-            }
-            for name in TARGETS:
-                if name not in args.targets:
-                    continue
-                try:
-                    peer = starters[name]()
-                except Unavailable as exc:
-                    print(f"  {name}: not measured: {exc}", flush=True)
-                    figures.append(Figures(name, skipped=str(exc)))
-                    continue
-                try:
-                    pids = ([gw.gateway.pid] if name == "llmgw" else
-                            group(peer.proc.pid) if peer.proc is not None else [])
-                    probed = probe_env and name in ("llmgw", "floor")
-                    figures.append(measure(peer, pids, args,
-                                           tmp / f"gc-{name}.log" if probed else None))
-                finally:
-                    peer.stop()
-            if args.profile and "llmgw" in args.targets:
-                prof = profile(gw, args, tmp)
-        except KeyboardInterrupt:
-            print("interrupted; stopping everything", file=sys.stderr)
-            return 130
-        except Unavailable as exc:
-            return peers.did_not_come_up(exc, gw)
-        finally:
-            gw.stop()
-            if args.keep:
-                print(f"kept {tmp}", file=sys.stderr)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+    with peers.running(gw, tmp, args.keep):
+        gw.start()
+        print(f"llmgw at {gw.url}, stand-in at {gw.engine_url} (pid {gw.engine_pid}); "
+              f"setup {time.monotonic() - started:.1f} s; load {load_before[0]:.2f}",
+              flush=True)
+        if args.gc_tune:  # the what-if: freeze what startup left, as the app would
+            os.kill(gw.gateway.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        up, key = gw.engine_url, gw.engine_key
+        floor_env = ({**probe_env, "BENCH_GC_PROBE": str(tmp / "gc-floor.log")}
+                     if probe_env else None)
+        starters: dict[str, Callable[[], Peer]] = {
+            "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
+            "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
+                                  "main, cluster mode (etcd), through the agent's engine"),
+            "llmgw-granian": gw.start_granian,
+            "floor": lambda: peers.start_floor(tmp, proxy_core, up, key, floor_env),
+            "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
+            "litellm": lambda: peers.start_litellm(tmp, proxy_core, up, key,
+                                                   args.litellm_venv),
+            "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,
+                                                           args.vllm_router_venv),
+        }
+        for name in TARGETS:
+            if name not in args.targets:
+                continue
+            try:
+                peer = starters[name]()
+            except Unavailable as exc:
+                print(f"  {name}: not measured: {exc}", flush=True)
+                figures.append(Figures(name, skipped=str(exc)))
+                continue
+            try:
+                pids = ([gw.gateway.pid] if name == "llmgw" else
+                        group(peer.proc.pid) if peer.proc is not None else [])
+                probed = probe_env and name in ("llmgw", "floor")
+                figures.append(measure(peer, pids, args,
+                                       tmp / f"gc-{name}.log" if probed else None))
+            finally:
+                peer.stop()
+        if args.profile and "llmgw" in args.targets:
+            prof = profile(gw, args, tmp)
     text = report.render(figures, args, load_before, os.getloadavg(),
                          time.monotonic() - started, prof)
     sections.replace_section(args.results, "router_overhead", text)

@@ -47,7 +47,6 @@ import asyncio
 import datetime
 import os
 import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -370,85 +369,74 @@ def main(argv: list[str] | None = None) -> int:
     notes: dict[str, str] = {}
     steps: list[Step] = []
     prof = ""
-    with peers.signals_raise():
-        try:
-            gw.start()
-            assert gw.engine_pid is not None
-            up, key = gw.engine_url, gw.engine_key
-            starters: dict[str, Callable[[], Peer]] = {
-                "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
-                "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
-                                      "cluster mode (etcd), through the agent's engine"),
-                "llmgw-granian": gw.start_granian,
-                "floor": lambda: peers.start_floor(tmp, proxy_core, up, key),
-                "relay": lambda: peers.start_tcp_relay(tmp, proxy_core, up, key),
-                "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
-                "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,
-                                                               args.vllm_router_venv),
-            }
-            for name in args.targets:
-                try:
-                    live[name] = starters[name]()
-                    notes[name] = live[name].note
-                except Unavailable as exc:
-                    notes[name] = f"not measured: {exc}"
-            print(f"setup {time.monotonic() - started:.1f} s; load {load_before[0]:.2f}; "
-                  f"targets {list(live)}", flush=True)
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                for n in args.steps:
-                    base: Step | None = None
-                    for name in [t for t in args.targets if t in live]:
-                        peer = live[name]
-                        pids = ([gw.gateway.pid] if name == "llmgw" else
-                                group(peer.proc.pid) if peer.proc is not None else [])
-                        seen = scrape(gw.url) if name == "llmgw" else None
-                        s = measure(runner, peer, n, pids, gw.engine_pid, args)
-                        if seen is not None:
-                            s.loop = between(seen, scrape(gw.url))
-                        if name == "llmgw" and n == args.profile:
-                            # The step again, under py-spy, its figures not kept:
-                            # py-spy stops the process for each sample.
-                            time.sleep(1.0)
-                            rec = profile_llmgw(gw, args.ramp + args.steady,
-                                                tmp / "profile.txt", tmp)
-                            measure(runner, peer, n, pids, gw.engine_pid, args)
-                            if rec.popen is not None:
-                                rec.popen.wait(30)
-                            import flame
-                            text = (tmp / "profile.txt").read_text() \
-                                if (tmp / "profile.txt").exists() else ""
-                            prof = (f"llmgw at {n} streams (a repeat of the step, under "
-                                    "py-spy; its figures not kept)\n\n" + flame.summarize(text)
-                                    if text else "py-spy wrote nothing:\n" + rec.tail())
-                        if name == "direct":
-                            base = s
-                            s.added_p99_ms = 0.0
-                        elif base is not None:
-                            s.added_p99_ms = s.p99_ms() - base.p99_ms()
-                        steps.append(s)
-                        good = ok(s)
-                        print(f"  {name:<12} {n:5} streams: {s.clean} clean, delay p99 "
-                              f"{s.p99_ms():.1f} ms (added {s.added_p99_ms:+.1f}); CPU proxy "
-                              f"{s.proxy_util:.2f} stand-in {s.standin_util:.2f} client "
-                              f"{s.client_util:.2f}; {s.cpu_per_chunk_us():.1f} us a chunk"
-                              + (f"; {s.first_error}" if s.first_error else ""), flush=True)
-                        if s.loop is not None:
-                            print(f"  {'':<12} loop: {s.loop.line()}", flush=True)
-                        if not good and name != "direct":
-                            live.pop(name).stop()
+    with peers.running(gw, tmp, others=lambda: live.values()):
+        gw.start()
+        assert gw.engine_pid is not None
+        up, key = gw.engine_url, gw.engine_key
+        starters: dict[str, Callable[[], Peer]] = {
+            "direct": lambda: Peer("direct", up, key, None, "the stand-in itself"),
+            "llmgw": lambda: Peer("llmgw", gw.url, gw.client_key, None,
+                                  "cluster mode (etcd), through the agent's engine"),
+            "llmgw-granian": gw.start_granian,
+            "floor": lambda: peers.start_floor(tmp, proxy_core, up, key),
+            "relay": lambda: peers.start_tcp_relay(tmp, proxy_core, up, key),
+            "nginx": lambda: peers.start_nginx(tmp, proxy_core, up, key),
+            "vllm-router": lambda: peers.start_vllm_router(tmp, proxy_core, up, key,
+                                                           args.vllm_router_venv),
+        }
+        for name in args.targets:
+            try:
+                live[name] = starters[name]()
+                notes[name] = live[name].note
+            except Unavailable as exc:
+                notes[name] = f"not measured: {exc}"
+        print(f"setup {time.monotonic() - started:.1f} s; load {load_before[0]:.2f}; "
+              f"targets {list(live)}", flush=True)
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            for n in args.steps:
+                base: Step | None = None
+                for name in [t for t in args.targets if t in live]:
+                    peer = live[name]
+                    pids = ([gw.gateway.pid] if name == "llmgw" else
+                            group(peer.proc.pid) if peer.proc is not None else [])
+                    seen = scrape(gw.url) if name == "llmgw" else None
+                    s = measure(runner, peer, n, pids, gw.engine_pid, args)
+                    if seen is not None:
+                        s.loop = between(seen, scrape(gw.url))
+                    if name == "llmgw" and n == args.profile:
+                        # The step again, under py-spy, its figures not kept:
+                        # py-spy stops the process for each sample.
                         time.sleep(1.0)
-                    if len(live) <= 1 and "direct" in live:
-                        break
-        except KeyboardInterrupt:
-            print("interrupted; stopping everything", file=sys.stderr)
-            return 130
-        except Unavailable as exc:
-            return peers.did_not_come_up(exc, gw)
-        finally:
-            for peer in live.values():
-                peer.stop()
-            gw.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
+                        rec = profile_llmgw(gw, args.ramp + args.steady,
+                                            tmp / "profile.txt", tmp)
+                        measure(runner, peer, n, pids, gw.engine_pid, args)
+                        if rec.popen is not None:
+                            rec.popen.wait(30)
+                        import flame
+                        text = (tmp / "profile.txt").read_text() \
+                            if (tmp / "profile.txt").exists() else ""
+                        prof = (f"llmgw at {n} streams (a repeat of the step, under "
+                                "py-spy; its figures not kept)\n\n" + flame.summarize(text)
+                                if text else "py-spy wrote nothing:\n" + rec.tail())
+                    if name == "direct":
+                        base = s
+                        s.added_p99_ms = 0.0
+                    elif base is not None:
+                        s.added_p99_ms = s.p99_ms() - base.p99_ms()
+                    steps.append(s)
+                    good = ok(s)
+                    print(f"  {name:<12} {n:5} streams: {s.clean} clean, delay p99 "
+                          f"{s.p99_ms():.1f} ms (added {s.added_p99_ms:+.1f}); CPU proxy "
+                          f"{s.proxy_util:.2f} stand-in {s.standin_util:.2f} client "
+                          f"{s.client_util:.2f}; {s.cpu_per_chunk_us():.1f} us a chunk"
+                          + (f"; {s.first_error}" if s.first_error else ""), flush=True)
+                    if s.loop is not None:
+                        print(f"  {'':<12} loop: {s.loop.line()}", flush=True)
+                    if not good and name != "direct":
+                        live.pop(name).stop()
+                    time.sleep(1.0)
+                if len(live) <= 1 and "direct" in live:
+                    break
     text = render(steps, args, notes, load_before, os.getloadavg(),
                   time.monotonic() - started, prof)
     sections.replace_section(args.results, "streams", text)

@@ -419,8 +419,8 @@ async def test_a_piped_body_reaches_the_sink_a_read_at_a_time_without_a_task_ste
         assert client.idle_count() == 1  # whole: reused
         # Piped, a read reaches the sink inside the connection's read
         # callback, where no task runs: the reading task takes no step a
-        # chunk. (Asked of the running task, not by replacing a method: the
-        # compiled router calls its own methods directly.)
+        # chunk. (Asked of the running task, not by wrapping a method of
+        # the connection: what is checked is where the chunk is handed over.)
         r = await client.post(url, "/v1/completions", b"{}", [])
         runs_in: list[asyncio.Task[object] | None] = []
 

@@ -194,11 +194,10 @@ class Upstreams:
             logger.info("request not sent to replica %s: %s", ep.replica_id, exc)
             raise error(400, f"The request cannot be forwarded: {exc}.",
                         "invalid_request_error", "invalid_request") from None
-        except (UpstreamError, _Retry) as failure:
-            # Not `exc` again: mypyc gives a name one type per function.
+        except (UpstreamError, _Retry) as exc:
             # Connect timeouts are the client's (UpstreamError): reads are
             # timed by the watch, which cancels instead.
-            failed = f"{failure or type(failure).__name__}"
+            failed = f"{exc or type(exc).__name__}"
             call.ex.upstream_wait += perf_counter() - call.sent
             tried.last_error = f"replica {ep.replica_id} failed ({failed})"
             logger.warning("%s; trying another", tried.last_error)
