@@ -108,9 +108,9 @@ def measure(peer: Peer, root: int, c: int, duration: float, threads: int) -> Poi
                  (m1 - m0) / (t1 - t0) if t1 > t0 else float("nan"))
 
 
-def render(series: list[Series], args: argparse.Namespace, cores: int, took: float) -> str:
+def render(series: list[Series], args: argparse.Namespace, took: float) -> str:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load1 = os.getloadavg()[0]
+    load1, cores = os.getloadavg()[0], args.cores
     lines = [
         "## Requests per machine: llmgw's workers beside vllm-router's threads "
         "(bench/per_machine.py)", "",
@@ -183,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                                              args.vllm_router_venv, threads=args.cores)
         except Unavailable as exc:
             print(f"  vllm-router: not measured: {exc}", flush=True)
-            router = None
         if router is not None:
             assert router.proc is not None
             runs.append((Series("vllm-router", router.note + f", {args.cores} threads"),
                          router, router.proc.pid))
         print(f"llmgw at {gw.url} ({len(descendants(gw.gateway.pid))} processes); setup "
               f"{time.monotonic() - started:.1f} s", flush=True)
+        series = [s for s, _, _ in runs]
         for _, peer, _ in runs:  # warm-up, untimed
             load.run_wrk(peer.url, peer.token, MODEL, 64, 2, threads=args.cores)
         for rnd in range(args.rounds):
@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  round {rnd + 1} {s.name:<12} c={c:<4} {pt.rps:8.0f} req/s  "
                           f"p99 {pt.p99_ms:7.2f} ms  CPU/req {pt.cpu_us:5.0f} us  "
                           f"machine {pt.machine:.2f}  errors {pt.errors}", flush=True)
-            series = [s for s, _, _ in runs]
-    text = render(series, args, args.cores, time.monotonic() - started)
+    text = render(series, args, time.monotonic() - started)
     sections.replace_section(args.results, SECTION, text)
     print()
     print(text.rstrip())
