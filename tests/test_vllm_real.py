@@ -8,6 +8,7 @@ tests/test_engine_contract.py. docs/design/engines.md.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -285,30 +286,69 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
 
 def test_a_client_that_leaves_mid_stream_frees_the_engine_within_a_second(
         fleet: RealFleet) -> None:
+    """The stream's engine runs it while the client reads; the client
+    leaves; the engine's running count is 0 within a second.
+
+    Twice in CI the engine said 0 running three events into the stream
+    (never on a workstation, warm or with every compile cache cleared).
+    An engine that outran its client has finished, not stopped: its stream
+    then reads to the end, whole, and the test tries again, at most three
+    times. A stream cut or ended by an error instead is a failure that
+    says what came and when."""
+    seen: list[str] = []
+    for _ in range(3):
+        outcome = _leave_mid_stream(fleet)
+        if outcome is None:
+            return
+        seen.append(outcome)
+    pytest.fail("the engine never ran the stream when its client left: " + "; ".join(seen))
+
+
+def _leave_mid_stream(fleet: RealFleet) -> str | None:
+    """One try: None once the engine was freed within a second of the
+    client leaving; else what the engine and the whole stream showed (the
+    engine had finished the stream before the client left)."""
+    sent = time.monotonic()
     with httpx.stream("POST", fleet.gw.url + "/v1/chat/completions", timeout=60,
                       headers={"Authorization": f"Bearer {fleet.key}"},
                       json={"model": MODEL, "messages": PROMPT, "stream": True,
                             "max_tokens": 1500, "ignore_eos": True}) as r:
         assert r.status_code == 200
-        rid = r.headers["x-llmgw-replica"]
+        headers = time.monotonic() - sent
+        rid, request_id = r.headers["x-llmgw-replica"], r.headers["x-request-id"]
         url, _ = fleet.engine(rid)
         lines = r.iter_lines()
-        read = [next(lines) for _ in range(6)]
-        # Once in CI the engine said 0 here, its stream three events in
-        # (never seen on a workstation): waited for a while; if it never
-        # comes, the lines read and each engine's count when they had been
-        # read are named.
-        def running() -> dict[str, float]:
-            return {other: metric(fleet.engine(other)[0], "vllm:num_requests_running")
-                    for other in fleet.ready()}
-        wait_for(lambda: running()[rid] == 1, 5,
-                 f"the stream's engine ({rid}) running it; read {read}, then running "
-                 f"{running()}",
-                 0.1)
+        events = [line for line in (next(lines) for _ in range(6)) if line]
+        read = time.monotonic() - sent
+
+        def running() -> float:
+            return metric(url, "vllm:num_requests_running")
+        try:
+            wait_for(lambda: running() == 1, 2, "the stream's engine running it", 0.1)
+        except AssertionError:
+            done = metric(url, "vllm:request_success_total")
+            events += [line for line in lines if line]
+            ended = time.monotonic() - sent
+            said = (f"{rid}: headers {headers:.2f} s, 3 events {read:.2f} s, then 0 running "
+                    f"({done:g} finished on it), {len(events)} events to the end at "
+                    f"{ended:.2f} s, the last {events[-2:]}")
+            # Outran, not cut: the client has every token and the end.
+            if events[-1] != "data: [DONE]" or '"finish_reason":"length"' not in events[-2]:
+                pytest.fail(f"{said}; the gateway logged {_access_line(fleet, request_id)}")
+            return said
     left = time.monotonic()
-    wait_for(lambda: metric(url, "vllm:num_requests_running") == 0, 1.0,
+    wait_for(lambda: running() == 0, 1.0,
              "the engine's running count at 0 within a second of the client leaving", 0.05)
     print(f"engine free {time.monotonic() - left:.3f} s after the client left")
+    return None
+
+
+def _access_line(fleet: RealFleet, request_id: str) -> list[str]:
+    """The gateway's access line for a request (its log is written in
+    batches, app/logs.py)."""
+    with contextlib.suppress(AssertionError):
+        fleet.gw.logged(f"request_id={request_id}")
+    return [line for line in fleet.gw.output().splitlines() if f"request_id={request_id}" in line]
 
 
 def test_responses_are_stored_continued_through_another_gateway_and_cancelled(
