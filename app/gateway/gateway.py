@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app import compiled
 from app.gateway.stopping import ended
 
 if TYPE_CHECKING:
@@ -132,8 +133,8 @@ class Gateway:
         """`serving`: with what only the app's process runs (its lifespan,
         app/gateway/main.py); a test's gateway runs without."""
         await self.supervisor.start(serving)
-        logger.info("gateway %s started (%s store)", self.settings.gateway_id,
-                    "etcd" if self.settings.uses_etcd else "embedded")
+        logger.info("gateway %s started (%s store; router %s)", self.settings.gateway_id,
+                    "etcd" if self.settings.uses_etcd else "embedded", compiled.state())
 
     @property
     def stopping(self) -> bool:

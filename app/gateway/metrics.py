@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app import compiled
 from app.control import gpuhealth
 from app.control.placement import fleet
 from app.control.placement.placer import place_any, placer_of
@@ -124,6 +125,7 @@ class _FleetCollector(Collector):
         gw = self._gw
         leader = GaugeMetricFamily("llmgw_leader", "1 while this gateway leads")
         ready = GaugeMetricFamily("llmgw_mirror_ready", "1 once the state mirror is loaded")
+        yield _router_compiled()
         yield from _store_health(gw)
         if not gw.ready:
             leader.add_metric([], 0)
@@ -197,6 +199,14 @@ class _FleetCollector(Collector):
                     sick)
         yield from _held(gw)
         yield from _engine_loads(gw, replicas)
+
+
+def _router_compiled() -> Metric:
+    router = GaugeMetricFamily("llmgw_router_compiled", "1 when this process runs the "
+                               "router compiled by mypyc, 0 when pure Python "
+                               "(the start line says why)")
+    router.add_metric([], 1 if compiled.state().startswith("compiled") else 0)
+    return router
 
 
 def _store_health(gw: Observed) -> Iterator[Metric]:

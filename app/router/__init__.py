@@ -42,3 +42,8 @@ Modules:
 - `openapi`: the OpenAPI description of /v1.
 - `usage/`: client keys' limits and budgets, usage read from answers, prompts counted.
 """
+
+# The compiled copy of these modules, when one matches them (app/compiled.py).
+from app.compiled import package_path
+
+__path__ = package_path(__name__, __path__)

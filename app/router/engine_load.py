@@ -260,8 +260,9 @@ class EngineLoadPoller:
                 return figures
         except BadAnswer as exc:
             why = f"a bad answer ({exc})"
-        except (UpstreamError, TimeoutError) as exc:
-            why = f"no answer ({exc or type(exc).__name__})"
+        except (UpstreamError, TimeoutError) as unheard:
+            # Not `exc` again: mypyc gives a name one type per function.
+            why = f"no answer ({unheard or type(unheard).__name__})"
         if agent.node not in self._failing:
             self._failing.add(agent.node)
             logger.warning("node %s: engine loads not read from its agent at %s: %s; "

@@ -24,6 +24,7 @@ async def hold(table: RouteTable, t: Timeouts, call: Call) -> None:
                     "retry shortly.", "service_unavailable", "model_starting",
                     retry_after=max(1, int(t.cold_start / 10)))
     keepalive: asyncio.Task[None] | None = None
+    failed: BaseException | None = None
     try:
         if call.stream:
             await send({"type": "http.response.start", "status": 200, "headers": [
@@ -38,8 +39,17 @@ async def hold(table: RouteTable, t: Timeouts, call: Call) -> None:
                         f"{t.cold_start:g} s" + (f": {why}" if why else "."),
                         "service_unavailable", "no_ready_replica",
                         retry_after=max(1, int(t.cold_start / 10)))
-    finally:
-        table.unhold(model)
-        if keepalive is not None:
-            keepalive.cancel()
-            await asyncio.gather(keepalive, return_exceptions=True)
+    except BaseException as exc:
+        # Re-raised once the keep-alive has stopped: no await in an except
+        # or finally block, which the compiled router would get wrong
+        # (docs/design/hot-path.md, "The router compiled").
+        failed = exc
+    table.unhold(model)
+    if keepalive is not None:
+        keepalive.cancel()
+        await asyncio.gather(keepalive, return_exceptions=True)
+    if failed is not None:
+        try:
+            raise failed
+        finally:
+            failed = None  # no reference cycle through the frame

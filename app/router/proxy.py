@@ -190,34 +190,44 @@ class Proxy:
         wait = self._turns.begin()
         if wait is not None:
             await wait
+        # A refusal's answer (status, body, headers, the server's direct
+        # writer), sent after its except block: no await in a handler, which
+        # the compiled router would get wrong (docs/design/hot-path.md, "The
+        # router compiled").
+        answer: tuple[int, bytes, list[tuple[bytes, bytes]], Any] | None = None
         try:
-            await self._serve(scope, receive, send, ex)
-        except OverLimit as over:
-            ex.status = 429
-            await send_whole(send, 429, openai_error_body(
-                over.message, over.kind, over.code),
-                [(b"retry-after", str(over.retry_after).encode()), ex.header],
-                direct=scope.get(DIRECT_BODY))
-        except Reply as r:
-            ex.status = r.status
-            extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
-            if not ex.body_read and has_body(scope):
-                # Refused before its body was read (no key, too large): the
-                # connection closes rather than read the rest to reach a
-                # next request (docs/design/security.md).
-                extra.append((b"connection", b"close"))
-            await send_whole(send, r.status, r.body, [*extra, *r.headers, ex.header],
-                             direct=scope.get(DIRECT_BODY))
-        except ClientGone:
-            ex.status = CLIENT_GONE
-        except Exception:
-            logger.exception("unhandled error on %s %s", method, path)
-            ex.status = 500
             try:
-                await send_whole(send, 500, openai_error_body("Internal error in the gateway.",
-                                                              "server_error"), [ex.header])
-            except RuntimeError:
-                pass  # the response had started (a stream): the client sees it cut
+                await self._serve(scope, receive, send, ex)
+            except OverLimit as over:
+                ex.status = 429
+                answer = (429, openai_error_body(over.message, over.kind, over.code),
+                          [(b"retry-after", str(over.retry_after).encode()), ex.header],
+                          scope.get(DIRECT_BODY))
+            except Reply as r:
+                ex.status = r.status
+                extra = [(b"www-authenticate", b"Bearer")] if r.status == 401 else []
+                if not ex.body_read and has_body(scope):
+                    # Refused before its body was read (no key, too large): the
+                    # connection closes rather than read the rest to reach a
+                    # next request (docs/design/security.md).
+                    extra.append((b"connection", b"close"))
+                answer = (r.status, r.body, [*extra, *r.headers, ex.header],
+                          scope.get(DIRECT_BODY))
+            except ClientGone:
+                ex.status = CLIENT_GONE
+            except Exception:
+                logger.exception("unhandled error on %s %s", method, path)
+                ex.status = 500
+                answer = (500, openai_error_body("Internal error in the gateway.",
+                                                 "server_error"), [ex.header], None)
+            if answer is not None:
+                status, body, headers, direct = answer
+                try:
+                    await send_whole(send, status, body, headers, direct=direct)
+                except RuntimeError:
+                    if status != 500:
+                        raise
+                    # 500: the response had started (a stream): the client sees it cut
         finally:
             self._ended(ex, started)
 

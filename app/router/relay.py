@@ -108,13 +108,14 @@ class Upstreams:
         except Reply as r:
             if not call.started:
                 raise
-            # The stream's response started while it was held: the error is
-            # its last event (the client's SDK raises on it).
-            err = json.loads(r.body)["error"]
-            await call.send({"type": "http.response.body", "more_body": False,
-                             "body": error_event(err["message"],
-                                                 err.get("code") or "upstream_error")})
-            return int(r.status)
+            status, err = int(r.status), json.loads(r.body)["error"]
+        # The stream's response started while it was held: the error is its
+        # last event (the client's SDK raises on it); sent out of the except
+        # block (docs/design/hot-path.md, "The router compiled").
+        await call.send({"type": "http.response.body", "more_body": False,
+                         "body": error_event(err["message"],
+                                             err.get("code") or "upstream_error")})
+        return status
 
     def _cold(self, model: str) -> bool:
         """No replica of `model` is routable, and one is on its way."""
@@ -194,10 +195,11 @@ class Upstreams:
             logger.info("request not sent to replica %s: %s", ep.replica_id, exc)
             raise error(400, f"The request cannot be forwarded: {exc}.",
                         "invalid_request_error", "invalid_request") from None
-        except (UpstreamError, _Retry) as exc:
+        except (UpstreamError, _Retry) as failure:
+            # Not `exc` again: mypyc gives a name one type per function.
             # Connect timeouts are the client's (UpstreamError): reads are
             # timed by the watch, which cancels instead.
-            failed = f"{exc or type(exc).__name__}"
+            failed = f"{failure or type(failure).__name__}"
             call.ex.upstream_wait += perf_counter() - call.sent
             tried.last_error = f"replica {ep.replica_id} failed ({failed})"
             logger.warning("%s; trying another", tried.last_error)

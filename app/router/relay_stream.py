@@ -159,6 +159,7 @@ class StreamRelay:
         call.watch.streaming()
         if call.meter is not None and ep.engine == "llamacpp":
             call.meter.count_at = (ep.url, ep.key)  # no usage event: counted (usage/limits.py)
+        why: Why | None = None  # the watch's, when it cut the stream: ended below
         try:
             if not call.started:
                 await call.send({"type": "http.response.start",
@@ -170,17 +171,23 @@ class StreamRelay:
                     await self._pump(chunk, write)
                     break
                 except (UpstreamError, zlib.error) as exc:
-                    again = await self._broken(exc)
-                    if again is None:
-                        return 502
-                    chunk = again
+                    broken: Exception | None = exc
+                # Out of the except block (docs/design/hot-path.md, "The
+                # router compiled"); the exception not kept past its use.
+                assert broken is not None
+                again = await self._broken(broken)
+                broken = None
+                if again is None:
+                    return 502
+                chunk = again
         except asyncio.CancelledError:
             why = call.watch.caught()
             if why is None:
                 raise
-            return await self._ended_by(why)
         finally:
             self._close()
+        if why is not None:
+            return await self._ended_by(why)
         call.watch.close()
         await call.send({"type": "http.response.body", "body": self._chain.tail,
                          "more_body": False})

@@ -21,3 +21,8 @@ Modules:
 - `stream_usage`: the usage event a llama.cpp stream owes its client, before [DONE].
 - `prompt_count`: a llama.cpp stream's prompt counted by its engine, off the request.
 """
+
+# The compiled copy of these modules, when one matches them (app/compiled.py).
+from app.compiled import package_path
+
+__path__ = package_path(__name__, __path__)
