@@ -68,7 +68,8 @@ class Exchange:
     as the request goes (the relay sets `replica` and `first_byte`), and
     writes the access line from it once the request has ended."""
 
-    __slots__ = ("answered", "arrived", "attempt_span", "body_read", "first_byte", "forwarded",
+    __slots__ = ("answered", "arrived", "attempt_span", "body_read", "first_byte",
+                 "first_token", "forwarded",
                  "key_id", "method", "model", "path", "replica", "request_id", "span", "started",
                  "status", "ticket", "traceparent", "tracestate", "upstream_wait")
 
@@ -83,6 +84,10 @@ class Exchange:
         self.status = 500
         self.body_read = False  # refused before it: the connection closes (proxy.py)
         self.first_byte = 0.0  # a stream's first byte from its engine (loop time)
+        # The same moment by `time.perf_counter()`, for the metrics: the
+        # loop's clock (uvloop's) moves in whole milliseconds, and a fast
+        # engine's first token came within one (a time to first token of 0).
+        self.first_token = 0.0
         # The gateway's own cost (outcome.py, `Outcome.gateway`), by
         # `time.perf_counter()` (ARRIVED): when the request arrived, when the
         # answer started to reach the client (0.0: it did not, or its start

@@ -341,10 +341,12 @@ class Proxy:
         assert self._loop is not None
         now = self._loop.time()
         if self._observer is not None and (ex.path in _FORWARDED or ex.model):
-            first, t = ex.first_byte, ex.ticket
+            # By `perf_counter()` from the request's arrival: the loop's
+            # clock moves in whole milliseconds (access.py, `first_token`).
+            first, t, arrived = ex.first_token, ex.ticket, ex.arrived
             self._observer.observe(Outcome(
-                ex.model or UNKNOWN_MODEL, ex.status, now - started,
-                first - started if first else None, t.meter.prompt_tokens if t else 0,
+                ex.model or UNKNOWN_MODEL, ex.status, time.perf_counter() - arrived,
+                first - arrived if first else None, t.meter.prompt_tokens if t else 0,
                 t.meter.completion_tokens if t else 0,
                 ex.answered - ex.arrived - ex.upstream_wait if ex.answered else None))
         ex.log(now)

@@ -155,6 +155,7 @@ class StreamRelay:
         # yet, so the caller may still retry or answer with an error.
         chunk = await self._upstream.readany()
         call.ex.first_byte = call.watch.loop.time()
+        call.ex.first_token = perf_counter()
         call.ex.upstream_wait += self._upstream.engine_seconds()
         call.watch.streaming()
         if call.meter is not None and ep.engine == "llamacpp":
