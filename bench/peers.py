@@ -34,16 +34,22 @@ def interpreter(python: str | None = None) -> str:
     venv was made from, which tells how it was built (docs/design/hot-path.md,
     "The interpreter": a build without PGO and LTO costs 14-32% more CPU a
     request)."""
+    # The router too (docs/design/hot-path.md, "The router compiled"), as
+    # the tree that venv belongs to runs it: compiled or pure Python, why.
+    tree = Path(python).parent.parent.parent if python else ROOT
     out = subprocess.run(
         [python or sys.executable, "-c",
          "import sys, platform; print(platform.python_implementation(), "
-         "platform.python_version(), getattr(sys, '_base_executable', sys.executable))"],
-        capture_output=True, text=True, timeout=30)
-    impl, version, base = (out.stdout.split() + ["?"] * 3)[:3]
+         "platform.python_version(), getattr(sys, '_base_executable', sys.executable))\n"
+         "try:\n    from app import compiled; print(compiled.state())\n"
+         "except ImportError:\n    print('pure Python (no app.compiled)')"],
+        capture_output=True, text=True, timeout=30, cwd=tree)
+    first, _, router = out.stdout.partition("\n")
+    impl, version, base = (first.split() + ["?"] * 3)[:3]
     home = str(Path.home())
     if base.startswith(home + "/"):  # no path of this machine in RESULTS
         base = "~" + base[len(home):]
-    return f"{impl} {version} ({base})"
+    return f"{impl} {version} ({base}), router {router.strip() or '?'}"
 
 
 class Unavailable(Exception):
