@@ -229,7 +229,7 @@ class Proxy:
                         raise
                     # 500: the response had started (a stream): the client sees it cut
         finally:
-            self._ended(ex, started)
+            self._ended(ex)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, ex: Exchange) -> None:
         """The edge, in order: the key, the route, the body, the model and the
@@ -336,7 +336,7 @@ class Proxy:
                          else self._models(grant), [ex.header])
         ex.status = 200
 
-    def _ended(self, ex: Exchange, started: float) -> None:
+    def _ended(self, ex: Exchange) -> None:
         """The request's metrics, access line and span."""
         assert self._loop is not None
         now = self._loop.time()
@@ -348,7 +348,7 @@ class Proxy:
                 ex.model or UNKNOWN_MODEL, ex.status, time.perf_counter() - arrived,
                 first - arrived if first else None, t.meter.prompt_tokens if t else 0,
                 t.meter.completion_tokens if t else 0,
-                ex.answered - ex.arrived - ex.upstream_wait if ex.answered else None))
+                ex.answered - arrived - ex.upstream_wait if ex.answered else None))
         ex.log(now)
         if self._tracer is not None and ex.span is not None:
             self._tracer.end(ex)
