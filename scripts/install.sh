@@ -103,7 +103,7 @@ if [ "$(cat "$marker" 2>/dev/null)" != "$LLAMA_BUILD $(basename "$wheel")" ]; th
 fi
 .venv/bin/python -m pip install -q -e '.[cpu,compile]'
 # The router compiled (app/compiled.py, docs/design/hot-path.md): the same
-# source built by mypyc into C extensions in .venv, 16-22% less CPU a
+# source built by mypyc into C extensions in .venv, 18-19% less CPU a
 # request. About 2 minutes on 2 cores; a second run builds again only when a
 # router file changed. LLMGW_COMPILE=0 skips it. If it cannot build, llmgw
 # runs the pure Python, and says so as it starts.
