@@ -47,6 +47,42 @@ async def test_a_missing_or_wrong_key_is_401_in_openai_shape(rig: Rig) -> None:
     assert (await rig.chat("small")).status_code == 200  # the right key does pass
 
 
+async def test_a_granted_key_is_hashed_once_and_a_revoked_one_refused(rig: Rig) -> None:
+    up = await rig.upstream("a")
+    rig.route("small", ("a", up.url))
+    hashed: list[str] = []
+
+    def counted(key: str) -> str:
+        hashed.append(key)
+        return _hash(key)
+
+    rig.proxy._hash_key = counted
+    for _ in range(3):
+        assert (await rig.chat("small")).status_code == 200
+    assert hashed == [CLIENT_KEY]  # remembered once granted
+    for _ in range(2):
+        _openai_error(await rig.chat("small", "sk-made-up"), 401, "invalid_api_key")
+    assert hashed == [CLIENT_KEY, "sk-made-up", "sk-made-up"]  # a refused key is not kept
+    # Revoked: the grant is looked up anew, whatever was remembered.
+    rig.table.set_client_keys({})
+    _openai_error(await rig.chat("small"), 401, "invalid_api_key")
+    rig.table.set_client_keys({_hash(CLIENT_KEY): KeyGrant("k1", "tests")})
+    assert (await rig.chat("small")).status_code == 200
+
+
+async def test_the_keys_remembered_are_bounded(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.router.proxy as proxy_module
+
+    monkeypatch.setattr(proxy_module, "_KEYS_REMEMBERED", 3)
+    up = await rig.upstream("a")
+    rig.route("small", ("a", up.url))
+    keys = [f"sk-key-{i}" for i in range(7)]
+    rig.table.set_client_keys({_hash(k): KeyGrant(k, "t") for k in keys})
+    for k in keys:
+        assert (await rig.chat("small", k)).status_code == 200
+        assert len(rig.proxy._key_names) <= 3
+
+
 async def test_an_unknown_or_ungranted_model_is_404_model_not_found(rig: Rig) -> None:
     up = await rig.upstream("a")
     rig.route("small", ("a", up.url))

@@ -5,6 +5,7 @@ passthrough.py)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -89,9 +90,32 @@ async def read_body(receive: Receive) -> bytes:
                     "invalid_request_error") from None
 
 
+# The C scanner `json.loads` ends in, called straight: a body that starts
+# with `{` and is UTF-8 skips the wrappers' encoding sniff, decode and
+# whitespace passes (1.0 against 2.7 us for a small chat request). Anything
+# else, and any body the scanner refuses, goes to `json.loads`, whose answer
+# (the value, or the error the client is told) is the one kept.
+# (The decoder's `scan_once` is set in its __init__, unknown to the stubs.)
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_space = re.compile(r"[ \t\n\r]*").match
+
+
+def _loads(raw: bytes) -> Any:
+    if raw[:1] == b"{":
+        try:
+            text = raw.decode("utf-8", "surrogatepass")  # as json.loads decodes UTF-8
+            value, end = _scan(text, 0)
+        except (ValueError, StopIteration):
+            pass  # json.loads says what is wrong
+        else:
+            if end == len(text) or _space(text, end).end() == len(text):  # type: ignore[union-attr]
+                return value
+    return json.loads(raw)
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except RecursionError:  # the C parser's guard: ~1,000 levels of [ or {
         raise error(400, "The request body is nested too deeply.",
                     "invalid_request_error") from None
