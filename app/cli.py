@@ -131,8 +131,8 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
     import uvicorn
 
     from app.gateway import fdlimit
+    from app.gateway.http1 import protocol
     from app.gateway.main import create_app
-    from app.gateway.slowclients import protocol
 
     fdlimit.raise_soft()
     app = create_app(settings, campaign=campaign, ready_first=ready_first, worker=worker)
@@ -146,7 +146,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # `grace`; whatever is still open after this is
                             # cancelled without a word.
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
-                            # httptools, cutting slow clients (app/gateway/slowclients.py).
+                            # Our HTTP/1.1 protocol, cutting slow clients (app/gateway/http1.py).
                             http=protocol(settings.header_timeout, settings.body_timeout),
                             # uvloop, taking a burst of connections in a turn
                             # (app/gateway/accept.py).

@@ -5,8 +5,8 @@ side-by-side runs (bench/router_overhead.py and bench/streams.py, target
 
 Not how llmgw is run: `llmgw serve` keeps uvicorn (bench/RESULTS.md,
 "Server: granian beside uvicorn", says why). What granian does not take from
-llmgw here: the slow-client cuts (app/gateway/slowclients.py, a uvicorn
-protocol), the stop's notice and grace (app/cli.py), `--workers`' shared
+llmgw here: the gateway's own HTTP/1.1 protocol and its slow-client cuts
+(app/gateway/http1.py), the stop's notice and grace (app/cli.py), `--workers`' shared
 socket, and the arrival stamp (the proxy then stamps the request itself, a
 step later).
 

@@ -1,9 +1,9 @@
-"""A stream's body written straight to the client's socket on uvicorn
-(app/gateway/slowclients.py, `ChunkedBody`; docs/design/hot-path.md, "A
-stream's chunks"): a real uvicorn server in-process on llmgw's protocol,
-clients on raw sockets. The framing is uvicorn's own, the response still
-ends through its send, a client not reading fills the socket, and a request
-leaves no reference cycle behind."""
+"""A stream's body written straight to the client's socket
+(app/gateway/http1.py, `RequestCycle` as the scope's `DirectBody`;
+docs/design/hot-path.md, "A stream's chunks"): a real uvicorn server
+in-process on llmgw's protocol, clients on raw sockets. The framing is the
+ASGI send's own, the response still ends through its send, a client not
+reading fills the socket, and a request leaves no reference cycle behind."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from typing import Any
 import httptools
 import pytest
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from app.gateway.slowclients import ChunkedBody, protocol
+from app.gateway.http1 import Http1, RequestCycle, protocol
 from app.router.direct_body import DIRECT_BODY
 from app.router.own_answers import send_whole
 
@@ -176,12 +175,12 @@ async def test_a_request_leaves_no_reference_cycle(server: int) -> None:
             await ask(server, get("/plain"), conn)
             await ask(server, get("/whole"), conn)
         gc.collect()
-        left = [o for o in gc.garbage if isinstance(o, (RequestResponseCycle, ChunkedBody))]
+        left = [o for o in gc.garbage if isinstance(o, (RequestCycle, Http1))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
         conn[1].close()
-    # Each would be a request's cycle, scope and body writer, freed only by
+    # Each would be a request, its scope or its connection, freed only by
     # a collection: its pause grows with the requests served since the last.
     assert left == [], f"{len(left)} objects of 60 requests left to the collector"
 

@@ -1,5 +1,5 @@
 """uvicorn's keep-alive timeout under `llmgw serve`'s protocol
-(app/gateway/slowclients.py): an idle kept-open connection is closed after
+(app/gateway/http1.py): an idle kept-open connection is closed after
 the timeout, a busy one never is, and its requests do not arm a timer each
 (uvicorn armed one after every response and cancelled it at the next read).
 A real uvicorn server in-process, raw sockets as clients."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from app.gateway.slowclients import protocol
+from app.gateway.http1 import protocol
 
 KEEP_ALIVE = 0.4
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from app import logs
-from app.gateway.slowclients import protocol
+from app.gateway.http1 import protocol
 from app.logs import handler, request_id
 from tests.support.proxy_rig import MESSAGES, Rig
 

@@ -34,7 +34,8 @@ package").
 - `worker_loads`: the engine-load poll split among the workers
 - `private_files`: the folder of files the workers exchange, nothing planted followed
 - `pidfile`: DATA_DIR/llmgw.pid, and `llmgw stop`
-- `slowclients`: time limits on a client's headers and on a stalled body
+- `http1`: each client connection's HTTP/1.1 under uvicorn's server: requests parsed and
+  handed to the app, answers written, time limits on a client's headers and a stalled body
 - `accept`: the event loop: uvloop, taking every waiting connection at once
 - `fdlimit`: the limit on open files, raised to what the system allows
 """

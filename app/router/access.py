@@ -24,7 +24,7 @@ access_log = logging.getLogger("app.access")
 # headers and the engine's request, where a control character could end a line.
 MAX_REQUEST_ID = 128
 # The ASGI scope's key for when the server began to read the request, by
-# `time.perf_counter()` (app/gateway/slowclients.py stamps it; absent: the
+# `time.perf_counter()` (app/gateway/http1.py stamps it; absent: the
 # app's own start). Not the loop's clock: uvloop's is libuv's cached
 # millisecond, too coarse for a fraction of a millisecond.
 ARRIVED = "llmgw.arrived"

@@ -4,7 +4,7 @@ answer written in one write without its two messages (docs/design/hot-path.md,
 "A stream's chunks" and "A whole answer in one write").
 
 `llmgw serve`'s server offers it in the request's scope under `DIRECT_BODY`
-(app/gateway/slowclients.py, on uvicorn's httptools protocol); under any
+(app/gateway/http1.py, its HTTP/1.1 protocol); under any
 other server the relay sends ASGI messages, as before.
 """
 

@@ -193,7 +193,7 @@ class Proxy:
         started = self._loop.time()
         ex = Exchange(method, path, started)  # the request id, the access line (access.py)
         # From when its server began to read it, where the server says
-        # (app/gateway/slowclients.py): its parse and scheduling are the
+        # (app/gateway/http1.py): its parse and scheduling are the
         # gateway's time too (`Outcome.gateway`).
         ex.arrived = scope.get(ARRIVED) or time.perf_counter()
         # In a burst, a few begin each loop turn (turns.py).

@@ -240,8 +240,8 @@ class AsgiCall:
     """One POST driven through the ASGI app by hand, to see and cut a stream.
 
     `direct`: the server also offers the body's direct writes, as `llmgw
-    serve`'s does (app/router/direct_body.py; app/gateway/slowclients.py's
-    `ChunkedBody` on uvicorn): a piped stream's chunks arrive here as body
+    serve`'s does (app/router/direct_body.py; app/gateway/http1.py's
+    `RequestCycle`): a piped stream's chunks arrive here as body
     messages all the same, and a client not reading fills the socket."""
 
     def __init__(self, proxy: Proxy, body: dict[str, Any], path: str = CHAT,

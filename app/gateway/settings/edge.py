@@ -2,7 +2,7 @@
 TLS, what a connection and a request meet before a client is authenticated
 (body caps, slow clients, the admin write deadline), how it stops, and its
 process's garbage collector. Read by app/cli.py (uvicorn), app/gateway/assembly.py and
-app/gateway/slowclients.py."""
+app/gateway/http1.py."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class EdgeSettings(Group):
     agent_max_body: int = Field(1024 * 1024, ge=1024)
     # Seconds a connection may take to send a request's headers (counted from
     # when it opens, or from its next request's first byte), and may go with
-    # no byte in the middle of a body; then it is closed (app/gateway/slowclients.py).
+    # no byte in the middle of a body; then it is closed (app/gateway/http1.py).
     # Longer lets slow or hostile clients hold a descriptor each that long;
     # shorter cuts clients on very bad links.
     header_timeout: float = Field(30.0, gt=0)

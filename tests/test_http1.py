@@ -1,0 +1,321 @@
+"""The gateway's HTTP/1.1 protocol (app/gateway/http1.py) beside uvicorn's
+own httptools protocol: the same app on two real uvicorn servers in-process,
+the same raw requests to both, and the same bytes back (the date aside) and
+the same scopes handed to the app. What the gateway adds of its own (the
+header and body limits, the keep-alive timer) is in tests/test_edge.py and
+tests/test_keep_alive.py; a stream's direct writes in test_direct_body.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httptools
+import pytest
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.gateway.http1 import protocol
+from app.router.access import ARRIVED
+from app.router.direct_body import DIRECT_BODY
+
+scopes: list[dict[str, Any]] = []  # what the app was given, request by request
+
+
+async def read_body(receive: Any) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return body + b"<gone>"
+        body += message["body"]
+        if not message["more_body"]:
+            return body
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    seen = {k: v for k, v in scope.items() if k not in (DIRECT_BODY, ARRIVED)}
+    seen["client"] = seen["server"] = None  # ports differ between the two servers
+    scopes.append(seen)
+    path = scope["path"]
+
+    async def start(status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers or []})
+
+    if path == "/plain":
+        await start(200, [(b"content-length", b"2"), (b"X-Mixed", b"Case")])
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/chunked":
+        await start(200, [(b"content-type", b"text/plain")])
+        for part in (b"a", b"", b"bc"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    elif path == "/echo":
+        body = await read_body(receive)
+        await start(200, [(b"content-length", str(len(body)).encode())])
+        await send({"type": "http.response.body", "body": body})
+    elif path == "/scope":
+        text = repr(sorted((k, repr(v)) for k, v in seen.items())).encode()
+        await start(200, [(b"content-length", str(len(text)).encode())])
+        await send({"type": "http.response.body", "body": text})
+    elif path == "/204":
+        await start(204)
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/close":
+        await start(200, [(b"content-length", b"1"), (b"connection", b"Keep-Alive, Close")])
+        await send({"type": "http.response.body", "body": b"x"})
+    elif path == "/error-before":
+        raise RuntimeError("the app failed before its answer")
+    elif path == "/error-after":
+        await start(200, [(b"content-length", b"10")])
+        await send({"type": "http.response.body", "body": b"12345", "more_body": True})
+        raise RuntimeError("the app failed halfway")
+    elif path == "/short":
+        await start(200, [(b"content-length", b"5")])
+        await send({"type": "http.response.body", "body": b"12"})
+    elif path == "/long":
+        await start(200, [(b"content-length", b"1")])
+        await send({"type": "http.response.body", "body": b"12"})
+    elif path == "/bad-header":
+        await start(200, [(b"x-bad", b"a\nb"), (b"content-length", b"0")])
+    elif path == "/twice":
+        await start(200, [(b"content-length", b"0")])
+        await send({"type": "http.response.body", "body": b""})
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/none":
+        return
+    elif path == "/wrong-first":
+        await send({"type": "http.response.body", "body": b"x"})
+    else:
+        await start(404, [(b"content-length", b"0")])
+        await send({"type": "http.response.body", "body": b""})
+
+
+@contextlib.asynccontextmanager
+async def serving(http: Any, **config: Any) -> AsyncIterator[int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", http=http,
+                                        server_header=False, **config))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    for _ in range(500):
+        if srv.started:
+            break
+        await asyncio.sleep(0.01)
+    assert srv.started
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 5)
+
+
+@pytest.fixture
+async def ports() -> AsyncIterator[tuple[int, int]]:
+    """(uvicorn's protocol, ours)."""
+    async with serving(HttpToolsProtocol) as theirs, serving(protocol(30, 30)) as ours:
+        yield theirs, ours
+
+
+class Answers:
+    """Counts the complete responses in what a client read."""
+
+    def __init__(self, head: bool = False) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.done = 0
+        self.head = head
+
+    def on_headers_complete(self) -> None:
+        if self.head:  # a HEAD answer has no body, whatever its head says
+            self.done += 1
+
+    def on_message_complete(self) -> None:
+        self.done += 1
+
+
+async def exchange(port: int, request: bytes, answers: int, head: bool = False,
+                   pause_after: bytes | None = None) -> bytes:
+    """What the server sends back for `request`, once `answers` responses
+    are complete or it closes the connection (date lines taken out).
+    `pause_after`: sent in two parts, split after these bytes."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    if pause_after is not None:
+        first, rest = request.split(pause_after, 1)
+        w.write(first + pause_after)
+        await asyncio.sleep(0.05)
+        request = rest
+    w.write(request)
+    got, counter = b"", Answers(head)
+    try:
+        while counter.done < answers:
+            data = await asyncio.wait_for(r.read(65536), 5)
+            if not data:
+                break
+            got += data
+            with contextlib.suppress(httptools.HttpParserError):
+                counter.parser.feed_data(data)
+        if counter.done >= answers:  # anything more, or a close, soon after
+            with contextlib.suppress(asyncio.TimeoutError):
+                got += await asyncio.wait_for(r.read(65536), 0.1)
+    finally:
+        w.close()
+    return b"\r\n".join(line for line in got.split(b"\r\n") if not line.startswith(b"date: "))
+
+
+def req(method: str, path: str, headers: str = "", body: bytes = b"",
+        version: str = "1.1") -> bytes:
+    return f"{method} {path} HTTP/{version}\r\nHost: t\r\n{headers}\r\n".encode() + body
+
+
+CASES: dict[str, tuple[bytes, int]] = {
+    "plain": (req("GET", "/plain"), 1),
+    "http/1.0": (req("GET", "/plain", version="1.0"), 1),
+    "http/1.0 kept alive": (req("GET", "/plain", "Connection: keep-alive\r\n", version="1.0"),
+                            1),
+    "connection close asked": (req("GET", "/plain", "Connection: close\r\n"), 1),
+    "chunked answer": (req("GET", "/chunked"), 1),
+    "chunked answer, http/1.0": (req("GET", "/chunked", version="1.0"), 1),
+    "body with its length": (req("POST", "/echo", "Content-Length: 5\r\n", b"hello"), 1),
+    "empty body": (req("POST", "/echo", "Content-Length: 0\r\n"), 1),
+    "chunked body": (req("POST", "/echo", "Transfer-Encoding: chunked\r\n",
+                         b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"), 1),
+    "a body of 200 KiB": (req("POST", "/echo", "Content-Length: 204800\r\n",
+                              b"z" * 204800), 1),
+    "expect 100-continue": (req("POST", "/echo", "Expect: 100-continue\r\n"
+                                "Content-Length: 3\r\n", b"abc"), 1),
+    "pipelined": (req("GET", "/plain") + req("POST", "/echo", "Content-Length: 2\r\n", b"hi")
+                  + req("GET", "/chunked") + req("GET", "/scope?n=4"), 4),
+    "scope": (req("GET", "/scope?a=1&b=%20x", "X-Pad:  padded \t\r\nX-Two: 1\r\nx-two: 2\r\n"
+                  "Expect: 100-Continue\r\n"), 1),
+    "escaped path": (req("GET", "/%7Escope%20x"), 1),
+    "absolute form": (b"GET http://t:80/scope?q HTTP/1.1\r\nHost: t\r\n\r\n", 1),
+    "204": (req("GET", "/204"), 1),
+    "the app closes": (req("GET", "/close"), 1),
+    "error before the answer": (req("GET", "/error-before"), 1),
+    "error halfway": (req("GET", "/error-after"), 1),
+    "shorter than its length": (req("GET", "/short"), 1),
+    "longer than its length": (req("GET", "/long"), 1),
+    "a header value refused": (req("GET", "/bad-header"), 1),
+    "two last messages": (req("GET", "/twice"), 1),
+    "no answer": (req("GET", "/none"), 1),
+    "body before start": (req("GET", "/wrong-first"), 1),
+    "not found": (req("DELETE", "/nowhere"), 1),
+    "not http": (b"NONSENSE\r\n\r\n", 1),
+    "bad header line": (b"GET /plain HTTP/1.1\r\nHost t\r\n\r\n", 1),
+    "bad chunk size": (req("POST", "/echo", "Transfer-Encoding: chunked\r\n", b"zz\r\n"), 1),
+    "connect": (b"CONNECT t:443 HTTP/1.1\r\nHost: t:443\r\n\r\n", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_the_same_bytes_as_uvicorns_protocol(ports: tuple[int, int], case: str) -> None:
+    request, answers = CASES[case]
+    scopes.clear()
+    theirs = await exchange(ports[0], request, answers)
+    their_scopes = list(scopes)
+    scopes.clear()
+    ours = await exchange(ports[1], request, answers)
+    assert ours == theirs
+    assert scopes == their_scopes
+    # Something came back, so the comparison compared something; but for
+    # a header refused after the answer was marked started: both close
+    # without a byte.
+    assert bool(theirs) is (case != "a header value refused"), theirs
+
+
+async def test_a_head_answer_and_a_request_split_across_reads(ports: tuple[int, int]) -> None:
+    for request, split in ((req("HEAD", "/plain"), None), (req("HEAD", "/chunked"), None),
+                           (req("POST", "/echo", "Content-Length: 5\r\n", b"hello"), b"he"),
+                           (req("GET", "/scope?x"), b"GET /sc"),
+                           (req("POST", "/echo", "Transfer-Encoding: chunked\r\n",
+                                b"3\r\nabc\r\n0\r\n\r\n"), b"3\r\na")):
+        theirs = await exchange(ports[0], request, 1, head=request.startswith(b"HEAD"),
+                                pause_after=split)
+        ours = await exchange(ports[1], request, 1, head=request.startswith(b"HEAD"),
+                              pause_after=split)
+        assert ours == theirs, request
+        assert theirs.startswith(b"HTTP/1.1 200 OK\r\n"), theirs
+
+
+async def test_the_concurrency_limit_answers_503() -> None:
+    async with serving(HttpToolsProtocol, limit_concurrency=1) as theirs, \
+            serving(protocol(30, 30), limit_concurrency=1) as ours:
+        answers = [await exchange(port, req("GET", "/plain"), 1) for port in (theirs, ours)]
+    assert answers[0] == answers[1]
+    assert answers[0].startswith(b"HTTP/1.1 503"), answers[0]
+
+
+async def test_a_client_gone_mid_body_is_told_to_the_app() -> None:
+    got: list[bytes] = []
+
+    async def reading(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            got.append(await read_body(receive))
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(reading, log_config=None, lifespan="off",
+                                        http=protocol(30, 30)))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    try:
+        for _ in range(500):
+            if srv.started:
+                break
+            await asyncio.sleep(0.01)
+        _, w = await asyncio.open_connection(*sock.getsockname())
+        w.write(req("POST", "/echo", "Content-Length: 10\r\n", b"12345"))
+        await asyncio.sleep(0.1)
+        w.close()
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == [b"12345<gone>"]
+    finally:
+        srv.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 5)
+
+
+async def test_shutdown_closes_an_idle_connection_and_lets_a_busy_one_finish() -> None:
+    release = asyncio.Event()
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(slow, log_config=None, lifespan="off",
+                                        http=protocol(30, 30)))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    for _ in range(500):
+        if srv.started:
+            break
+        await asyncio.sleep(0.01)
+    idle_r, idle_w = await asyncio.open_connection(*sock.getsockname())
+    idle_w.write(req("GET", "/fast"))
+    assert (await asyncio.wait_for(idle_r.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+    busy_r, busy_w = await asyncio.open_connection(*sock.getsockname())
+    busy_w.write(req("GET", "/slow"))
+    await asyncio.sleep(0.1)
+    srv.should_exit = True
+    assert await asyncio.wait_for(idle_r.read(), 5) == b""  # closed at once
+    assert not task.done()  # waiting for the busy one
+    release.set()
+    answer = await asyncio.wait_for(busy_r.read(), 5)  # answered, then closed
+    assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer
+    await asyncio.wait_for(task, 5)
+    idle_w.close()
+    busy_w.close()
