@@ -24,7 +24,7 @@ from app.control.keys import hash_client_key
 from app.control.mirror import Mirror
 from app.gateway.main import GatewayApp, create_app
 from app.gateway.settings import Settings
-from app.router.published import Limits
+from app.router.published import NO_LIMITS, Limits
 from app.router.usage.limits import Limiter
 from app.store.embedded import EmbeddedStore
 from app.store.etcd.store import EtcdStore
@@ -137,6 +137,15 @@ async def test_requests_per_minute_hold_across_two_gateways(
     async with fleet(etcd_server, etcd_prefix, tmp_path) as (a, b, _):
         key = await _new_key(a, limits={"requests_per_minute": 4})
         await _both_see(a, b, key["key"])
+        free = await _new_key(a, name="free")
+        await _both_see(a, b, free["key"])
+        # A key without limits is granted NO_LIMITS itself, which the
+        # limiter tells by identity (app/gateway/publish.py, `_limits`).
+        limited = a.gw.table.grant(hash_client_key(key["key"]))
+        unlimited = a.gw.table.grant(hash_client_key(free["key"]))
+        assert limited is not None and unlimited is not None
+        assert limited.limits.requests_per_minute == 4 and limited.limits is not NO_LIMITS
+        assert unlimited.limits is NO_LIMITS
         clients = [a.client(key["key"]), b.client(key["key"])]
         ok: list[Any] = []
         refused: list[openai.RateLimitError] = []

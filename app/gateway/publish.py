@@ -33,7 +33,7 @@ from app.control.placement.placer import Placer, place_any, placer_of
 from app.control.placement.verdict import NoFit
 from app.gateway.node_grace import NodeGrace
 from app.gateway.replica_endpoints import ReplicaEndpoints
-from app.router.published import CatalogEntry, Endpoint, KeyGrant, Limits
+from app.router.published import NO_LIMITS, CatalogEntry, Endpoint, KeyGrant, Limits
 from app.router.table import RouteTable
 
 logger = logging.getLogger(__name__)
@@ -329,9 +329,9 @@ class Publisher:
         keys = m.client_keys()
         if self._grants[0] is not keys or self._grants[1] != gateways:
             self._grants = (keys, gateways, {
-                digest: KeyGrant(rec.id, rec.name, frozenset(rec.models), Limits(
+                digest: KeyGrant(rec.id, rec.name, frozenset(rec.models), _limits(Limits(
                     rec.limits.requests_per_minute, rec.limits.tokens_per_minute,
-                    rec.limits.concurrent_requests, rec.limits.external_tokens_per_day),
+                    rec.limits.concurrent_requests, rec.limits.external_tokens_per_day)),
                     gateways, rec.expires)
                 for digest, rec in keys.items()})
         return self._grants[2]
@@ -355,6 +355,12 @@ class Publisher:
             t.set_holdable(holdable)
         if overflow != last[5]:
             t.set_overflow(dict(overflow))
+
+def _limits(limits: Limits) -> Limits:
+    """`NO_LIMITS` itself for a key without limits: the limiter tells it
+    by identity, not by comparing two dataclasses a request."""
+    return NO_LIMITS if limits == NO_LIMITS else limits
+
 
 def _entry(name: str, spec: s.StoredModel) -> CatalogEntry:
     return CatalogEntry(name, tuple(spec.aliases), int(spec.created),

@@ -11,7 +11,6 @@ held stream's headers are out), never in an out-parameter.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.router.access import Exchange
@@ -37,7 +36,6 @@ class Overflow(Protocol):
         ...
 
 
-@dataclass(slots=True, eq=False)
 class Call:
     """What every stage of one request's sending reads.
 
@@ -51,31 +49,46 @@ class Call:
     the client's bytes, when `body` is exactly what they say (sent as they
     are). `spill`: the model's overflow may take the request instead
     (spill.py), on the key's `grant` and `ticket`.
+
+    A plain class, not a dataclass: compiled (docs/design/hot-path.md, "The
+    router compiled"), a dataclass's `__init__` is still the Python one the
+    dataclasses module writes, a step of every request in the interpreter.
     """
 
-    ex: Exchange
-    watch: Watch
-    send: Send
-    model: str
-    url_tail: str
-    body: dict[str, Any]
-    stream: bool
-    meter: Meter | None = None
-    # The key's grant and its admission (the ticket holds its place in the
-    # key's concurrency; `meter` is the ticket's, when metered).
-    grant: KeyGrant | None = None
-    ticket: Ticket | None = None
-    affinity: str | None = None
-    pin: str | None = None
-    encode: Encoder | None = None
-    raw: bytes | None = None
-    spill: Overflow | None = None
-    # The response began while the request was held (hold.py): its headers
-    # are out, so only the body follows, and an error is its last event.
-    started: bool = False
-    # The server's direct writer of the response body, where it offers one
-    # and `send` is its own (direct_body.py): a stream is then piped.
-    direct: DirectBody | None = None
-    # When the current attempt's request went out (`time.perf_counter()`): the
-    # start of the engine's time (access.py, `Exchange.upstream_wait`).
-    sent: float = 0.0
+    __slots__ = ("affinity", "body", "direct", "encode", "ex", "grant", "meter", "model", "pin",
+                 "raw", "send", "sent", "spill", "started", "stream", "ticket", "url_tail",
+                 "watch")
+
+    def __init__(self, ex: Exchange, watch: Watch, send: Send, model: str, url_tail: str,
+                 body: dict[str, Any], stream: bool, *, meter: Meter | None = None,
+                 grant: KeyGrant | None = None, ticket: Ticket | None = None,
+                 affinity: str | None = None, pin: str | None = None,
+                 encode: Encoder | None = None, raw: bytes | None = None,
+                 spill: Overflow | None = None) -> None:
+        self.ex = ex
+        self.watch = watch
+        self.send = send
+        self.model = model
+        self.url_tail = url_tail
+        self.body = body
+        self.stream = stream
+        self.meter = meter
+        # The key's grant and its admission (the ticket holds its place in
+        # the key's concurrency; `meter` is the ticket's, when metered).
+        self.grant = grant
+        self.ticket = ticket
+        self.affinity = affinity
+        self.pin = pin
+        self.encode = encode
+        self.raw = raw
+        self.spill = spill
+        # The response began while the request was held (hold.py): its
+        # headers are out, so only the body follows, and an error is its
+        # last event.
+        self.started = False
+        # The server's direct writer of the response body, where it offers
+        # one and `send` is its own (direct_body.py): a stream is then piped.
+        self.direct: DirectBody | None = None
+        # When the current attempt's request went out (`time.perf_counter()`):
+        # the start of the engine's time (access.py, `Exchange.upstream_wait`).
+        self.sent = 0.0

@@ -10,11 +10,9 @@ observer's signature changes (docs/design/metrics.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(slots=True)
 class Outcome:
     """`status` is what the client got, or: 499 the client left first; 502
     the engine broke off a stream already answered 200; 504 a stream stalled
@@ -28,13 +26,25 @@ class Outcome:
     time its engines took (None: no engine answered, or the request waited
     for a replica to start or spilled, which is not the gateway's cost)."""
 
-    model: str
-    status: int
-    seconds: float
-    first_byte: float | None = None
-    prompt: int = 0
-    completion: int = 0
-    gateway: float | None = None
+    __slots__ = ("completion", "first_byte", "gateway", "model", "prompt", "seconds", "status")
+
+    # A plain class, not a dataclass: one is made a request, and a compiled
+    # dataclass's `__init__` is still Python (call.py, `Call`).
+    def __init__(self, model: str, status: int, seconds: float,
+                 first_byte: float | None = None, prompt: int = 0, completion: int = 0,
+                 gateway: float | None = None) -> None:
+        self.model = model
+        self.status = status
+        self.seconds = seconds
+        self.first_byte = first_byte
+        self.prompt = prompt
+        self.completion = completion
+        self.gateway = gateway
+
+    def __repr__(self) -> str:
+        return (f"Outcome({self.model!r}, {self.status}, {self.seconds}, "
+                f"first_byte={self.first_byte}, prompt={self.prompt}, "
+                f"completion={self.completion}, gateway={self.gateway})")
 
 
 class RequestObserver(Protocol):

@@ -227,7 +227,9 @@ class Limiter:
         if st is None:
             st = self._keys[key_id] = _KeyState()
         st.prune(now, self._window)
-        st.limited = limits != NO_LIMITS
+        # A key without limits has NO_LIMITS itself (the publisher's grants):
+        # no comparison of two dataclasses a request.
+        st.limited = limits is not NO_LIMITS and limits != NO_LIMITS
         if st.limited and asked:
             st.asked.append(now)
         try:
