@@ -8,7 +8,6 @@ reading fills the socket, and a request leaves no reference cycle behind."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import socket
 from collections.abc import AsyncIterator
@@ -16,11 +15,11 @@ from typing import Any
 
 import httptools
 import pytest
-import uvicorn
 
 from app.gateway.http1 import Http1, RequestCycle, protocol
 from app.router.direct_body import DIRECT_BODY
 from app.router.own_answers import send_whole
+from tests.support.inprocess_server import serving
 
 CHUNKS = [b"data: %d\n\n" % i for i in range(50)]
 seen: dict[str, Any] = {}  # what the app found, per path
@@ -75,23 +74,10 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 @pytest.fixture
 async def server() -> AsyncIterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_config=None, lifespan="off", http=protocol(30, 30))
-    srv = uvicorn.Server(config)
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    for _ in range(500):  # uvicorn says it started with a flag only
-        if srv.started:
-            break
-        await asyncio.sleep(0.01)
-    assert srv.started
     try:
-        yield port
+        async with serving(app, http=protocol(30, 30)) as served:
+            yield served.port
     finally:
-        srv.should_exit = True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 5)
         seen.clear()
 
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httptools
 import pytest
-import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.gateway.http1 import protocol
 from app.router.access import ARRIVED
 from app.router.direct_body import DIRECT_BODY
+from tests.support.inprocess_server import serving
 
 scopes: list[dict[str, Any]] = []  # what the app was given, request by request
 
@@ -97,30 +96,18 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(http: Any, **config: Any) -> AsyncIterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", http=http,
-                                        server_header=False, **config))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    for _ in range(500):
-        if srv.started:
-            break
-        await asyncio.sleep(0.01)
-    assert srv.started
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        srv.should_exit = True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 5)
+async def both(**config: Any) -> AsyncIterator[tuple[int, int]]:
+    """`app` on uvicorn's protocol and on ours: their ports."""
+    async with serving(app, http=HttpToolsProtocol, server_header=False, **config) as theirs, \
+            serving(app, http=protocol(30, 30), server_header=False, **config) as ours:
+        yield theirs.port, ours.port
 
 
 @pytest.fixture
 async def ports() -> AsyncIterator[tuple[int, int]]:
     """(uvicorn's protocol, ours)."""
-    async with serving(HttpToolsProtocol) as theirs, serving(protocol(30, 30)) as ours:
-        yield theirs, ours
+    async with both() as p:
+        yield p
 
 
 class Answers:
@@ -244,9 +231,8 @@ async def test_a_head_answer_and_a_request_split_across_reads(ports: tuple[int, 
 
 
 async def test_the_concurrency_limit_answers_503() -> None:
-    async with serving(HttpToolsProtocol, limit_concurrency=1) as theirs, \
-            serving(protocol(30, 30), limit_concurrency=1) as ours:
-        answers = [await exchange(port, req("GET", "/plain"), 1) for port in (theirs, ours)]
+    async with both(limit_concurrency=1) as ports:
+        answers = [await exchange(port, req("GET", "/plain"), 1) for port in ports]
     assert answers[0] == answers[1]
     assert answers[0].startswith(b"HTTP/1.1 503"), answers[0]
 
@@ -258,17 +244,8 @@ async def test_a_client_gone_mid_body_is_told_to_the_app() -> None:
         if scope["type"] == "http":
             got.append(await read_body(receive))
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(reading, log_config=None, lifespan="off",
-                                        http=protocol(30, 30)))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    try:
-        for _ in range(500):
-            if srv.started:
-                break
-            await asyncio.sleep(0.01)
-        _, w = await asyncio.open_connection(*sock.getsockname())
+    async with serving(reading, http=protocol(30, 30)) as served:
+        _, w = await asyncio.open_connection("127.0.0.1", served.port)
         w.write(req("POST", "/echo", "Content-Length: 10\r\n", b"12345"))
         await asyncio.sleep(0.1)
         w.close()
@@ -276,11 +253,7 @@ async def test_a_client_gone_mid_body_is_told_to_the_app() -> None:
             if got:
                 break
             await asyncio.sleep(0.01)
-        assert got == [b"12345<gone>"]
-    finally:
-        srv.should_exit = True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 5)
+    assert got == [b"12345<gone>"]
 
 
 async def test_shutdown_closes_an_idle_connection_and_lets_a_busy_one_finish() -> None:
@@ -295,27 +268,19 @@ async def test_shutdown_closes_an_idle_connection_and_lets_a_busy_one_finish() -
                     "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(slow, log_config=None, lifespan="off",
-                                        http=protocol(30, 30)))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    for _ in range(500):
-        if srv.started:
-            break
-        await asyncio.sleep(0.01)
-    idle_r, idle_w = await asyncio.open_connection(*sock.getsockname())
-    idle_w.write(req("GET", "/fast"))
-    assert (await asyncio.wait_for(idle_r.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
-    busy_r, busy_w = await asyncio.open_connection(*sock.getsockname())
-    busy_w.write(req("GET", "/slow"))
-    await asyncio.sleep(0.1)
-    srv.should_exit = True
-    assert await asyncio.wait_for(idle_r.read(), 5) == b""  # closed at once
-    assert not task.done()  # waiting for the busy one
-    release.set()
-    answer = await asyncio.wait_for(busy_r.read(), 5)  # answered, then closed
-    assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer
-    await asyncio.wait_for(task, 5)
-    idle_w.close()
-    busy_w.close()
+    async with serving(slow, http=protocol(30, 30)) as served:
+        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", served.port)
+        idle_w.write(req("GET", "/fast"))
+        assert (await asyncio.wait_for(idle_r.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+        busy_r, busy_w = await asyncio.open_connection("127.0.0.1", served.port)
+        busy_w.write(req("GET", "/slow"))
+        await asyncio.sleep(0.1)
+        served.server.should_exit = True
+        assert await asyncio.wait_for(idle_r.read(), 5) == b""  # closed at once
+        assert not served.task.done()  # waiting for the busy one
+        release.set()
+        answer = await asyncio.wait_for(busy_r.read(), 5)  # answered, then closed
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer
+        await asyncio.wait_for(served.task, 5)
+        idle_w.close()
+        busy_w.close()

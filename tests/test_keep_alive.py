@@ -7,15 +7,13 @@ A real uvicorn server in-process, raw sockets as clients."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from app.gateway.http1 import protocol
+from tests.support.inprocess_server import serving
 
 KEEP_ALIVE = 0.4
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -58,24 +56,9 @@ class Counted(base):  # type: ignore[valid-type,misc]
 
 @pytest.fixture
 async def port() -> AsyncIterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_config=None, lifespan="off", http=Counted,
-                            timeout_keep_alive=KEEP_ALIVE)  # type: ignore[arg-type]
-    srv = uvicorn.Server(config)
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    for _ in range(500):
-        if srv.started:
-            break
-        await asyncio.sleep(0.01)
-    assert srv.started
-    CountingLoop.armed = 0
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        srv.should_exit = True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 5)
+    async with serving(app, http=Counted, timeout_keep_alive=KEEP_ALIVE) as served:
+        CountingLoop.armed = 0
+        yield served.port
 
 
 async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bytes:
