@@ -60,11 +60,7 @@ class Call:
                  "watch")
 
     def __init__(self, ex: Exchange, watch: Watch, send: Send, model: str, url_tail: str,
-                 body: dict[str, Any], stream: bool, *, meter: Meter | None = None,
-                 grant: KeyGrant | None = None, ticket: Ticket | None = None,
-                 affinity: str | None = None, pin: str | None = None,
-                 encode: Encoder | None = None, raw: bytes | None = None,
-                 spill: Overflow | None = None) -> None:
+                 body: dict[str, Any], stream: bool) -> None:
         self.ex = ex
         self.watch = watch
         self.send = send
@@ -72,16 +68,17 @@ class Call:
         self.url_tail = url_tail
         self.body = body
         self.stream = stream
-        self.meter = meter
-        # The key's grant and its admission (the ticket holds its place in
-        # the key's concurrency; `meter` is the ticket's, when metered).
-        self.grant = grant
-        self.ticket = ticket
-        self.affinity = affinity
-        self.pin = pin
-        self.encode = encode
-        self.raw = raw
-        self.spill = spill
+        # What the edge sets once the key is admitted (proxy.py):
+        self.meter: Meter | None = None
+        # the key's grant and its admission (the ticket holds its place in
+        # the key's concurrency; `meter` is the ticket's, when metered);
+        self.grant: KeyGrant | None = None
+        self.ticket: Ticket | None = None
+        self.affinity: str | None = None
+        self.pin: str | None = None
+        self.encode: Encoder | None = None
+        self.raw: bytes | None = None
+        self.spill: Overflow | None = None
         # The response began while the request was held (hold.py): its
         # headers are out, so only the body follows, and an error is its
         # last event.

@@ -300,13 +300,15 @@ class Proxy:
         # A request refused below its key's limit first waits, bounded, for
         # its claim to be raised (docs/design/client-keys.md).
         ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
-        return Call(
+        call = Call(
             ex, Watch(receive, self._timeouts, ex.started, self._loop), send, model,
-            f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True,
-            meter=ticket.meter, grant=grant, ticket=ticket, affinity=affinity,
-            # The client's bytes go on untouched when nothing was rewritten:
-            # no encode per request, which grows with the prompt.
-            raw=None if rewritten or ticket.meter.strip_usage else raw, spill=spill)
+            f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True)
+        call.meter, call.grant, call.ticket = ticket.meter, grant, ticket
+        call.affinity, call.spill = affinity, spill
+        # The client's bytes go on untouched when nothing was rewritten: no
+        # encode per request, which grows with the prompt.
+        call.raw = None if rewritten or ticket.meter.strip_usage else raw
+        return call
 
     async def _other_call(self, grant: KeyGrant, plan: passthrough.Plan, query: str,
                           session: str | None, receive: Receive, send: Send,
@@ -320,12 +322,12 @@ class Proxy:
         if plan.stream:
             ticket.meter.body = plan.estimate  # estimated from, if cut short
         watch = Watch(receive, self._timeouts, ex.started, self._loop)
-        return Call(
-            ex, watch, plan.sender(send), plan.model,
-            f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream,
-            meter=ticket.meter if plan.metered else None, grant=grant, ticket=ticket,
-            affinity=affinity, pin=plan.pin,
-            encode=plan.encode)
+        call = Call(ex, watch, plan.sender(send), plan.model,
+                    f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream)
+        call.meter = ticket.meter if plan.metered else None
+        call.grant, call.ticket, call.affinity = grant, ticket, affinity
+        call.pin, call.encode = plan.pin, plan.encode
+        return call
 
     def _affinity_of(self, body: dict[str, Any], session: str | None,
                      model: str) -> str | None:
