@@ -99,7 +99,7 @@ class Http1(asyncio.Protocol):
         self.asgi_version = config.asgi_version
         self.limit_concurrency = config.limit_concurrency
         self.timeout_keep_alive = config.timeout_keep_alive
-        self._fresh_context = bool(getattr(config, "reset_contextvars", False))
+        self._fresh_context = config.reset_contextvars
         self.app_state = app_state
         self.server_state = server_state
         self.connections = server_state.connections
@@ -483,17 +483,17 @@ class RequestCycle:
             if kind != "http.response.start":
                 raise RuntimeError(
                     f"Expected ASGI message 'http.response.start', but got '{kind}'.")
-            self._start(message["status"], message.get("headers", ()))
+            self._write_head(message["status"], message.get("headers", ()))
         elif not self.response_complete:
             if kind != "http.response.body":
                 raise RuntimeError(
                     f"Expected ASGI message 'http.response.body', but got '{kind}'.")
-            self._body(message.get("body", b""), message.get("more_body", False))
+            self._write_body(message.get("body", b""), message.get("more_body", False))
         else:
             raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already "
                                "completed.")
 
-    def _start(self, status: int, extra: Any) -> None:
+    def _write_head(self, status: int, extra: Any) -> None:
         self.response_started = True
         self.waiting_for_100_continue = False
         content = [STATUS_LINE[status]]
@@ -524,7 +524,7 @@ class RequestCycle:
         content.append(b"\r\n")
         self._write(b"".join(content))
 
-    def _body(self, body: bytes, more_body: bool) -> None:
+    def _write_body(self, body: bytes, more_body: bool) -> None:
         if self.head:
             self.expected_content_length = 0
         elif self.chunked_encoding:

@@ -370,6 +370,7 @@ class Proxy:
             raise error(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                         "invalid_request_error", "invalid_api_key")
         name = self._key_names.get(token)
+        remembered = name is not None
         if name is None:
             name = self._hash_key(token)
         grant = self._table.grant(name)
@@ -384,7 +385,7 @@ class Proxy:
         if self.limits.expired(grant.expires):
             raise error(401, "This API key has expired.", "invalid_request_error",
                         "invalid_api_key")
-        if token not in self._key_names:
+        if not remembered:
             if len(self._key_names) >= _KEYS_REMEMBERED:
                 self._key_names.clear()
             self._key_names[token] = name
