@@ -15,7 +15,10 @@ both ways, a 400 for a request llhttp refuses, the concurrency limit, the
 keep-alive timeout, and the graceful shutdown's `shutdown()`.
 
 And what uvicorn does not have (docs/design/security.md, "Before a client is
-authenticated"): time limits on a client's headers and on a stalled body.
+authenticated"): a cap on a request's head (`MAX_HEAD`: its target and
+headers, held until they are all in; uvicorn's protocol took 40 MB of
+headers in a request), and time limits on a client's headers and on a
+stalled body.
 uvicorn times only the idle gap between two requests; a connection that
 sends nothing, or its headers a byte a second, or stops halfway through a
 body, held a file descriptor for as long as it liked (300 such clients
@@ -73,8 +76,20 @@ App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awa
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
                 b"content-length: 36\r\nconnection: close\r\n\r\n"
                 b"request headers not complete in time")
+# The most bytes of a request's target and headers held while they come in
+# (nginx keeps 4 x 8 KiB by default, Node 16 KiB): a client key, trace
+# headers and a long query fit many times over.
+MAX_HEAD = 64 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DISCONNECT: dict[str, Any] = {"type": "http.disconnect"}
+
+
+class _HeadTooLarge(Exception):
+    """Raised from llhttp's callback past MAX_HEAD: the status to answer."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 class Http1(asyncio.Protocol):
@@ -119,6 +134,8 @@ class Http1(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.expect_100_continue = False
         self.arrived = 0.0  # perf_counter when its first byte was read
+        self._head_size = 0  # its target's and headers' bytes so far (MAX_HEAD)
+        self._too_large = 0  # the status of a head refused past MAX_HEAD (414, 431)
 
         # The timers: armed once, looked at when they ring.
         self.timeout_keep_alive_task: asyncio.TimerHandle | None = None
@@ -176,9 +193,14 @@ class Http1(asyncio.Protocol):
             # No WebSocket here: the request was served as plain HTTP.
             logger.warning("Unsupported upgrade request.")
         except httptools.HttpParserError:
+            if self._too_large:
+                logger.info("closing a connection from %s: request head over %d bytes",
+                            _peer(self.client), MAX_HEAD)
+                self._refuse(self._too_large, f"request head over {MAX_HEAD} bytes")
+                return
             msg = "Invalid HTTP request received."
             logger.warning(msg)
-            self._send_400(msg)
+            self._refuse(400, msg)
             return
         # Only for a request that spans reads: most arrive whole.
         if self._in_headers and self._headers_since is None:
@@ -204,11 +226,13 @@ class Http1(asyncio.Protocol):
         self.url = b""
         self.headers = []
         self.expect_100_continue = False
+        self._head_size = 0
         # What the router counts its own time from (app/router/access.py).
         self.arrived = time.perf_counter()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self._grow(len(url), 414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -217,6 +241,15 @@ class Http1(asyncio.Protocol):
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
         self.headers.append((name, value))
+        self._grow(len(name) + len(value), 431)
+
+    def _grow(self, size: int, status: int) -> None:
+        """Counts a piece of the head; past MAX_HEAD, parsing stops there
+        (llhttp turns the exception into its error, data_received answers)."""
+        self._head_size += size
+        if self._head_size > MAX_HEAD:
+            self._too_large = status
+            raise _HeadTooLarge(status)
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
@@ -314,8 +347,10 @@ class Http1(asyncio.Protocol):
         else:
             req.keep_alive = False
 
-    def _send_400(self, msg: str) -> None:
-        content = [STATUS_LINE[400]]
+    def _refuse(self, status: int, msg: str) -> None:
+        """An answer of the server's own to a request it will not read on,
+        and the connection closed."""
+        content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
         content.extend([b"content-type: text/plain; charset=utf-8\r\n",
