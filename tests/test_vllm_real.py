@@ -9,6 +9,8 @@ tests/test_engine_contract.py. docs/design/engines.md.
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -213,20 +215,59 @@ def rpc_sockets(pid: int) -> tuple[Path, set[str]]:
     return rpc, {p.name for p in rpc.iterdir() if p.is_socket()}
 
 
-def _busy(url: str, key: str, stop: threading.Event, n: int) -> list[threading.Thread]:
-    """`n` long generations straight to one engine, each ended once `stop` is set."""
-    def one() -> None:
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          headers={"Authorization": f"Bearer {key}"},
-                          json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "stream": True,
-                                "max_tokens": 1500, "ignore_eos": True}) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    return threads
+class _Generations:
+    """Long generations straight to one engine, each held open until `end`.
+
+    They wait in the engine's queue for as long as the engine takes: a
+    slow machine held a queued stream past an HTTP client's read timeout
+    (120 s, in CI), which dropped it from the queue the test relies on and
+    failed the test on its thread's error. So each is a plain socket that
+    polls the stop every half second and never times out on its own; `end`
+    closes them all at once, which the engine sees as clients gone."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self._url, self._key = httpx.URL(url), key
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.answers: list[bytes] = []  # each stream's status line
+
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            t = threading.Thread(target=self._one, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def end(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def check(self) -> None:
+        """Every stream ended, and every one answered was let in."""
+        assert not any(t.is_alive() for t in self._threads)
+        assert self.answers and set(self.answers) == {b"HTTP/1.1 200 OK"}, self.answers
+
+    def _one(self) -> None:
+        body = json.dumps({"model": MODEL, "prompt": "Count: 1, 2, 3,", "stream": True,
+                           "max_tokens": 1500, "ignore_eos": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self._url.host}\r\n"
+                f"Authorization: Bearer {self._key}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection((self._url.host, self._url.port), timeout=30) as s:
+            s.sendall(head + body)
+            s.settimeout(0.5)
+            got = b""
+            while not self._stop.is_set():
+                try:
+                    data = s.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                if b"\r\n" not in got:
+                    got += data
+                    if b"\r\n" in got:
+                        self.answers.append(got.split(b"\r\n", 1)[0])
 
 
 def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealFleet) -> None:
@@ -237,7 +278,7 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
     saturated (8 waiting), then moves."""
     busy_rid, free_rid = sorted(fleet.ready())
     url, key = fleet.engine(busy_rid)
-    stop = threading.Event()
+    load = _Generations(url, key)
     c = client(fleet)
 
     def served(n: int, chat: bool) -> list[str]:
@@ -265,7 +306,7 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
                 and (rows[busy_rid]["waiting"] or 0) >= waiting
                 and rows[free_rid]["running"] == 0)
 
-    threads = _busy(url, key, stop, 2)
+    load.start(2)
     try:
         wait_for(lambda: seen(2, 0), 60, "the gateway seeing two running on the busy engine",
                  0.2)
@@ -274,13 +315,12 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
         # saturated): a margin, so that a request vLLM moves between its
         # queues as a chat is chosen does not bring it back under 8 (seen
         # once in CI: a chat left on the busy engine, behind 8 generations).
-        threads += _busy(url, key, stop, 12)
+        load.start(12)
         wait_for(lambda: seen(4, 10), 60, "the gateway seeing the busy engine's queue full", 0.2)
         assert served(6, chat=True) == [free_rid] * 6
     finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
+        load.end()
+    load.check()
     wait_for(lambda: metric(url, "vllm:num_requests_running") == 0, 30, "the busy engine idle")
 
 
