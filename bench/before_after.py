@@ -84,7 +84,8 @@ def main() -> None:
     before_tree = "this tree" if before_root == ROOT else f"the tree in {before_root.name}"
     settings = "".join(f", {k}={v}" for k, v in before_env.items())
     say(f"load average before {os.getloadavg()[0]:.2f}; before = {before_tree}{settings} on "
-        f"{peers.interpreter(a.python)}, after = this tree on {peers.interpreter(b.python)}; "
+        f"{peers.interpreter(a.python, before_root)}, "
+        f"after = this tree on {peers.interpreter(b.python)}; "
         f"{dur:g} s a point, {rounds} rounds")
     try:
         peers.ROOT = before_root  # the processes' cwd: `python -m app.cli` runs that code

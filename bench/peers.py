@@ -29,14 +29,16 @@ BENCH = ROOT / "bench"
 MODEL = "bench-chat"
 
 
-def interpreter(python: str | None = None) -> str:
+def interpreter(python: str | None = None, tree: Path | None = None) -> str:
     """The CPython a Python proxy runs on: its version and the executable a
     venv was made from, which tells how it was built (docs/design/hot-path.md,
     "The interpreter": a build without PGO and LTO costs 14-32% more CPU a
     request)."""
     # The router too (docs/design/hot-path.md, "The router compiled"), as
-    # the tree that venv belongs to runs it: compiled or pure Python, why.
-    tree = Path(python).parent.parent.parent if python else ROOT
+    # `tree` runs it on that interpreter (by default the tree the venv
+    # lies in): compiled or pure Python, why.
+    if tree is None:
+        tree = Path(python).parent.parent.parent if python else ROOT
     out = subprocess.run(
         [python or sys.executable, "-c",
          "import sys, platform; print(platform.python_implementation(), "
