@@ -21,7 +21,10 @@ from app.router.direct_body import DIRECT_BODY
 from app.router.own_answers import send_whole
 from tests.support.inprocess_server import serving
 
-CHUNKS = [b"data: %d\n\n" % i for i in range(50)]
+# Events, and chunks on either side of the writer's table of chunk heads
+# (app/router/direct_body.py: below 4 KiB from the table, else formatted).
+CHUNKS = [b"data: %d\n\n" % i for i in range(50)] + [
+    b"data: " + bytes([c]) * (n - 8) + b"\n\n" for c, n in ((97, 4095), (98, 4096), (99, 70000))]
 seen: dict[str, Any] = {}  # what the app found, per path
 
 

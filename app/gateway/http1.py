@@ -56,7 +56,6 @@ import httptools
 from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import (
     HIGH_WATER_LIMIT,
-    FlowControl,
     service_unavailable,
 )
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
@@ -64,7 +63,7 @@ from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
 from app.router.access import ARRIVED
-from app.router.direct_body import DIRECT_BODY
+from app.router.direct_body import DIRECT_BODY, ClientFlow
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class Http1(asyncio.Protocol):
         self.tasks = server_state.tasks
 
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.flow: FlowControl = None  # type: ignore[assignment]
+        self.flow: ClientFlow = None  # type: ignore[assignment]
         self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
@@ -157,7 +156,7 @@ class Http1(asyncio.Protocol):
         self.connections.add(self)  # type: ignore[arg-type]  # (uvicorn's own protocols, typed)
         # A stream transport (uvloop's are not asyncio.Transport's subclasses).
         self.transport = transport  # type: ignore[assignment]
-        self.flow = FlowControl(self.transport)
+        self.flow = ClientFlow(self.transport)
         self.server = get_local_addr(self.transport)
         self.client = get_remote_addr(self.transport)
         self.scheme = "https" if is_ssl(self.transport) else "http"
@@ -606,7 +605,7 @@ class RequestCycle:
                 or self.chunked_encoding is not True or self.head):
             return None
         self.flush()
-        return _ChunkWriter(self.transport, self.flow).write
+        return self.flow.write_chunk
 
     async def drain(self) -> None:
         if self.flow.write_paused and not self.disconnected:
@@ -642,26 +641,6 @@ class RequestCycle:
         held, self._held = self._held, None
         if held:
             self.transport.write(b"".join(held))
-
-
-class _ChunkWriter:
-    """A stream's chunks to its client's socket, framed as `send` frames
-    them: the transport and the flow control it reads, held directly (a
-    chunk touches two objects, nothing of the request). A transport closing
-    is a client gone: the chunk is dropped, as `send` drops it."""
-
-    __slots__ = ("_flow", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, flow: FlowControl) -> None:
-        self._transport = transport
-        self._flow = flow
-
-    def write(self, chunk: bytes) -> bool:
-        t = self._transport
-        if t.is_closing():
-            return True
-        t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        return not self._flow.write_paused
 
 
 def _unread(transport: asyncio.BaseTransport) -> bool:

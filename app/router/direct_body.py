@@ -10,6 +10,7 @@ other server the relay sends ASGI messages, as before.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -53,3 +54,63 @@ class DirectBody(Protocol):
     def flush(self) -> None:
         """Writes what `gather()` held, as one; writes go straight out again."""
         ...
+
+
+# The head of an HTTP/1.1 chunk by its length, below 4 KiB (a stream's
+# chunk is mostly an event of a few hundred bytes): a lookup and two
+# concatenations cost about half of formatting it.
+_CHUNK_HEADS = [b"%x\r\n" % n for n in range(4096)]
+
+
+class ClientFlow:
+    """A client socket's flow control as the server keeps it (uvicorn's
+    `FlowControl`, the same fields and steps), and the writer of a
+    stream's chunks to it: `DirectBody.writer` is its `write_chunk`. It
+    lives here, in the compiled router, because a stream's chunk runs
+    through it, and holds the transport and nothing of the request: a
+    chunk touches it and the transport (docs/design/hot-path.md, "A
+    stream's chunks")."""
+
+    __slots__ = ("_transport", "_writable", "read_paused", "write_paused")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self.read_paused = False
+        self.write_paused = False
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    async def drain(self) -> None:
+        await self._writable.wait()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self._transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        if not self.write_paused:
+            self.write_paused = True
+            self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self.write_paused:
+            self.write_paused = False
+            self._writable.set()
+
+    def write_chunk(self, chunk: bytes) -> bool:
+        """Writes a non-empty `chunk` framed as an HTTP/1.1 chunk (as an
+        ASGI `send` frames it); False when the socket is full. A transport
+        closing is a client gone: the chunk is dropped, as `send` drops it."""
+        t = self._transport
+        if t.is_closing():
+            return True
+        n = len(chunk)
+        t.write(_CHUNK_HEADS[n] + chunk + b"\r\n" if n < 4096
+                else b"%x\r\n%b\r\n" % (n, chunk))
+        return not self.write_paused
