@@ -296,8 +296,9 @@ class _Connection(asyncio.Protocol):
         headers = {name.decode("latin-1").lower(): value.decode("latin-1")
                    for name, value in self._header_list}
         status = self._parser.get_status_code()
+        # Transfer codings are case-insensitive (RFC 9112, 7): "Chunked" too.
         if ("content-length" not in headers and "chunked" not in headers.get(
-                "transfer-encoding", "") and status not in (204, 304)):
+                "transfer-encoding", "").lower() and status not in (204, 304)):
             self._until_eof = True
         if self._head is not None and not self._head.done():
             self._head.set_result((status, headers))
