@@ -281,6 +281,33 @@ async def test_garbage_refused_and_timeouts_are_upstream_errors() -> None:
         await srv.close()
 
 
+async def test_a_head_past_its_cap_is_refused_and_trailers_are_not_kept(
+        client: UpstreamClient) -> None:
+    """An answer's head is held to 64 KiB (llhttp itself sets no limit): a
+    provider sending endless headers is cut off, not kept in memory; the
+    trailers after a chunked body are read and dropped."""
+    big = b"X-Filler: " + b"y" * 990 + b"\r\n"
+    srv, url = await serve(answer_once(b"HTTP/1.1 200 OK\r\n" + big * 200 + b"\r\n", 1))
+    try:
+        with pytest.raises(UpstreamError, match="head passes 65536 bytes"):
+            await client.post(url, "/v1/completions", b"{}", [])
+    finally:
+        await srv.close()
+    trailers = b"".join(b"X-T%d: %s\r\n" % (i, b"t" * 100) for i in range(2000))
+    srv, url = await serve(answer_once(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+                                       b"X-Head: kept\r\n\r\n2\r\nok\r\n0\r\n"
+                                       + trailers + b"\r\n"))
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        assert await r.read() == b"ok"
+        assert r.headers["x-head"] == "kept"
+        conn = r._conn
+        assert len(conn._header_list) == 2  # the head's two, none of the 2,000 trailers
+        r.close()
+    finally:
+        await srv.close()
+
+
 async def test_a_cancelled_request_closes_its_connection(client: UpstreamClient) -> None:
     def hold(srv: Server) -> Handler:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -58,6 +58,10 @@ from app.router.request_line import (
 # Buffered body bytes above which the socket stops being read until the
 # reader catches up.
 _HIGH_WATER = 256 * 1024
+# The most bytes of an answer's header fields kept (llhttp sets no limit):
+# past it the answer is refused, as the gateway's own server refuses a
+# request's head (app/gateway/http1.py).
+MAX_HEAD = 64 * 1024
 
 
 class Response:
@@ -133,6 +137,8 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self._header_list: list[tuple[bytes, bytes]] = []
+        self._head_size = 0  # bytes of header fields so far
+        self._headed = False  # the head is parsed: fields now are trailers
         self._head: asyncio.Future[tuple[int, dict[str, str]]] | None = None
         self._body: list[bytes] = []
         self._buffered = 0
@@ -265,7 +271,10 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"the answer is not valid HTTP: {exc}"))
+            # What a callback of ours refused, else llhttp's own complaint.
+            cause = exc.__context__
+            self._fail(cause if isinstance(cause, UpstreamError)
+                       else UpstreamError(f"the answer is not valid HTTP: {exc}"))
             self.abort()
         # Piped: all this read brought of the body, in one piece, at once.
         if self._sink is not None and self._body:
@@ -287,12 +296,17 @@ class _Connection(asyncio.Protocol):
             self._stray = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._stray:
-            self._header_list.append((name, value))
+        if self._stray or self._headed:
+            return  # trailers are read and dropped
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD:
+            raise UpstreamError(f"the answer's head passes {MAX_HEAD} bytes")
+        self._header_list.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self._stray:
             return
+        self._headed = True
         headers = {name.decode("latin-1").lower(): value.decode("latin-1")
                    for name, value in self._header_list}
         status = self._parser.get_status_code()
