@@ -302,8 +302,7 @@ async def test_a_head_past_its_cap_is_refused_431_and_closed(where: str) -> None
         if where == "target":
             w.write(b"GET /" + b"a" * (MAX_HEAD + 1) + b" HTTP/1.1\r\nHost: t\r\n\r\n")
         else:
-            # Past the cap, never ended. (Not megabytes: the answer would
-            # meet unread bytes and the close would be a reset.)
+            # Past the cap, never ended (megabytes: the next test).
             w.write(b"GET /plain HTTP/1.1\r\nHost: t\r\n" + b"".join(
                 b"X-H%d: %s\r\n" % (i, filler) for i in range(MAX_HEAD // 200 + 20)))
         got = await asyncio.wait_for(r.read(), 5)  # then closed
@@ -312,3 +311,32 @@ async def test_a_head_past_its_cap_is_refused_431_and_closed(where: str) -> None
               else b"431 Request Header Fields Too Large")
     assert got.startswith(b"HTTP/1.1 " + status + b"\r\n"), got[:100]
     assert b"connection: close" in got
+
+
+async def test_a_client_writing_on_past_the_cap_still_reads_its_431() -> None:
+    """A client that sends megabytes of headers reads the 431 all the same:
+    after a refusal the connection half-closes and reads on (dropping what
+    comes) until the client closes or a while passes, as nginx's lingering
+    close does; a close with unread bytes was a reset, which destroyed the
+    answer on its way (test_a_head_past_its_cap_is_refused_431_and_closed)."""
+    line = b"X-Filler: " + b"v" * 1000 + b"\r\n"
+    async with serving(app, http=protocol(30, 30)) as served:
+        for _ in range(3):
+            r, w = await asyncio.open_connection("127.0.0.1", served.port)
+
+            async def flood(w: asyncio.StreamWriter = w) -> None:
+                with contextlib.suppress(ConnectionError):
+                    w.write(b"GET /plain HTTP/1.1\r\nHost: t\r\n")
+                    for _ in range(4000):  # 4 MB
+                        w.write(line * 4)
+                        await w.drain()
+                    w.close()
+
+            sending = asyncio.create_task(flood())
+            try:
+                got = await asyncio.wait_for(r.read(), 10)
+            except ConnectionResetError as exc:
+                got = repr(exc).encode()
+            await asyncio.wait_for(sending, 10)
+            w.close()
+            assert got.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), got[:100]

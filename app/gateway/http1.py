@@ -79,6 +79,12 @@ _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
 # (nginx keeps 4 x 8 KiB by default, Node 16 KiB): a client key, trace
 # headers and a long query fit many times over.
 MAX_HEAD = 64 * 1024
+# After a refusal of the server's own, what the client still sends is read
+# and dropped, for at most this long and this many bytes, before the close
+# (nginx's lingering close): a close that meets unread bytes is a reset,
+# which can destroy the answer before the client has read it.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 4 * 1024 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DISCONNECT: dict[str, Any] = {"type": "http.disconnect"}
 
@@ -140,6 +146,8 @@ class Http1(asyncio.Protocol):
         self.timeout_keep_alive_task: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._lingering = -1  # after a refusal: the bytes dropped so far (-1: none)
         # Loop time the current request's headers began (the connection's
         # start for the first); None once they are all in.
         self._headers_since: float | None = None
@@ -166,10 +174,7 @@ class Http1(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
-        for timer in (self._header_timer, self._body_timer, self.timeout_keep_alive_task):
-            if timer is not None:
-                timer.cancel()
-        self._header_timer = self._body_timer = self.timeout_keep_alive_task = None
+        self._stop_timers()
         req = self.request
         if req is not None:
             if not req.response_complete:
@@ -181,10 +186,23 @@ class Http1(asyncio.Protocol):
             self.transport.close()
         self.parser = None  # type: ignore[assignment]
 
+    def _stop_timers(self) -> None:
+        for timer in (self._header_timer, self._body_timer, self.timeout_keep_alive_task,
+                      self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = self.timeout_keep_alive_task = None
+        self._linger_timer = None
+
     def eof_received(self) -> None:
         pass
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering >= 0:  # refused: dropped, until the close (_refuse)
+            self._lingering += len(data)
+            if self._lingering > LINGER_BYTES:
+                self.transport.close()
+            return
         self._idle_since = None  # not idle: the keep-alive timer looks when it rings
         try:
             self.parser.feed_data(data)
@@ -355,8 +373,19 @@ class Http1(asyncio.Protocol):
         content.extend([b"content-type: text/plain; charset=utf-8\r\n",
                         b"content-length: %d\r\n" % len(msg), b"connection: close\r\n", b"\r\n",
                         msg.encode("ascii")])
-        self.transport.write(b"".join(content))
-        self.transport.close()
+        t = self.transport
+        t.write(b"".join(content))
+        if not t.can_write_eof():  # TLS: no half-close
+            t.close()
+            return
+        # Half-closed once the answer is out; what comes meanwhile is dropped
+        # (data_received), the close once the client closes its side
+        # (eof_received returns None) or the linger ends.
+        t.write_eof()
+        self._stop_timers()
+        self._lingering = 0
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, t.close)
 
     def timeout_keep_alive_handler(self) -> None:
         self.timeout_keep_alive_task = None
