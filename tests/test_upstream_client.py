@@ -565,3 +565,23 @@ async def test_the_engine_s_time_ends_when_its_answer_arrives_not_when_it_is_rea
         r.close()
     finally:
         await srv.close()
+
+
+@pytest.mark.parametrize("interim", [
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+    b"HTTP/1.1 103 Early Hints\r\nLink: </b.js>; rel=preload\r\n\r\n",
+])
+async def test_interim_answers_are_passed_over_for_the_final_one(
+        client: UpstreamClient, interim: bytes) -> None:
+    """A 1xx answer is interim (RFC 9110, 15.2): the answer is the one after."""
+    srv, url = await serve(answer_once(
+        interim + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Final: yes\r\n\r\n{}"))
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        assert (r.status, r.headers.get("x-final"), "link" in r.headers) == (200, "yes", False)
+        assert await r.read() == b"{}"
+        r.close()
+        assert client.idle_count() == 1  # whole, and reused
+    finally:
+        await srv.close()

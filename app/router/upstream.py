@@ -139,6 +139,7 @@ class _Connection(asyncio.Protocol):
         self._header_list: list[tuple[bytes, bytes]] = []
         self._head_size = 0  # bytes of header fields so far
         self._headed = False  # the head is parsed: fields now are trailers
+        self._interim = False  # a 1xx answer is being read: the answer comes after
         self._head: asyncio.Future[tuple[int, dict[str, str]]] | None = None
         self._body: list[bytes] = []
         self._buffered = 0
@@ -306,10 +307,17 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self._stray:
             return
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # Interim (RFC 9110, 15.2: 100 Continue, 103 Early Hints): the
+            # answer is the next one. Its fields are dropped, though still
+            # counted against MAX_HEAD, so endless interims fill nothing.
+            self._interim = True
+            self._header_list = []
+            return
         self._headed = True
         headers = {name.decode("latin-1").lower(): value.decode("latin-1")
                    for name, value in self._header_list}
-        status = self._parser.get_status_code()
         # Transfer codings are case-insensitive (RFC 9112, 7): "Chunked" too.
         if ("content-length" not in headers and "chunked" not in headers.get(
                 "transfer-encoding", "").lower() and status not in (204, 304)):
@@ -331,6 +339,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self._stray:
+            return
+        if self._interim:
+            self._interim = False
             return
         self._complete = True
         # Asked here: llhttp answers it only within the message's callbacks.
