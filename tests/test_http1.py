@@ -24,6 +24,9 @@ from tests.support.inprocess_server import serving
 scopes: list[dict[str, Any]] = []  # what the app was given, request by request
 
 
+failures: list[Exception] = []  # what the app's sends raised (/slow)
+
+
 async def read_body(receive: Any) -> bytes:
     body = b""
     while True:
@@ -86,6 +89,13 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await start(200, [(b"content-length", b"0")])
         await send({"type": "http.response.body", "body": b""})
         await send({"type": "http.response.body", "body": b""})
+    elif path == "/slow":  # its answer still under way when the next request is refused
+        try:
+            await start(200, [(b"content-type", b"text/plain")])
+            await asyncio.sleep(0.3)
+            await send({"type": "http.response.body", "body": b"late", "more_body": False})
+        except Exception as exc:
+            failures.append(exc)
     elif path == "/none":
         return
     elif path == "/wrong-first":
@@ -340,3 +350,18 @@ async def test_a_client_writing_on_past_the_cap_still_reads_its_431() -> None:
             await asyncio.wait_for(sending, 10)
             w.close()
             assert got.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), got[:100]
+
+
+async def test_a_refusal_behind_an_answer_under_way_closes_without_lingering() -> None:
+    """A request llhttp refuses while the answer before it is still being
+    written: the connection is closed as before (the late answer's writes
+    are dropped), not half-closed, which would make them raise."""
+    failures.clear()
+    async with serving(app, http=protocol(30, 30)) as served:
+        r, w = await asyncio.open_connection("127.0.0.1", served.port)
+        w.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\nNOT HTTP\r\n\r\n")
+        got = await asyncio.wait_for(r.read(), 5)
+        w.close()
+        await asyncio.sleep(0.5)  # the late answer's send
+    assert b"400 Bad Request" in got, got[:200]
+    assert failures == []

@@ -375,8 +375,10 @@ class Http1(asyncio.Protocol):
                         msg.encode("ascii")])
         t = self.transport
         t.write(b"".join(content))
-        if not t.can_write_eof():  # TLS: no half-close
-            t.close()
+        req = self.request
+        if (not t.can_write_eof()  # TLS: no half-close
+                or (req is not None and not req.response_complete) or self.pipeline):
+            t.close()  # an answer under way: cut, as before, never written past an EOF
             return
         # Half-closed once the answer is out; what comes meanwhile is dropped
         # (data_received), the close once the client closes its side
