@@ -263,8 +263,14 @@ def test_spills_over_three_gateways_of_two_workers_stay_within_the_budget(
                 outcomes.update(f.result() for f in futures)
         bill = billed(slow_provider) - before
         assert 0 < bill <= budget + len(gws) * one, (name, bill, outcomes)
-        assert outcomes["served"] and set(outcomes) <= {
-            "served", "external_budget_exceeded", "gateway gone"}, (name, outcomes)
+        assert set(outcomes) <= {"served", "external_budget_exceeded", "gateway gone"}, (
+            name, outcomes)
+        # Something was served; with a gateway killed, the budget may all
+        # have been taken by its spills, then in flight (billed, never
+        # answered: once in CI, 0 served and 16 gone), and the others then
+        # rightly refuse every one.
+        assert outcomes["served"] or (during is not None and outcomes["gateway gone"]), (
+            name, bill, outcomes)
         print(f"{name}: billed {bill} of {budget} + {len(gws)} x {one}; {dict(outcomes)}")
 
     burst("all-on-one", [a])
