@@ -139,7 +139,6 @@ class _Connection(asyncio.Protocol):
         self._header_list: list[tuple[bytes, bytes]] = []
         self._head_size = 0  # bytes of header fields so far
         self._headed = False  # the head is parsed: fields now are trailers
-        self._interim = False  # a 1xx answer is being read: the answer comes after
         self._head: asyncio.Future[tuple[int, dict[str, str]]] | None = None
         self._body: list[bytes] = []
         self._buffered = 0
@@ -312,7 +311,6 @@ class _Connection(asyncio.Protocol):
             # Interim (RFC 9110, 15.2: 100 Continue, 103 Early Hints): the
             # answer is the next one. Its fields are dropped, though still
             # counted against MAX_HEAD, so endless interims fill nothing.
-            self._interim = True
             self._header_list = []
             return
         self._headed = True
@@ -340,9 +338,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._stray:
             return
-        if self._interim:
-            self._interim = False
-            return
+        if not self._headed:
+            return  # an interim answer's end: the answer comes after
         self._complete = True
         # Asked here: llhttp answers it only within the message's callbacks.
         self._keep_alive = self._parser.should_keep_alive()
