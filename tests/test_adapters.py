@@ -163,13 +163,20 @@ class FakeEngines:
     def __init__(self) -> None:
         self.loaded: dict[str, set[str]] = {}  # url -> adapters
         self.calls: list[tuple[str, str, str]] = []
+        self.deaf: set[str] = set()  # urls whose listing gets no answer
 
     async def listed(self, url: str, key: str) -> set[str] | None:
         assert key  # the engine key, never empty
+        if url in self.deaf:
+            return None
         return set(self.loaded.get(url, set()))
 
     async def load(self, url: str, key: str, name: str, path: str) -> str | None:
         self.calls.append(("load", url, name))
+        if name in self.loaded.get(url, set()):
+            # vLLM's answer to a second load under the same name.
+            return (f"HTTP 400: The lora adapter '{name}' has already been loaded. If you "
+                    "want to load the adapter in place, set 'load_inplace' to True.")
         self.loaded.setdefault(url, set()).add(name)
         return None
 
@@ -253,6 +260,16 @@ async def test_the_leader_loads_the_subset_and_the_router_routes_only_there(
     await loop.step()
     assert engines.calls[-1] == ("unload", "http://127.0.0.1:9002", "sql")
     assert mirror.parsed(s.ADAPTERS, s.AdapterSet)["sql"].unloading == {}
+
+    # An engine that misses a listing keeps it: not loaded again (refused
+    # as already loaded), not taken out of the router.
+    engines.deaf.add("http://127.0.0.1:9001")
+    for _ in range(3):
+        clock.now += 2
+        await loop.step()
+    assert mirror.parsed(s.ADAPTERS, s.AdapterSet)["sql"].replicas == ["base-1"]
+    assert engines.calls[-1] == ("unload", "http://127.0.0.1:9002", "sql")
+    engines.deaf.clear()
 
     # An engine that lost it (restarted) is loaded again.
     engines.loaded.clear()

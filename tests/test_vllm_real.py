@@ -442,22 +442,40 @@ def test_a_lora_adapter_is_loaded_listed_routed_and_unloaded_when_idle(
     base = c.chat.completions.create(model=MODEL, **ask)  # type: ignore[call-overload]
     # Random LoRA weights change the answer: the adapter was applied.
     assert tuned.choices[0].message.content != base.choices[0].message.content
-    # Under two streams at once (load_target 1) it grows to both replicas...
+    # Under two streams at once (load_target 1) it grows to both replicas.
+    # The fleet's request deadline (25 s) ends a stream long before 1500
+    # tokens: each is asked again at its end, so the load lasts the wait.
     stop = threading.Event()
+    outcomes: list[str] = []
 
     def stream() -> None:
-        with httpx.stream("POST", fleet.gw.url + "/v1/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {fleet.key}"},
-                          json={"model": "m-lora", "prompt": "1, 2,", "stream": True,
-                                "max_tokens": 1500, "ignore_eos": True}) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
+        while not stop.is_set():
+            try:
+                with httpx.stream("POST", fleet.gw.url + "/v1/completions", timeout=60,
+                                  headers={"Authorization": f"Bearer {fleet.key}"},
+                                  json={"model": "m-lora", "prompt": "1, 2,", "stream": True,
+                                        "max_tokens": 1500, "ignore_eos": True}) as r:
+                    lines = 0
+                    for _ in r.iter_lines():
+                        lines += 1
+                        if stop.is_set():
+                            break
+                    outcomes.append(f"{r.status_code} {r.headers.get('x-llmgw-replica')} "
+                                    f"after {lines} lines")
+            except httpx.HTTPError as exc:
+                outcomes.append(repr(exc))
+                time.sleep(0.5)
     threads = [threading.Thread(target=stream, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: len(loaded_on()) == 2, 90, "the adapter on both replicas", 0.5)
+        try:
+            wait_for(lambda: len(loaded_on()) == 2, 90, "the adapter on both replicas", 0.5)
+        except AssertionError as exc:
+            said = [line for g in fleet.gateways for line in g.output().splitlines()
+                    if "adapter" in line and "GET /admin" not in line]
+            raise AssertionError(f"{exc}; streams: {outcomes}; the gateways logged: "
+                                 f"{said[-20:]}") from None
     finally:
         stop.set()
         for t in threads:

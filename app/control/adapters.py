@@ -236,9 +236,10 @@ class AdapterLoop:
             rec = sets.get(name)
             new = decide(name, spec.adapter, rec, ready.get(spec.adapter.base, []),
                          inflight.get(name, 0), now, shrink_after=self._shrink_after)
+            kept = set(rec.replicas) if rec else set()
             new.replicas = [rid for rid in new.replicas
                             if await self._ensure(rid, urls[rid], name, spec.adapter.weights,
-                                                  listed)]
+                                                  listed, rid in kept)]
             for rid, since in list(new.unloading.items()):
                 if now - since >= self._drain:
                     if rid in urls:
@@ -246,6 +247,9 @@ class AdapterLoop:
                         if why is not None:
                             logger.info("adapter %s: unload from %s: %s", name, rid, why)
                     del new.unloading[rid]
+            if (rec.replicas if rec else []) != new.replicas:
+                logger.info("adapter %s: on %s (%d requests in flight)", name,
+                            ", ".join(new.replicas) or "no replica", inflight.get(name, 0))
             if rec is None or _shape(rec) != _shape(new):
                 writes.append(Put(s.ADAPTERS + name, new.model_dump_json().encode()))
         for name in sets:
@@ -262,13 +266,18 @@ class AdapterLoop:
         return True
 
     async def _ensure(self, rid: str, where: tuple[str, str], name: str, path: str,
-                      listed: dict[str, set[str] | None]) -> bool:
+                      listed: dict[str, set[str] | None], recorded: bool) -> bool:
         """Whether adapter `name` is loaded on replica `rid`, loading it if
-        its engine does not list it."""
+        its engine does not list it. A replica it is `recorded` on whose
+        engine did not answer the listing keeps it: loading it again there
+        would be refused as already loaded (vLLM answers 400), and taking
+        the replica out for one missed answer would move its traffic."""
         if rid not in listed:
             listed[rid] = await self.engines.listed(*where)
         have = listed[rid]
         if have is not None and name in have:
+            return True
+        if have is None and recorded:
             return True
         why = await self.engines.load(*where, name, path)
         if why is not None:
