@@ -48,6 +48,7 @@ import datetime
 import os
 import re
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -318,6 +319,7 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
                 "`llmgw_gc_pause_seconds`):", ""]
         out += [f"- {s.streams} streams: {s.loop.line()}" for s in seen if s.loop is not None]
         out.append("")
+    out += goals(steps, args)
     if prof:
         out += ["### Profile of llmgw's gateway (py-spy)", "", "```", prof.rstrip(), "```", ""]
     out.append(summary(steps, args))
@@ -338,6 +340,38 @@ def largest_clean(steps: list[Step], target: str) -> int:
                 break
             best = s.streams
     return best
+
+
+def goals(steps: list[Step], args: argparse.Namespace) -> list[str]:
+    """The streams goal (issue 28), checked on this run: llmgw's streams per
+    core at or above vllm-router's, on the way to nginx's, over the steps
+    where both carried every stream clean (a step's projection from a
+    proxy that fell behind is not a capacity), and the most streams each
+    carried clean on its one core."""
+    by = {(s.target, s.streams): s for s in steps}
+    out: list[str] = []
+    for peer, label, goal in (("vllm-router", "vllm-router's", 1.0), ("nginx", "nginx's", None)):
+        both = sorted(n for (t, n), s in by.items() if t == "llmgw" and ok(s)
+                      and (peer, n) in by and ok(by[peer, n]))
+        if not both:
+            continue
+        chunk_s = args.chunk_ms / 1e3
+        ours = statistics.fmean(by["llmgw", n].per_core(chunk_s) for n in both)
+        theirs = statistics.fmean(by[peer, n].per_core(chunk_s) for n in both)
+        steps_said = ", ".join(
+            f"{n}: {by['llmgw', n].per_core(chunk_s) / by[peer, n].per_core(chunk_s):.2f}x"
+            for n in both)
+        mark = "-" if goal is None else ("- [x]" if ours >= goal * theirs else "- [ ]")
+        out.append(f"{mark} streams per core {'>= ' if goal else 'against '}{label}: "
+                   f"{ours:,.0f} vs {theirs:,.0f} ({ours / theirs:.2f}x; the mean over the "
+                   f"steps both carried clean, step by step {steps_said})")
+    if out:
+        most = {t: largest_clean(steps, t) for t in ("llmgw", "vllm-router", "nginx")
+                if any(s.target == t for s in steps)}
+        out.append("- most streams carried clean on one core: "
+                   + ", ".join(f"{t} {n}" for t, n in most.items()))
+        out = ["The streams goal, checked on this run:", "", *out, ""]
+    return out
 
 
 def summary(steps: list[Step], args: argparse.Namespace) -> str:
