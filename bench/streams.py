@@ -81,6 +81,7 @@ class Step:
     target: str
     streams: int
     clean: int = 0  # streams read whole
+    round: int = 0  # which of the step's rounds (--rounds), from 0
     delays: list[float] = field(default_factory=list)  # seconds, steady window only
     first_error: str = ""
     wall: float = 0.0
@@ -269,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steady", type=float, default=3.0,
                    help="seconds every stream of a step runs together (delays counted)")
     p.add_argument("--limit-ms", type=float, default=10.0, help="most added p99 delay")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="each step measured this many times, the targets alternated "
+                        "within each round; the goal compares the medians")
     p.add_argument("--vllm-router-venv", type=Path, default=Path("/tmp/bench-vrouter"))
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="py-spy llmgw's gateway in a repeat of its step of N streams")
@@ -305,7 +309,8 @@ def render(steps: list[Step], args: argparse.Namespace, notes: dict[str, str],
         busy = s.standin_util + s.client_util > LOAD_SIDE_BUSY
         user, kernel = s.user_kernel_per_chunk_us()
         out.append(
-            f"| {s.target} | {s.streams} | {s.clean} | "
+            f"| {s.target} | {s.streams}{f' ({s.round + 1})' if args.rounds > 1 else ''} | "
+            f"{s.clean} | "
             f"{load.pct(s.delays, .5) * 1e3:.1f}/{s.p99_ms():.1f} | {s.added_p99_ms:.1f} | "
             f"{s.proxy_util:.2f} | {s.standin_util:.2f} | {s.client_util:.2f}"
             f"{' (load side busy)' if busy else ''} | {s.cpu_per_chunk_us():.1f} | "
@@ -344,27 +349,33 @@ def largest_clean(steps: list[Step], target: str) -> int:
 
 def goals(steps: list[Step], args: argparse.Namespace) -> list[str]:
     """The streams goal (issue 28), checked on this run: llmgw's streams per
-    core at or above vllm-router's, on the way to nginx's, over the steps
-    where both carried every stream clean (a step's projection from a
-    proxy that fell behind is not a capacity), and the most streams each
-    carried clean on its one core."""
-    by = {(s.target, s.streams): s for s in steps}
+    core at or above vllm-router's, on the way to nginx's. Compared in pairs,
+    a step's round of llmgw beside the same round of the other (measured
+    within seconds of each other), over the steps where both carried every
+    stream clean (a projection from a proxy that fell behind is not a
+    capacity): the median of the pairs' ratios, and of each one's figure.
+    Then the most streams each carried clean on its one core."""
+    by = {(s.target, s.streams, s.round): s for s in steps}
+    chunk_s = args.chunk_ms / 1e3
     out: list[str] = []
     for peer, label, goal in (("vllm-router", "vllm-router's", 1.0), ("nginx", "nginx's", None)):
-        both = sorted(n for (t, n), s in by.items() if t == "llmgw" and ok(s)
-                      and (peer, n) in by and ok(by[peer, n]))
-        if not both:
+        pairs = sorted((n, r) for (t, n, r), s in by.items() if t == "llmgw" and ok(s)
+                       and (peer, n, r) in by and ok(by[peer, n, r]))
+        if not pairs:
             continue
-        chunk_s = args.chunk_ms / 1e3
-        ours = statistics.fmean(by["llmgw", n].per_core(chunk_s) for n in both)
-        theirs = statistics.fmean(by[peer, n].per_core(chunk_s) for n in both)
-        steps_said = ", ".join(
-            f"{n}: {by['llmgw', n].per_core(chunk_s) / by[peer, n].per_core(chunk_s):.2f}x"
-            for n in both)
-        mark = "-" if goal is None else ("- [x]" if ours >= goal * theirs else "- [ ]")
+        ratios = [by["llmgw", n, r].per_core(chunk_s) / by[peer, n, r].per_core(chunk_s)
+                  for n, r in pairs]
+        ours = statistics.median(by["llmgw", n, r].per_core(chunk_s) for n, r in pairs)
+        theirs = statistics.median(by[peer, n, r].per_core(chunk_s) for n, r in pairs)
+        ratio = statistics.median(ratios)
+        by_step: dict[int, list[str]] = {}
+        for (n, _), x in zip(pairs, ratios, strict=True):
+            by_step.setdefault(n, []).append(f"{x:.2f}x")
+        said = "; ".join(f"{n}: {', '.join(xs)}" for n, xs in by_step.items())
+        mark = "-" if goal is None else ("- [x]" if ratio >= goal else "- [ ]")
         out.append(f"{mark} streams per core {'>= ' if goal else 'against '}{label}: "
-                   f"{ours:,.0f} vs {theirs:,.0f} ({ours / theirs:.2f}x; the mean over the "
-                   f"steps both carried clean, step by step {steps_said})")
+                   f"{ours:,.0f} vs {theirs:,.0f} ({ratio:.2f}x, the median of {len(pairs)} "
+                   f"pairs over the steps both carried clean; by step {said})")
     if out:
         most = {t: largest_clean(steps, t) for t in ("llmgw", "vllm-router", "nginx")
                 if any(s.target == t for s in steps)}
@@ -427,17 +438,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setup {time.monotonic() - started:.1f} s; load {load_before[0]:.2f}; "
               f"targets {list(live)}", flush=True)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            for n in args.steps:
+            for n, r in [(n, r) for n in args.steps for r in range(args.rounds)]:
                 base: Step | None = None
-                for name in [t for t in args.targets if t in live]:
+                # The order flipped every other round: no proxy always
+                # right after another (the stand-in's and kernel's state).
+                order = [t for t in args.targets if t in live and t != "direct"]
+                order = ["direct", *(order if r % 2 == 0 else order[::-1])]
+                for name in [t for t in order if t in live]:
                     peer = live[name]
                     pids = ([gw.gateway.pid] if name == "llmgw" else
                             group(peer.proc.pid) if peer.proc is not None else [])
                     seen = scrape(gw.url) if name == "llmgw" else None
                     s = measure(runner, peer, n, pids, gw.engine_pid, args)
+                    s.round = r
                     if seen is not None:
                         s.loop = between(seen, scrape(gw.url))
-                    if name == "llmgw" and n == args.profile:
+                    if name == "llmgw" and n == args.profile and r == 0:
                         # The step again, under py-spy, its figures not kept:
                         # py-spy stops the process for each sample.
                         time.sleep(1.0)
@@ -459,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                         s.added_p99_ms = s.p99_ms() - base.p99_ms()
                     steps.append(s)
                     good = ok(s)
-                    print(f"  {name:<12} {n:5} streams: {s.clean} clean, delay p99 "
+                    said = f" (round {r + 1})" if args.rounds > 1 else ""
+                    print(f"  {name:<12} {n:5} streams{said}: {s.clean} clean, delay p99 "
                           f"{s.p99_ms():.1f} ms (added {s.added_p99_ms:+.1f}); CPU proxy "
                           f"{s.proxy_util:.2f} stand-in {s.standin_util:.2f} client "
                           f"{s.client_util:.2f}; {s.cpu_per_chunk_us():.1f} us a chunk"
