@@ -5,6 +5,7 @@ router's view (endpoints of the subset only, the adapter's name upstream,
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -164,9 +165,17 @@ class FakeEngines:
         self.loaded: dict[str, set[str]] = {}  # url -> adapters
         self.calls: list[tuple[str, str, str]] = []
         self.deaf: set[str] = set()  # urls whose listing gets no answer
+        self.asking = 0  # listings under way now
+        self.most_asking = 0
 
     async def listed(self, url: str, key: str) -> set[str] | None:
         assert key  # the engine key, never empty
+        self.asking += 1
+        self.most_asking = max(self.most_asking, self.asking)
+        try:
+            await asyncio.sleep(0.01)  # an engine's answer takes a while
+        finally:
+            self.asking -= 1
         if url in self.deaf:
             return None
         return set(self.loaded.get(url, set()))
@@ -242,6 +251,11 @@ async def test_the_leader_loads_the_subset_and_the_router_routes_only_there(
     clock.now += 2
     await loop.step()
     assert mirror.parsed(s.ADAPTERS, s.AdapterSet)["sql"].replicas == ["base-1", "base-2"]
+    # The engines holding it are asked what they list all at once: one slow
+    # to answer delays a pass by one call, not one a replica.
+    engines.most_asking = 0
+    await loop.step()
+    assert engines.most_asking == 2
     publisher.publish()
     assert {e.replica_id for e in table.endpoints("sql")} == {"base-1", "base-2"}
     with table.acquire(table.endpoints("sql")[0]):

@@ -228,7 +228,12 @@ class AdapterLoop:
                 BaseReplica(rid, max_loras(rep.engine_args), held.get(rid, 0)))
             urls[rid] = (st.url.rstrip("/"), self._secrets.engine_key(rid, rep.secret))
         inflight = adapter_inflight(m.usages())
-        listed: dict[str, set[str] | None] = {}
+        # What each engine holding an adapter lists, asked of all at once:
+        # one engine slow to answer delays the pass by one call's timeout,
+        # not one a replica, and holds no other adapter's growth longer.
+        asked = sorted({rid for one in sets.values() for rid in one.replicas if rid in urls})
+        answers = await asyncio.gather(*(self.engines.listed(*urls[rid]) for rid in asked))
+        listed: dict[str, set[str] | None] = dict(zip(asked, answers, strict=True))
         writes: list[Put | Delete] = []
         for name, spec in sorted(models.items()):
             if spec.adapter is None:
