@@ -388,12 +388,17 @@ def goals(steps: list[Step], args: argparse.Namespace) -> list[str]:
 def summary(steps: list[Step], args: argparse.Namespace) -> str:
     names = {"llmgw": "llmgw", "llmgw-granian": "granian", "vllm-router": "vllmrouter",
              "nginx": "nginx", "floor": "floor", "relay": "relay", "direct": "direct"}
-    first: dict[str, Step] = {}
+    # Each target's first step, the median over its rounds.
+    first_n: dict[str, int] = {}
     for s in steps:
-        first.setdefault(s.target, s)
-    per_core = " ".join(f"{names[t]}_per_core={first[t].per_core(args.chunk_ms / 1e3):.0f}"
-                        for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx", "floor",
-                                  "relay") if t in first)
+        first_n.setdefault(s.target, s.streams)
+    first = {t: [s for s in steps if s.target == t and s.streams == n]
+             for t, n in first_n.items()}
+    per_core = " ".join(
+        f"{names[t]}_per_core="
+        f"{statistics.median(s.per_core(args.chunk_ms / 1e3) for s in first[t]):.0f}"
+        for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx", "floor", "relay")
+        if t in first)
     return "streams: " + " ".join(f"{names[t]}_clean={largest_clean(steps, t)}"
                                   for t in ("llmgw", "llmgw-granian", "vllm-router", "nginx",
                                             "floor", "relay", "direct")) \

@@ -56,3 +56,13 @@ def test_rounds_are_compared_in_pairs_and_the_median_decides() -> None:
     assert router.startswith("- [x] streams per core >= vllm-router's: 1,000 vs 909 (1.10x, "
                              "the median of 3 pairs")
     assert router.endswith("by step 512: 0.90x, 1.10x, 1.10x)")
+
+
+def test_the_summary_line_gives_each_targets_first_step_by_its_rounds_median() -> None:
+    args = argparse.Namespace(chunk_ms=20.0)
+    steps = [step("llmgw", 256, 20.0, round=0), step("llmgw", 256, 40.0, round=1),
+             step("llmgw", 256, 16.0, round=2), step("llmgw", 512, 10.0, round=0),
+             step("vllm-router", 256, 16.0, round=0)]
+    line = streams.summary(steps, args)
+    # 1,000 (the median of 1,250, 500 and 1,000); the 512 step left out.
+    assert "llmgw_per_core=1000 " in line and line.endswith("vllmrouter_per_core=1250")
