@@ -447,9 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                 base: Step | None = None
                 # The order flipped every other round: no proxy always
                 # right after another (the stand-in's and kernel's state).
-                order = [t for t in args.targets if t in live and t != "direct"]
-                order = ["direct", *(order if r % 2 == 0 else order[::-1])]
-                for name in [t for t in order if t in live]:
+                others = [t for t in args.targets if t in live and t != "direct"]
+                for name in ["direct", *(others if r % 2 == 0 else others[::-1])]:
                     peer = live[name]
                     pids = ([gw.gateway.pid] if name == "llmgw" else
                             group(peer.proc.pid) if peer.proc is not None else [])
