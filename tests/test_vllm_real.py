@@ -347,7 +347,14 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine_within_a_second(
 def _leave_mid_stream(fleet: RealFleet) -> str | None:
     """One try: None once the engine was freed within a second of the
     client leaving; else what the engine and the whole stream showed (the
-    engine had finished the stream before the client left)."""
+    engine had finished the stream before the client left).
+
+    Every engine's URL is read before the request: nothing but the stream's
+    own reads lies between its headers and its third event (the admin call
+    that found the URL sat there, and in CI the third event once came 24 s
+    after the headers, which a slow admin call would explain as well as a
+    stream held back)."""
+    urls = {rid: row["url"] for rid, row in fleet.ready().items()}
     sent = time.monotonic()
     with httpx.stream("POST", fleet.gw.url + "/v1/chat/completions", timeout=60,
                       headers={"Authorization": f"Bearer {fleet.key}"},
@@ -356,10 +363,15 @@ def _leave_mid_stream(fleet: RealFleet) -> str | None:
         assert r.status_code == 200
         headers = time.monotonic() - sent
         rid, request_id = r.headers["x-llmgw-replica"], r.headers["x-request-id"]
-        url, _ = fleet.engine(rid)
+        url = urls[rid]
         lines = r.iter_lines()
-        events = [line for line in (next(lines) for _ in range(6)) if line]
-        read = time.monotonic() - sent
+        events: list[str] = []
+        came: list[float] = []  # when each of the first three events came
+        while len(events) < 3:
+            line = next(lines)
+            if line:
+                events.append(line)
+                came.append(time.monotonic() - sent)
 
         def running() -> float:
             return metric(url, "vllm:num_requests_running")
@@ -369,7 +381,8 @@ def _leave_mid_stream(fleet: RealFleet) -> str | None:
             done = metric(url, "vllm:request_success_total")
             events += [line for line in lines if line]
             ended = time.monotonic() - sent
-            said = (f"{rid}: headers {headers:.2f} s, 3 events {read:.2f} s, then 0 running "
+            said = (f"{rid}: headers {headers:.2f} s, events 1-3 at "
+                    f"{', '.join(f'{t:.2f}' for t in came)} s, then 0 running "
                     f"({done:g} finished on it), {len(events)} events to the end at "
                     f"{ended:.2f} s, the last {events[-2:]}")
             # Outran, not cut: the client has every token and the end.
