@@ -57,16 +57,16 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 "headers": [(b"content-type", b"text/event-stream")]})
     seen[path] = direct is not None and direct.writer() is not None
     if path == "/stream" and seen[path]:
-        write = direct.writer()
+        flow = direct.writer()
         for chunk in CHUNKS:
-            if not write(chunk):
+            if not flow.write_chunk(chunk):
                 await direct.drain()
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
     elif path == "/flood" and seen[path]:
-        full, write = 0, direct.writer()
+        full, flow = 0, direct.writer()
         for _ in range(2000):  # 128 MiB: far more than any socket holds
-            if not write(b"x" * 65536):
+            if not flow.write_chunk(b"x" * 65536):
                 full += 1
                 seen["/flood:full"] = full
                 await asyncio.wait_for(direct.drain(), 0.3)

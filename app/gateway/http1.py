@@ -631,12 +631,12 @@ class RequestCycle:
 
     # DirectBody (app/router/direct_body.py).
 
-    def writer(self) -> Callable[[bytes], bool] | None:
+    def writer(self) -> ClientFlow | None:
         if (not self.response_started or self.response_complete
                 or self.chunked_encoding is not True or self.head):
             return None
         self.flush()
-        return self.flow.write_chunk
+        return self.flow
 
     async def drain(self) -> None:
         if self.flow.write_paused and not self.disconnected:

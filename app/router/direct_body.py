@@ -11,7 +11,6 @@ other server the relay sends ASGI messages, as before.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Protocol
 
 # The scope key of a request's `DirectBody`, where its server offers one.
@@ -22,15 +21,17 @@ class DirectBody(Protocol):
     """A started response's body, written as it comes; the response still
     ends with its last ASGI message (`more_body: False`)."""
 
-    def writer(self) -> Callable[[bytes], bool] | None:
-        """The started response's writer of body chunks, or None when it
-        takes none (not chunked, a HEAD request, complete); asked once,
-        after `http.response.start`. The writer writes one non-empty chunk
-        and returns False when the client's socket is full and `drain()`
-        must be awaited before the next; a client gone, the chunk is
-        dropped, as the ASGI send drops it. It holds what it writes to,
-        nothing of the request: a stream's chunk touches as little as the
-        server allows (docs/design/hot-path.md, "A stream's chunks")."""
+    def writer(self) -> ClientFlow | None:
+        """The started response's writer of body chunks (its
+        `write_chunk`), or None when it takes none (not chunked, a HEAD
+        request, complete); asked once, after `http.response.start`.
+        `write_chunk` writes one non-empty chunk and returns False when the
+        client's socket is full and `drain()` must be awaited before the
+        next; a client gone, the chunk is dropped, as the ASGI send drops
+        it. The writer holds what it writes to, nothing of the request: a
+        stream's chunk touches as little as the server allows, and a class
+        of the compiled router is called natively
+        (docs/design/hot-path.md, "A stream's chunks")."""
         ...
 
     async def drain(self) -> None:
@@ -65,7 +66,7 @@ _CHUNK_HEADS = [b"%x\r\n" % n for n in range(4096)]
 class ClientFlow:
     """A client socket's flow control as the server keeps it (uvicorn's
     `FlowControl`, the same fields and steps), and the writer of a
-    stream's chunks to it: `DirectBody.writer` is its `write_chunk`. It
+    stream's chunks to it: `DirectBody.writer` returns it. It
     lives here, in the compiled router, because a stream's chunk runs
     through it, and holds the transport and nothing of the request: a
     chunk touches it and the transport (docs/design/hot-path.md, "A

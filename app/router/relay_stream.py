@@ -34,13 +34,13 @@ from typing import Protocol
 from app.router import own_answers, sse
 from app.router.call import Call
 from app.router.continuation import Resumed, Splice, resumable, resume
-from app.router.direct_body import DirectBody
+from app.router.direct_body import ClientFlow, DirectBody
 from app.router.engine_headers import passed_on
 from app.router.published import Endpoint
 from app.router.request_line import UpstreamError
 from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch, Why, past_deadline
-from app.router.upstream import Response, UpstreamClient
+from app.router.upstream import Response, Sink, UpstreamClient
 from app.router.usage import stream_usage
 from app.router.usage.meter import Meter
 from app.router.usage.prompt_count import PromptCounter
@@ -63,7 +63,7 @@ class Upstreams(Protocol):
     continued: Callable[[str, str], None] | None
 
 
-class _Chain:
+class _Chain(Sink):
     """A stream's transforms, as decided once when its relay was built, and
     the rest of a piped chunk's way (`take`): everything a chunk reads is a
     slot of this one object, so that a chunk touches few objects (with
@@ -73,10 +73,11 @@ class _Chain:
     holds it (a bound method of the relay here would make every stream a
     reference cycle for the collector: tests/test_request_life.py)."""
 
-    __slots__ = ("clock", "decoder", "framed", "meter", "splice", "tail", "watch", "write")
-    # Set when piped (StreamRelay._piped): where `take` writes, and the
-    # watch it tells when the next read became pending.
-    write: Callable[[bytes], bool]
+    __slots__ = ("clock", "decoder", "flow", "framed", "meter", "splice", "tail", "watch")
+    # Set when piped (StreamRelay._piped): the client's socket `take` writes
+    # to (a compiled class: called natively), and the watch it tells when
+    # the next read became pending.
+    flow: ClientFlow
     watch: Watch
     clock: Callable[[], float]
 
@@ -107,7 +108,7 @@ class _Chain:
         False when the client's socket is full."""
         data = self.through(data)
         self.watch.read_since = self.clock()  # the next read pending from now
-        return not data or self.write(data)
+        return not data or self.flow.write_chunk(data)
 
 
 class StreamRelay:
@@ -166,10 +167,10 @@ class StreamRelay:
                 await call.send({"type": "http.response.start",
                                  "status": self._upstream.status, "headers": self._headers()})
                 call.ex.answered = perf_counter()
-            write = self._direct.writer() if self._direct is not None else None
+            flow = self._direct.writer() if self._direct is not None else None
             while True:
                 try:
-                    await self._pump(chunk, write)
+                    await self._pump(chunk, flow)
                     break
                 except (UpstreamError, zlib.error) as exc:
                     broken: Exception | None = exc
@@ -200,27 +201,27 @@ class StreamRelay:
         return [*headers, (b"content-type", self._content_type.encode()),
                 (b"cache-control", b"no-cache")]
 
-    async def _pump(self, chunk: bytes, write: Callable[[bytes], bool] | None) -> None:
+    async def _pump(self, chunk: bytes, flow: ClientFlow | None) -> None:
         """Passes chunks on through the chain until the engine's answer ends."""
-        if write is not None:
-            await self._piped(chunk, write)
+        if flow is not None:
+            await self._piped(chunk, flow)
         else:
             await self._sent(chunk)
         if self._splice is not None and self._splice.cut_short():
             raise UpstreamError("the stream ended without [DONE]")
 
-    async def _piped(self, chunk: bytes, write: Callable[[bytes], bool]) -> None:
+    async def _piped(self, chunk: bytes, flow: ClientFlow) -> None:
         """The chain run in the engine connection's read callback, each read
         written to the client at once; the task wakes only when the client's
         socket is full, or at the end."""
         direct = self._direct
         assert direct is not None
         chain, watch = self._chain, self._call.watch
-        chain.write, chain.watch, chain.clock = write, watch, watch.loop.time
+        chain.flow, chain.watch, chain.clock = flow, watch, watch.loop.time
         if chunk and not chain.take(chunk):
             await self._drained(direct)
         watch.read_since = chain.clock()
-        while not await self._upstream.pipe(chain.take):
+        while not await self._upstream.pipe(chain):
             await self._drained(direct)
         watch.read_since = 0.0
 

@@ -43,6 +43,7 @@ from time import perf_counter
 from typing import cast
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 # What a request is made of, checked (request_line.py); its errors are those
 # of every caller of this client.
@@ -110,9 +111,18 @@ class Response:
         self._conn.finish()
 
 
-# Takes what one socket read brought of a body, inside the connection's
-# callback; False holds the pipe (the reader must wait for its own client).
-Sink = Callable[[bytes], bool]
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Sink:
+    """Takes what one socket read brought of a body, inside the connection's
+    callback (`Response.pipe`). A class, not a callable: the compiled router
+    calls a compiled sink's `take` natively, where a callable costs a
+    generic call and its arguments parsed again each chunk
+    (docs/design/hot-path.md, "A stream's chunks")."""
+
+    def take(self, data: bytes) -> bool:
+        """Takes `data`; False holds the pipe (the reader must wait for its
+        own client)."""
+        raise NotImplementedError
 
 
 class _Connection(asyncio.Protocol):
@@ -224,7 +234,7 @@ class _Connection(asyncio.Protocol):
         body.clear()
         self._buffered = 0
         try:
-            go_on = sink(data)
+            go_on = sink.take(data)
         except Exception as exc:  # the reader's to raise, from pipe()
             self._sink = None
             self._fail(exc)

@@ -12,16 +12,17 @@ import gzip
 import hashlib
 import json
 import socket
+import weakref
 import zlib
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import httpx
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from app.router.access import Tracer
-from app.router.direct_body import DIRECT_BODY
+from app.router.direct_body import DIRECT_BODY, ClientFlow
 from app.router.outcome import Outcome
 from app.router.proxy import Proxy
 from app.router.published import CatalogEntry, Endpoint, KeyGrant
@@ -236,6 +237,24 @@ class Rig:
             await up.server.close()
 
 
+class _Socket:
+    """The client's socket under an AsgiCall's ClientFlow: never closing,
+    each write handed to the call. It holds the call weakly: the call holds
+    the flow, which holds it, and a request must leave no cycle for the
+    collector (tests/test_request_life.py)."""
+
+    def __init__(self, call: AsgiCall) -> None:
+        self._call = weakref.ref(call)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        call = self._call()
+        assert call is not None
+        call._wrote(data)
+
+
 class AsgiCall:
     """One POST driven through the ASGI app by hand, to see and cut a stream.
 
@@ -260,20 +279,29 @@ class AsgiCall:
                         (b"content-type", b"application/json")]}
         if direct:
             scope[DIRECT_BODY] = self
+        # The server's own writer of a stream's chunks, over a socket that
+        # hands each write to `_wrote`.
+        self._flow = ClientFlow(cast(asyncio.Transport, _Socket(self)))
         self.task = asyncio.create_task(proxy(scope, self._receive, self._send))
 
     # --- the DirectBody a server offers (direct=True) ---------------------------------
 
-    def writer(self) -> Callable[[bytes], bool] | None:
-        return self._write if self._started and not self._complete else None
+    def writer(self) -> ClientFlow | None:
+        return self._flow if self._started and not self._complete else None
 
-    def _write(self, chunk: bytes) -> bool:
-        assert self._started and not self._complete and chunk
+    def _wrote(self, data: bytes) -> None:
+        """What the flow wrote: one HTTP/1.1 chunk, passed on as a body message."""
+        head, framed = data.split(b"\r\n", 1)
+        chunk = framed[:-2]
+        assert framed.endswith(b"\r\n") and int(head, 16) == len(chunk) > 0, data[:80]
+        assert self._started and not self._complete
         self.direct_writes += 1
         if self.stop_reading:
-            return False  # buffered in the socket, never read: full
+            # Buffered in the socket, never read: full, as the transport
+            # tells its protocol.
+            self._flow.pause_writing()
+            return
         self.sent.put_nowait({"type": "http.response.body", "body": chunk, "more_body": True})
-        return True
 
     async def drain(self) -> None:
         if self.stop_reading:
