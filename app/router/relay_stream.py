@@ -95,7 +95,7 @@ class _Chain(Sink):
             chunk = self.decoder.decompress(chunk, _MAX_INFLATED)
             if self.decoder.unconsumed_tail:
                 raise UpstreamError(f"a compressed chunk inflates past {_MAX_INFLATED} bytes")
-        if self.framed and (self.tail or not chunk.endswith(sse.EVENT_ENDS)):
+        if self.framed and (self.tail or not sse.ends_whole(chunk)):
             chunk, self.tail = sse.whole_events(self.tail + chunk)
         if self.splice is not None and chunk:
             chunk = self.splice.pass_on(chunk)  # kept, or rewritten

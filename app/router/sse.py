@@ -21,6 +21,14 @@ _EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
 DONE = b"[DONE]"
 
 
+def ends_whole(chunk: bytes) -> bool:
+    """Whether `chunk` ends at the end of an event: a stream's every chunk
+    asks, so each ending is its own `endswith` of one suffix (compiled, a
+    primitive), the usual `\n\n` first, where a tuple of them is a call
+    of the interpreter's (docs/design/hot-path.md, "A stream's chunks")."""
+    return chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n") or chunk.endswith(b"\r\r")
+
+
 def whole_events(data: bytes) -> tuple[bytes, bytes]:
     """`data` cut after its last complete event: (whole events, the rest)."""
     cut = max(data.rfind(end) + len(end) if end in data else 0 for end in EVENT_ENDS)
