@@ -13,15 +13,11 @@ import streams
 
 
 def step(target: str, n: int, us_per_chunk: float, clean: bool = True,
-         round: int = 0) -> streams.Step:
+         in_round: int = 0) -> streams.Step:
     # A chunk every 20 ms for 10 s: the projection is 20,000 / us per chunk.
-    return streams.Step(target, n, clean=n if clean else n - 1, round=round, wall=10.0,
+    return streams.Step(target, n, clean=n if clean else n - 1, round=in_round, wall=10.0,
                         proxy_util=1.0, added_p99_ms=1.0,
-                        chunks=round_chunks(10.0 / (us_per_chunk * 1e-6)))
-
-
-def round_chunks(x: float) -> int:
-    return int(x + 0.5)
+                        chunks=round(10.0 / (us_per_chunk * 1e-6)))
 
 
 def test_the_goal_line_compares_the_steps_both_carried_clean() -> None:
@@ -49,9 +45,9 @@ def test_the_goal_line_compares_the_steps_both_carried_clean() -> None:
 def test_rounds_are_compared_in_pairs_and_the_median_decides() -> None:
     args = argparse.Namespace(chunk_ms=20.0)
     # Round 2 ran on a slower minute for both: its pair still says 1.1x.
-    steps = [step("llmgw", 512, 20.0, round=0), step("vllm-router", 512, 18.0, round=0),
-             step("llmgw", 512, 40.0, round=1), step("vllm-router", 512, 44.0, round=1),
-             step("llmgw", 512, 20.0, round=2), step("vllm-router", 512, 22.0, round=2)]
+    steps = [step("llmgw", 512, 20.0, in_round=0), step("vllm-router", 512, 18.0, in_round=0),
+             step("llmgw", 512, 40.0, in_round=1), step("vllm-router", 512, 44.0, in_round=1),
+             step("llmgw", 512, 20.0, in_round=2), step("vllm-router", 512, 22.0, in_round=2)]
     (router,) = [line for line in streams.goals(steps, args) if "vllm-router's" in line]
     assert router.startswith("- [x] streams per core >= vllm-router's: 1,000 vs 909 (1.10x, "
                              "the median of 3 pairs")
@@ -60,9 +56,9 @@ def test_rounds_are_compared_in_pairs_and_the_median_decides() -> None:
 
 def test_the_summary_line_gives_each_targets_first_step_by_its_rounds_median() -> None:
     args = argparse.Namespace(chunk_ms=20.0)
-    steps = [step("llmgw", 256, 20.0, round=0), step("llmgw", 256, 40.0, round=1),
-             step("llmgw", 256, 16.0, round=2), step("llmgw", 512, 10.0, round=0),
-             step("vllm-router", 256, 16.0, round=0)]
+    steps = [step("llmgw", 256, 20.0, in_round=0), step("llmgw", 256, 40.0, in_round=1),
+             step("llmgw", 256, 16.0, in_round=2), step("llmgw", 512, 10.0, in_round=0),
+             step("vllm-router", 256, 16.0, in_round=0)]
     line = streams.summary(steps, args)
     # 1,000 (the median of 1,250, 500 and 1,000); the 512 step left out.
     assert "llmgw_per_core=1000 " in line and line.endswith("vllmrouter_per_core=1250")
