@@ -47,6 +47,24 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         seen[path] = direct is not None and direct.writer() is not None
         seen[path + ":messages"] = sent
         return
+    if path.startswith("/leave"):
+        # The client's leaving as the watch hears it (`on_leave`): told
+        # before the stream starts; or only once the client has gone
+        # (`receive` says so); or for a response that completes first.
+        heard = seen[path] = []
+        if path == "/leave-late":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        direct.on_leave(lambda: heard.append(len(heard)))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        if path != "/leave-after":
+            for _ in range(300):  # until the client has gone
+                if heard:
+                    break
+                await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": False})
+        return
     if path == "/plain":
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", b"2")]})
@@ -232,3 +250,37 @@ async def test_a_request_pipelined_behind_a_direct_answer_is_served(server: int)
         assert got.count(b"HTTP/1.1 200 OK\r\n") == 2
     finally:
         w.close()
+
+
+async def test_the_clients_leaving_mid_response_is_heard_once_from_the_connection(
+        server: int) -> None:
+    r, w = await asyncio.open_connection("127.0.0.1", server)
+    w.write(get("/leave"))
+    await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)  # the stream started
+    w.close()
+    for _ in range(300):
+        if seen.get("/leave"):
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # the app's last send, dropped: no second call
+    assert seen["/leave"] == [0]
+
+
+async def test_a_hook_set_after_the_client_left_is_called_at_once(server: int) -> None:
+    _, w = await asyncio.open_connection("127.0.0.1", server)
+    w.write(get("/leave-late"))
+    await asyncio.sleep(0.1)
+    w.close()  # before the app asks to hear of it
+    for _ in range(300):
+        if seen.get("/leave-late"):
+            break
+        await asyncio.sleep(0.01)
+    assert seen["/leave-late"] == [0]
+
+
+async def test_a_client_that_leaves_after_its_response_is_not_heard_leaving(
+        server: int) -> None:
+    _, body = await ask(server, get("/leave-after"))
+    assert body == b"data: 1\n\n"
+    await asyncio.sleep(0.1)  # the connection closed by `ask`
+    assert seen["/leave-after"] == []

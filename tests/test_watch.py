@@ -83,7 +83,8 @@ async def test_a_stream_waiting_for_its_first_byte_is_listened_to_after_listen_a
 async def test_a_streams_limits_arm_no_timer_while_one_rings_first() -> None:
     # A stream's first-byte and idle limits come after the listener's
     # start: the timer armed at arrival serves; none is armed or cancelled
-    # for them. One due earlier than the armed timer is armed at once.
+    # for them. A limit shorter than the listener's wait is what the timer
+    # is armed for at arrival.
     loop = asyncio.get_running_loop()
     armed: list[float] = []
     call_at = loop.call_at
@@ -101,8 +102,94 @@ async def test_a_streams_limits_arm_no_timer_while_one_rings_first() -> None:
         assert armed == [started + timeouts.LISTEN_AFTER]
         short = Watch(Client().receive, Timeouts(first_byte=0.05), started)
         short.expect_first_byte()
-        assert len(armed) == 3 and armed[2] == short.read_since + 0.05
+        assert armed[1:] == [started + 0.05]
         watch.close()
         short.close()
+    finally:
+        del loop.call_at  # type: ignore[method-assign]
+
+
+class ServerHook:
+    """A server's hook for its client's leaving (`DirectBody.on_leave`), as
+    `llmgw serve`'s connection offers it (tests/test_direct_body.py runs
+    the real one): it calls back once, at once if the client has left."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.gone = gone
+        self.hook: Any = None
+
+    def on_leave(self, callback: Any) -> None:
+        if self.gone:
+            callback()
+        else:
+            self.hook = callback
+
+    def leave(self) -> None:
+        self.gone = True
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
+async def test_a_watch_told_by_its_server_hears_a_leaving_at_once_with_no_task() -> None:
+    client, server = Client(), ServerHook()
+    loop = asyncio.get_running_loop()
+    before = len(asyncio.all_tasks())
+
+    async def serve() -> Why | None:
+        watch = Watch(client.receive, Timeouts(), loop.time(), loop, server)
+        watch.expect_first_byte()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return watch.caught()
+        return None
+
+    task = asyncio.ensure_future(serve())
+    await asyncio.sleep(timeouts.LISTEN_AFTER + 0.1)
+    assert len(asyncio.all_tasks()) == before + 1  # the request's own, and no listener
+    assert client.asked == 0
+    started = loop.time()
+    server.leave()
+    assert await asyncio.wait_for(task, 1) is Why.CLIENT_GONE
+    assert loop.time() - started < 0.05  # not at a timer's ring
+
+
+async def test_a_watch_whose_client_already_left_is_told_at_once() -> None:
+    loop = asyncio.get_running_loop()
+
+    async def serve() -> Why | None:
+        watch = Watch(Client().receive, Timeouts(), loop.time(), loop, ServerHook(gone=True))
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return watch.caught()
+        return None
+
+    assert await asyncio.wait_for(asyncio.ensure_future(serve()), 0.1) is Why.CLIENT_GONE
+
+
+async def test_a_stream_told_by_its_server_arms_one_timer_for_its_limits() -> None:
+    # No listener to start: the one timer is armed at arrival for the
+    # soonest a stream's limit could fall due, and its first-byte and idle
+    # limits arm none; a closed watch is deaf to a later leaving.
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting(when: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+        armed.append(when)
+        return call_at(when, callback, *args, **kw)
+
+    loop.call_at = counting  # type: ignore[method-assign]
+    try:
+        started, server, t = loop.time(), ServerHook(), Timeouts(first_byte=30, idle=20)
+        watch = Watch(Client().receive, t, started, loop, server)
+        watch.expect_first_byte()
+        watch.streaming()
+        assert armed == [started + 20]
+        watch.close()
+        server.leave()
+        assert watch.why is None
     finally:
         del loop.call_at  # type: ignore[method-assign]

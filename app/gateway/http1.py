@@ -180,6 +180,7 @@ class Http1(asyncio.Protocol):
             if not req.response_complete:
                 req.disconnected = True
             req.wake()
+            req.left()
         if self.flow is not None:
             self.flow.resume_writing()
         if exc is None:
@@ -450,10 +451,10 @@ class RequestCycle:
     a loop of references would be garbage only the collector can free (a
     collection's pause grows with the requests served since the last)."""
 
-    __slots__ = ("_held", "_news", "_waiters", "body", "body_size", "chunked_encoding", "conn",
-                 "default_headers", "disconnected", "expected_content_length", "flow", "head",
-                 "keep_alive", "loop", "more_body", "response_complete", "response_started",
-                 "transport", "waiting_for_100_continue")
+    __slots__ = ("_held", "_leave", "_news", "_waiters", "body", "body_size", "chunked_encoding",
+                 "conn", "default_headers", "disconnected", "expected_content_length", "flow",
+                 "head", "keep_alive", "loop", "more_body", "response_complete",
+                 "response_started", "transport", "waiting_for_100_continue")
 
     def __init__(self, conn: Http1, keep_alive: bool, expect_100_continue: bool,
                  head: bool) -> None:
@@ -480,6 +481,9 @@ class RequestCycle:
         self.chunked_encoding: bool | None = None
         self.expected_content_length = 0
         self._held: list[bytes] | None = None  # writes gathered (`gather`)
+        # Told if the client leaves mid-response (`on_leave`); dropped at
+        # the response's end and the app's, as it holds the request's watch.
+        self._leave: Callable[[], None] | None = None
 
     def wake(self) -> None:
         """Body came, the body ended, the client left or the response ended."""
@@ -487,6 +491,13 @@ class RequestCycle:
         for w in self._waiters:
             if not w.done():
                 w.set_result(None)
+
+    def left(self) -> None:
+        """The connection dropped: whoever asked (`on_leave`) hears it, once,
+        if the response was not complete."""
+        leave, self._leave = self._leave, None
+        if leave is not None and self.disconnected:
+            leave()
 
     async def run_asgi(self, app: App, scope: Scope) -> None:
         try:
@@ -509,6 +520,7 @@ class RequestCycle:
                 self._close()
         finally:
             self.conn = None
+            self._leave = None
 
     async def _send_500(self) -> None:
         await self.send({"type": "http.response.start", "status": 500,
@@ -611,6 +623,7 @@ class RequestCycle:
 
     def _complete(self) -> None:
         self.response_complete = True
+        self._leave = None
         self.wake()
         if not self.keep_alive:
             self._close()
@@ -663,6 +676,12 @@ class RequestCycle:
                                        *[b"%s: %s\r\n" % h for h in every], b"\r\n", body]))
         self._complete()
         return True
+
+    def on_leave(self, callback: Callable[[], None]) -> None:
+        if self.disconnected:
+            callback()
+        elif not self.response_complete:
+            self._leave = callback
 
     def gather(self) -> None:
         if self._held is None:

@@ -11,6 +11,7 @@ other server the relay sends ASGI messages, as before.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 # The scope key of a request's `DirectBody`, where its server offers one.
@@ -54,6 +55,14 @@ class DirectBody(Protocol):
 
     def flush(self) -> None:
         """Writes what `gather()` held, as one; writes go straight out again."""
+        ...
+
+    def on_leave(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once, from the connection's own callback, if the
+        client leaves before the response is complete (at once if it
+        already has): how the request's watch hears a client leave, with
+        no task waiting on `receive` (app/router/timeouts.py). The server
+        drops `callback` once the response is complete or the app returns."""
         ...
 
 

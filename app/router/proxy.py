@@ -35,7 +35,7 @@ from app.router.access import ARRIVED, Exchange, Tracer
 from app.router.body_fields import checked_model
 from app.router.call import Call
 from app.router.choice import affinity_key
-from app.router.direct_body import DIRECT_BODY
+from app.router.direct_body import DIRECT_BODY, DirectBody
 from app.router.engine_load import EngineLoadPoller
 from app.router.outcome import Outcome, RequestObserver
 from app.router.own_answers import Reply, error, openai_error_body, send_whole
@@ -269,13 +269,17 @@ class Proxy:
             raise error(400, "The query string holds a character that cannot be "
                         "forwarded (a space or a control character): percent-encode it.",
                         "invalid_request_error", "invalid_query")
+        # What `llmgw serve`'s server offers beside ASGI (direct_body.py).
+        direct: DirectBody | None = scope.get(DIRECT_BODY)
         if other:
             plan = await self._extra.prepare(grant, path, query, raw, _content_type(scope))
-            call = await self._other_call(grant, plan, query, session, receive, send, ex)
+            call = await self._other_call(grant, plan, query, session, receive, send, direct,
+                                          ex)
         else:
-            call = await self._forwarded_call(grant, raw, query, session, receive, send, ex)
+            call = await self._forwarded_call(grant, raw, query, session, receive, send, direct,
+                                              ex)
         if call.send is send:  # the server's own: it may write a stream's body directly
-            call.direct = scope.get(DIRECT_BODY)
+            call.direct = direct
         # Forwarded; the admission released however it ends.
         ticket = ex.ticket
         assert ticket is not None
@@ -291,8 +295,9 @@ class Proxy:
 
     async def _forwarded_call(self, grant: KeyGrant, raw: bytes, query: str,
                               session: str | None, receive: Receive, send: Send,
-                              ex: Exchange) -> Call:
-        """A chat, completion or embeddings request, admitted."""
+                              direct: DirectBody | None, ex: Exchange) -> Call:
+        """A chat, completion or embeddings request, admitted. `direct`: the
+        server's hook for its client's leaving, if it offers one."""
         body, model, rewritten = self._request(grant, raw)
         ex.model = model
         affinity = self._affinity_of(body, session, model)
@@ -301,7 +306,7 @@ class Proxy:
         # its claim to be raised (docs/design/client-keys.md).
         ticket = ex.ticket = await self._admit(grant, model, ex.path, body)
         call = Call(
-            ex, Watch(receive, self._timeouts, ex.started, self._loop), send, model,
+            ex, Watch(receive, self._timeouts, ex.started, self._loop, direct), send, model,
             f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True)
         call.meter, call.grant, call.ticket = ticket.meter, grant, ticket
         call.affinity, call.spill = affinity, spill
@@ -312,7 +317,7 @@ class Proxy:
 
     async def _other_call(self, grant: KeyGrant, plan: passthrough.Plan, query: str,
                           session: str | None, receive: Receive, send: Send,
-                          ex: Exchange) -> Call:
+                          direct: DirectBody | None, ex: Exchange) -> Call:
         """One of vLLM's other routes, as passthrough.py planned it, admitted. A pinned
         or non-chat route never spills (spill.py)."""
         ex.model = plan.model
@@ -321,7 +326,7 @@ class Proxy:
             grant.id, plan.model, grant.limits, grant.gateways)
         if plan.stream:
             ticket.meter.body = plan.estimate  # estimated from, if cut short
-        watch = Watch(receive, self._timeouts, ex.started, self._loop)
+        watch = Watch(receive, self._timeouts, ex.started, self._loop, direct)
         call = Call(ex, watch, plan.sender(send), plan.model,
                     f"{plan.target}?{query}" if query else plan.target, plan.body, plan.stream)
         call.meter = ticket.meter if plan.metered else None

@@ -5,13 +5,18 @@ of six reasons (`Why`): the client went away, the request's deadline passed,
 a stream's first byte did not come in time, a stream went silent, its
 client stopped taking what it is sent, or the gateway's stop ran out of
 grace (`cut()`). One
-watch per request, armed once its body is read: one timer handle, and a
-listener task on the ASGI `receive` only for a request still open
+watch per request, armed once its body is read, with one timer handle.
+How it hears the client leave depends on the server: `llmgw serve`'s calls
+the watch back when the connection drops (`DirectBody.on_leave`), at no
+cost to a request that keeps its client; under any other ASGI server a
+listener task waits on `receive`, started only for a request still open
 `LISTEN_AFTER` seconds after it arrived (the timer starts it): a task per
-request was the largest single cost of a plain one (bench/README.md). A
-client that left before is then seen at once (the server remembers the
-disconnect). The per-chunk cost of a stream is four attribute writes
-(`read_since`, `send_since`), not a timer per chunk.
+request was the largest single cost of a plain one (bench/README.md), and
+at thousands of streams its task, coroutines, future and second timer were
+a tenth of what each stream left for the collector to walk. A client that
+left before either is heard at once (the server remembers the disconnect).
+The per-chunk cost of a stream is four attribute writes (`read_since`,
+`send_since`), not a timer per chunk.
 
 Why a self-cancelling watch rather than `asyncio.wait({upstream,
 disconnected})` as Starlette does: the work stays in the request's own task
@@ -29,6 +34,8 @@ import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+
+from app.router.direct_body import DirectBody
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
@@ -97,10 +104,13 @@ class Watch:
                  "why")
 
     def __init__(self, receive: Receive, timeouts: Timeouts, started: float,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 leaving: DirectBody | None = None) -> None:
         """`started`: the loop's time at the request's arrival; `loop`: the
         running loop, when the caller has it (Python 3.11 asks the kernel
-        for the process id on each `get_running_loop()`: a system call)."""
+        for the process id on each `get_running_loop()`: a system call);
+        `leaving`: the server's own hook for the client's leaving, where it
+        offers one (then `receive` is never listened to)."""
         self._loop = loop or asyncio.get_running_loop()
         task = asyncio.current_task(self._loop)
         assert task is not None, "a Watch runs inside the request's task"
@@ -113,16 +123,22 @@ class Watch:
         self.send_since = 0.0
         self.why: Why | None = None
         self._armed = True
-        self._receive = receive
+        # Kept only to listen to: a server's hook holds the watch, and the
+        # watch holding the server's request back would make a cycle.
+        self._receive = receive if leaving is None else None
         self._listener: asyncio.Future[None] | None = None  # started by the timer
-        self._listen_at = started + LISTEN_AFTER
+        # No listener ever where the server calls back.
+        self._listen_at = started + LISTEN_AFTER if leaving is None else math.inf
         # When the armed timer rings (inf: none armed). A limit set later
-        # moves it only earlier: one that rings early finds nothing due
-        # and arms itself for what is (a stream's first byte and idle
-        # limits come after the listener's start, so its timer is armed
-        # once, not three times).
-        self._due = min(self._deadline, self._listen_at)
+        # moves it only earlier: one that rings early finds nothing due and
+        # arms itself for what is. So it is first armed no later than a
+        # stream's first byte and idle limits could fall due, and a stream
+        # arms it once, not three times.
+        self._due = min(self._deadline, self._listen_at,
+                        started + min(timeouts.first_byte, timeouts.idle))
         self._timer = self._loop.call_at(self._due, self._check)
+        if leaving is not None:
+            leaving.on_leave(self._left_now)  # at once if the client already left
 
     def expect_first_byte(self) -> None:
         """A stream attempt starts: its first body byte is due within the limit."""
@@ -174,6 +190,9 @@ class Watch:
             self._due = math.inf
             self._task.cancel()
 
+    def _left_now(self) -> None:
+        self._fire(Why.CLIENT_GONE)
+
     def _left(self, f: asyncio.Future[None]) -> None:
         if not f.cancelled():
             f.exception()  # retrieved: a failing receive also means the client is gone
@@ -190,6 +209,7 @@ class Watch:
         self._timer = self._loop.call_at(due, self._check)
 
     def _listen(self) -> None:
+        assert self._receive is not None  # a server's hook leaves no time to listen at
         self._listener = self._loop.create_task(_disconnect(self._receive))
         self._listener.add_done_callback(self._left)
 

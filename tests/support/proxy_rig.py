@@ -14,7 +14,7 @@ import json
 import socket
 import weakref
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import httpx
@@ -255,6 +255,21 @@ class _Socket:
         call._wrote(data)
 
 
+class _Leaving(asyncio.Event):
+    """The client's leaving: `set()` also calls the hook the watch gave the
+    server (`DirectBody.on_leave`), as `llmgw serve`'s connection does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook: Callable[[], None] | None = None
+
+    def set(self) -> None:
+        super().set()
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
 class AsgiCall:
     """One POST driven through the ASGI app by hand, to see and cut a stream.
 
@@ -266,7 +281,7 @@ class AsgiCall:
     def __init__(self, proxy: Proxy, body: dict[str, Any], path: str = CHAT,
                  direct: bool = False) -> None:
         self.sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.leave = asyncio.Event()  # set: the client disconnects
+        self.leave = _Leaving()  # set: the client disconnects
         self.stop_reading = False  # set: every later send blocks (a client not reading)
         self.direct_writes = 0
         self.gathered = 0  # whole answers gathered into one write
@@ -316,6 +331,12 @@ class AsgiCall:
                               "headers": headers})
         self.sent.put_nowait({"type": "http.response.body", "body": body, "more_body": False})
         return True
+
+    def on_leave(self, callback: Callable[[], None]) -> None:
+        if self.leave.is_set():
+            callback()
+        elif not self._complete:
+            self.leave.hook = callback
 
     def gather(self) -> None:
         assert not self._started, "gathered after the response began"
