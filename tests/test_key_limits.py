@@ -10,8 +10,10 @@ import json
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from app.router.usage.estimates import ask_for_usage, estimate_usage
+from app.router.usage.estimates import ask_for_usage, estimate_usage, usage_asked_in
 from app.router.usage.limits import Limiter, Limits, Ticket
 from app.router.usage.overlimit import OverLimit, share
 from tests.support.proxy_rig import FakeClock
@@ -166,6 +168,26 @@ USAGE = {"object": "chat.completion.chunk", "choices": [],
 
 def _ticket() -> Ticket:
     return Limiter(clock=FakeClock()).admit("k", "m", Limits())
+
+
+@given(st.dictionaries(st.text().filter(lambda k: k != "stream_options"),
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
+                                    lambda inner: st.lists(inner, max_size=3)
+                                    | st.dictionaries(st.text(), inner, max_size=3),
+                                    max_leaves=8), min_size=1, max_size=5),
+       st.sampled_from(["", " ", "\n", " \r\n\t"]), st.booleans())
+def test_the_usage_request_appended_to_a_clients_bytes_reads_as_the_body_asking_it(
+        body: dict[str, object], space: str, ascii_only: bool) -> None:
+    raw = (json.dumps(body, ensure_ascii=ascii_only)[:-1] + space + "}" + space).encode()
+    sent = usage_asked_in(raw)
+    assert sent is not None and json.loads(sent) == body | {
+        "stream_options": {"include_usage": True}}
+
+
+def test_no_usage_request_is_appended_where_the_bytes_are_no_object_opened_and_closed() -> None:
+    for raw in (b"{}", b"{ \n}", b' {"a": 1}', b'\xef\xbb\xbf{"a": 1}', b'[{"a": 1}]',
+                '{"a": 1}'.encode("utf-16-be"), '{"a": 1}'.encode("utf-16-le")):
+        assert usage_asked_in(raw) is None, raw
 
 
 def test_a_streams_usage_is_read_and_cut_only_for_a_client_that_did_not_ask() -> None:

@@ -50,7 +50,7 @@ from app.router.table import RouteTable
 from app.router.timeouts import Timeouts, Watch
 from app.router.turns import Turns
 from app.router.upstream import UpstreamClient
-from app.router.usage.estimates import ask_for_usage
+from app.router.usage.estimates import ask_for_usage, usage_asked_in
 from app.router.usage.limits import Limiter, Ticket
 from app.router.usage.overlimit import OverLimit
 from app.router.usage.prompt_count import PromptCounter
@@ -300,6 +300,7 @@ class Proxy:
         server's hook for its client's leaving, if it offers one."""
         body, model, rewritten = self._request(grant, raw)
         ex.model = model
+        named_options = "stream_options" in body  # before the admission asks for usage
         affinity = self._affinity_of(body, session, model)
         spill = Spill.of(self._table, self.limits, self._timeouts, model, len(raw))
         # A request refused below its key's limit first waits, bounded, for
@@ -310,9 +311,12 @@ class Proxy:
             f"{ex.path}?{query}" if query else ex.path, body, body.get("stream") is True)
         call.meter, call.grant, call.ticket = ticket.meter, grant, ticket
         call.affinity, call.spill = affinity, spill
-        # The client's bytes go on untouched when nothing was rewritten: no
-        # encode per request, which grows with the prompt.
-        call.raw = None if rewritten or ticket.meter.strip_usage else raw
+        # The client's bytes go on untouched when nothing was rewritten, or
+        # with the ask for a stream's usage appended: no encode per request,
+        # which grows with the prompt.
+        call.raw = None if rewritten else (
+            raw if not ticket.meter.strip_usage
+            else None if named_options else usage_asked_in(raw))
         return call
 
     async def _other_call(self, grant: KeyGrant, plan: passthrough.Plan, query: str,

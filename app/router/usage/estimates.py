@@ -70,6 +70,26 @@ def ask_for_usage(body: dict[str, Any]) -> bool:
     return True
 
 
+# What a client's body that names no `stream_options` ends with once it asks
+# for usage: a member appended to its JSON object.
+_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+_SPACE = b" \t\r\n"  # the whitespace JSON allows between tokens
+
+
+def usage_asked_in(raw: bytes) -> bytes | None:
+    """The client's own bytes asking for the stream's usage as well, for a
+    body whose object names no `stream_options` (the caller knows: it
+    parsed it): the member appended before its closing brace, the rest of
+    the client's bytes sent as they came, with no encode of the whole body
+    per stream, which grows with the prompt. None where it cannot append
+    (not UTF-8 JSON opened and closed by a brace): the caller encodes."""
+    body = raw.rstrip(_SPACE)
+    if not (raw.startswith(b"{") and body.endswith(b"}")):
+        return None
+    inner = body[:-1].rstrip(_SPACE)
+    return None if inner == b"{" else inner + _ASK_USAGE
+
+
 def reservation(body: dict[str, Any], size: int, completion_default: int,
                 completes: bool = True) -> int:
     """The most tokens a request can cost a provider: what a spill reserves
