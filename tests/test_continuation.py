@@ -278,6 +278,16 @@ def test_what_cannot_be_continued_is_not(events: bytes) -> None:
     assert splice.request() is None
 
 
+def test_a_stream_is_cut_short_until_its_done_came_in_whatever_chunk() -> None:
+    splice = _splice({"model": "small", "messages": MESSAGES})
+    splice.pass_on(_chunk({"role": "assistant", "content": ""}))
+    assert splice.cut_short() and splice.request() is not None
+    splice = _splice({"model": "small", "messages": MESSAGES})
+    splice.pass_on(_chunk({"content": "a"}) + b"data: [DONE]\n\n")  # in one read
+    splice.pass_on(b": a comment after\n\n")
+    assert not splice.cut_short() and splice.request() is None
+
+
 @pytest.mark.parametrize(("body", "ep"), [
     ({"n": 2}, VLLM), ({"echo": True}, VLLM), ({"prompt_logprobs": 1}, VLLM),
     ({"response_format": {"type": "json_object"}}, VLLM), ({"guided_json": {}}, VLLM),

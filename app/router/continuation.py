@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 # resumed (an answer of some 16,000 tokens at ~250 bytes an event). What it
 # costs: this much memory per stream in the worst case.
 MAX_KEPT = 4 * 1024 * 1024
+_DONE_EVENT = b"data: [DONE]"
 # Seconds of its deadline a request must have left to be resumed: less
 # would only start work the deadline then cuts.
 MIN_LEFT = 1.0
@@ -92,7 +93,7 @@ class Splice:
         self.url_tail = url_tail
         self.model = model
         self.chat = chat
-        self._kept: list[bytes] | None = []  # None: past MAX_KEPT, or [DONE] came
+        self._kept: list[bytes] | None = []  # None: past MAX_KEPT
         self._size = 0
         self.resumed = False
         self._done = False  # the continuation's [DONE] came
@@ -107,15 +108,23 @@ class Splice:
         """Whole SSE events on their way to the client: kept from the first
         engine, rewritten from the continuation."""
         if self.resumed:
-            self._done = self._done or b"data: [DONE]" in events
+            # find, not in: on bytes, `in` first tries its operand as an
+            # integer, and makes and drops a TypeError each time.
+            self._done = self._done or events.find(_DONE_EVENT) >= 0
             return self._rewrite(events)
         if self._kept is not None:
+            # Whether the first engine's [DONE] came is asked of what was
+            # kept once it failed (`_ended`), not of every chunk.
             self._size += len(events)
-            if self._size > MAX_KEPT or events.find(b"data: [DONE]") >= 0:  # find: meter.py
+            if self._size > MAX_KEPT:
                 self._kept = None
             else:
                 self._kept.append(events)
         return events
+
+    def _ended(self) -> bool:
+        """Whether the first engine's [DONE] is among the events kept."""
+        return any(events.find(_DONE_EVENT) >= 0 for events in self._kept or ())
 
     def outcome(self, why: Why | None) -> str:
         """What became of the continuation (`resumed`), `why` the watch ended
@@ -128,13 +137,15 @@ class Splice:
 
     def cut_short(self) -> bool:
         """Whether the stream so far ended with no `[DONE]` (and could be resumed)."""
-        return not self._done if self.resumed else self._kept is not None
+        if self.resumed:
+            return not self._done
+        return self._kept is not None and not self._ended()
 
     def request(self) -> dict[str, Any] | None:
         """The continuation's request body, or None when what the client got
         cannot be continued: an event not understood, a second choice, a
         choice already finished, a tool call, reasoning, or no tokens left."""
-        if self._kept is None:
+        if self._kept is None or self._ended():
             return None
         parts: list[str] = []
         for data in _datas(b"".join(self._kept)):
