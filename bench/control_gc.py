@@ -32,9 +32,9 @@ def churn(nodes: int, seconds: int, writes_per_s: int, keep: bool) -> dict[str, 
     sys.path.insert(0, str(ROOT / "bench"))
     from control_fleet import fleet
 
-    from app.gateway.gc_keeper import GcKeeper
+    from app.gateway.gc_keeper import GcKeeper, thresholds
 
-    gc.set_threshold(7000, 10, 10)  # the gateway's (LLMGW_GC_THRESHOLD)
+    gc.set_threshold(*thresholds(7000))  # the gateway's (LLMGW_GC_THRESHOLD)
     pauses: list[float] = []
     began = [0.0]
 

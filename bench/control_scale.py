@@ -93,16 +93,18 @@ def tenth_gone(f: Fleet) -> dict[str, s.Replica]:
 @contextlib.contextmanager
 def gateway_heap() -> Iterator[None]:
     """As a gateway holds its mirror: frozen once loaded, at its GC threshold
-    (app/gateway/main.py); else each full collection walks the whole fleet."""
-    thresholds = gc.get_threshold()
+    (app/gateway/assembly.py); else each full collection walks the whole fleet."""
+    from app.gateway.gc_keeper import thresholds
+
+    before = gc.get_threshold()
     gc.collect()
     gc.freeze()
-    gc.set_threshold(7000, 10, 10)
+    gc.set_threshold(*thresholds(7000))
     try:
         yield
     finally:
         gc.unfreeze()
-        gc.set_threshold(*thresholds)
+        gc.set_threshold(*before)
 
 
 def time_passes(f: Fleet, missing: bool, repeat: int) -> tuple[float, float, Plan]:

@@ -43,3 +43,16 @@ def test_a_cycle_dropped_while_frozen_is_reclaimed_once_the_frozen_grow_by_a_qua
     assert got["still_frozen"] is True  # what is alive is frozen again after the reclaim
     # Half the heap gone: the next quarter is counted from what is left.
     assert got["baseline_after_shrink"] < 0.7 * got["baseline_before_shrink"]
+
+
+def test_a_middle_collection_walks_what_two_young_ones_left_and_fulls_stay_as_rare() -> None:
+    """Streams starting by the thousand, each keeping objects as long as it
+    lives: a collection of the middle generation walks what two young
+    collections left and the youngest (a pause every stream waits
+    through), and a full collection comes no sooner than CPython's defaults
+    (10 and 10) made it: at the 121st young one."""
+    got = scenario("middle")
+    # With 10 and 10, a middle collection walked what 11 young ones left: 84,000.
+    assert got["middles"] >= 10 and got["walked_max"] <= 3 * 7000 + 100, got
+    # 300,000 kept: some 43 collections in all (a middle one collects the young too).
+    assert got["young"] + got["middles"] >= 40 and got["fulls"] == 0, got

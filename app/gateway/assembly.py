@@ -43,6 +43,7 @@ from app.control.placement.agentversion import default_window
 from app.control.reconciler import Reconciler, ReconcileSettings
 from app.control.usage import UsagePublisher
 from app.gateway.gateway import Control, Gateway
+from app.gateway.gc_keeper import thresholds
 from app.gateway.key_shares import Holder, KeyShares, claim_floors
 from app.gateway.metrics import GatewayMetrics
 from app.gateway.node_agents import NodeAgents
@@ -341,7 +342,7 @@ def _gc_threshold(gw: Gateway) -> None:
     # Everything built so far lives as long as the gateway: frozen, the
     # collector never walks it again (settings.gc_threshold).
     gw.metrics.gc.freeze_all()
-    gc.set_threshold(gw.settings.gc_threshold, 10, 10)
+    gc.set_threshold(*thresholds(gw.settings.gc_threshold))
 
 
 async def _freeze_after_load(gw: Gateway) -> None:

@@ -4,6 +4,7 @@ JSON line for tests/test_gc_keeper.py.
 
     python -m tests.support.gc_scenarios churn plain|keep
     python -m tests.support.gc_scenarios leak
+    python -m tests.support.gc_scenarios middle
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import sys
 import weakref
 
-from app.gateway.gc_keeper import GcKeeper
+from app.gateway.gc_keeper import GcKeeper, thresholds
 
 MIRROR = 20_000  # values, two tracked objects each
 
@@ -29,7 +30,7 @@ def churn(keep: bool) -> dict[str, object]:
     """A mirror frozen once loaded, then every value replaced three times
     over while requests come and go: how many objects a full collection
     would walk (those not frozen), at most, measured before each step."""
-    gc.set_threshold(7000, 10, 10)
+    gc.set_threshold(*thresholds(7000))
     mirror = {i: Value(i) for i in range(MIRROR)}
     keeper = GcKeeper()
     keeper.freeze_all()
@@ -38,8 +39,9 @@ def churn(keep: bool) -> dict[str, object]:
         for i in range(500):
             key = (round_ * 500 + i) % MIRROR
             mirror[key] = Value(key)  # the old one, frozen, is freed all the same
-        inflight = [[] for _ in range(8000)]  # a loaded gateway's requests in flight
-        gc.collect(1)  # they age into the oldest generation, as under load
+        # A loaded gateway's requests in flight, aging into the oldest
+        # generation through the collector's own collections, as under load.
+        inflight = [[[] for _ in range(100)] for _ in range(2000)]
         del inflight
         walked = max(walked, len(gc.get_objects()))
         if keep:
@@ -85,7 +87,30 @@ def leak() -> dict[str, object]:
             "baseline_after_shrink": keeper.baseline}
 
 
+def middle() -> dict[str, object]:
+    """Streams starting by the thousand, each keeping 100 objects as long as
+    it lives: how many objects each collection of the middle generation
+    walked, and how many young and full collections came meanwhile."""
+    walked: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 1:
+            walked.append(len(gc.get_objects(0)) + len(gc.get_objects(1)))
+
+    gc.collect()
+    gc.freeze()
+    before = [s["collections"] for s in gc.get_stats()]
+    gc.set_threshold(*thresholds(7000))
+    gc.callbacks.append(seen)
+    streams = [[[] for _ in range(100)] for _ in range(3000)]
+    gc.callbacks.remove(seen)
+    after = [s["collections"] for s in gc.get_stats()]
+    return {"streams": len(streams), "middles": len(walked), "walked_max": max(walked),
+            "young": after[0] - before[0], "fulls": after[2] - before[2]}
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
-    out = churn(sys.argv[2] == "keep") if what == "churn" else leak()
+    out = (churn(sys.argv[2] == "keep") if what == "churn" else leak() if what == "leak"
+           else middle())
     print(json.dumps(out))
