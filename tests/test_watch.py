@@ -5,10 +5,42 @@ is listened to, and a client that left before is seen at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from app.router import timeouts
 from app.router.timeouts import Timeouts, Watch, Why
+
+
+@contextlib.contextmanager
+def timers_armed(loop: asyncio.AbstractEventLoop) -> Iterator[list[float]]:
+    """When each timer armed on `loop` meanwhile is due, in order."""
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting(when: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+        armed.append(when)
+        return call_at(when, callback, *args, **kw)
+
+    loop.call_at = counting  # type: ignore[method-assign]
+    try:
+        yield armed
+    finally:
+        del loop.call_at  # type: ignore[method-assign]
+
+
+async def held(make: Callable[[], Watch], first_byte: bool = False) -> Why | None:
+    """A request's task while the engine holds it, its watch made by
+    `make`: why the watch ended it (None: it did not)."""
+    watch = make()
+    if first_byte:
+        watch.expect_first_byte()
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        return watch.caught()
+    return None
 
 
 class Client:
@@ -41,16 +73,8 @@ async def test_a_client_that_left_early_is_seen_once_the_listener_starts() -> No
     client = Client()
     loop = asyncio.get_running_loop()
 
-    async def serve() -> Why | None:
-        watch = Watch(client.receive, Timeouts(), loop.time())
-        try:
-            await asyncio.sleep(10)  # the engine holds the request
-        except asyncio.CancelledError:
-            return watch.caught()
-        return None
-
     started = loop.time()
-    task = asyncio.ensure_future(serve())
+    task = asyncio.ensure_future(held(lambda: Watch(client.receive, Timeouts(), loop.time())))
     client.leave.set()  # gone at once: the server remembers the disconnect
     assert await asyncio.wait_for(task, 2) is Why.CLIENT_GONE
     waited = loop.time() - started
@@ -64,16 +88,8 @@ async def test_a_stream_waiting_for_its_first_byte_is_listened_to_after_listen_a
     client = Client()
     loop = asyncio.get_running_loop()
 
-    async def serve() -> Why | None:
-        watch = Watch(client.receive, Timeouts(), loop.time())
-        watch.expect_first_byte()
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            return watch.caught()
-        return None
-
-    task = asyncio.ensure_future(serve())
+    task = asyncio.ensure_future(
+        held(lambda: Watch(client.receive, Timeouts(), loop.time()), first_byte=True))
     await asyncio.sleep(timeouts.LISTEN_AFTER + 0.1)
     assert client.asked == 1  # listening now
     client.leave.set()
@@ -86,15 +102,7 @@ async def test_a_streams_limits_arm_no_timer_while_one_rings_first() -> None:
     # for them. A limit shorter than the listener's wait is what the timer
     # is armed for at arrival.
     loop = asyncio.get_running_loop()
-    armed: list[float] = []
-    call_at = loop.call_at
-
-    def counting(when: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
-        armed.append(when)
-        return call_at(when, callback, *args, **kw)
-
-    loop.call_at = counting  # type: ignore[method-assign]
-    try:
+    with timers_armed(loop) as armed:
         started = loop.time()
         watch = Watch(Client().receive, Timeouts(), started)
         watch.expect_first_byte()
@@ -105,8 +113,6 @@ async def test_a_streams_limits_arm_no_timer_while_one_rings_first() -> None:
         assert armed[1:] == [started + 0.05]
         watch.close()
         short.close()
-    finally:
-        del loop.call_at  # type: ignore[method-assign]
 
 
 class ServerHook:
@@ -136,16 +142,8 @@ async def test_a_watch_told_by_its_server_hears_a_leaving_at_once_with_no_task()
     loop = asyncio.get_running_loop()
     before = len(asyncio.all_tasks())
 
-    async def serve() -> Why | None:
-        watch = Watch(client.receive, Timeouts(), loop.time(), loop, server)
-        watch.expect_first_byte()
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            return watch.caught()
-        return None
-
-    task = asyncio.ensure_future(serve())
+    task = asyncio.ensure_future(
+        held(lambda: Watch(client.receive, Timeouts(), loop.time(), loop, server), first_byte=True))
     await asyncio.sleep(timeouts.LISTEN_AFTER + 0.1)
     assert len(asyncio.all_tasks()) == before + 1  # the request's own, and no listener
     assert client.asked == 0
@@ -158,15 +156,9 @@ async def test_a_watch_told_by_its_server_hears_a_leaving_at_once_with_no_task()
 async def test_a_watch_whose_client_already_left_is_told_at_once() -> None:
     loop = asyncio.get_running_loop()
 
-    async def serve() -> Why | None:
-        watch = Watch(Client().receive, Timeouts(), loop.time(), loop, ServerHook(gone=True))
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            return watch.caught()
-        return None
-
-    assert await asyncio.wait_for(asyncio.ensure_future(serve()), 0.1) is Why.CLIENT_GONE
+    gone = ServerHook(gone=True)
+    why = held(lambda: Watch(Client().receive, Timeouts(), loop.time(), loop, gone))
+    assert await asyncio.wait_for(why, 0.1) is Why.CLIENT_GONE
 
 
 async def test_a_stream_told_by_its_server_arms_one_timer_for_its_limits() -> None:
@@ -174,15 +166,7 @@ async def test_a_stream_told_by_its_server_arms_one_timer_for_its_limits() -> No
     # soonest a stream's limit could fall due, and its first-byte and idle
     # limits arm none; a closed watch is deaf to a later leaving.
     loop = asyncio.get_running_loop()
-    armed: list[float] = []
-    call_at = loop.call_at
-
-    def counting(when: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
-        armed.append(when)
-        return call_at(when, callback, *args, **kw)
-
-    loop.call_at = counting  # type: ignore[method-assign]
-    try:
+    with timers_armed(loop) as armed:
         started, server, t = loop.time(), ServerHook(), Timeouts(first_byte=30, idle=20)
         watch = Watch(Client().receive, t, started, loop, server)
         watch.expect_first_byte()
@@ -191,5 +175,3 @@ async def test_a_stream_told_by_its_server_arms_one_timer_for_its_limits() -> No
         watch.close()
         server.leave()
         assert watch.why is None
-    finally:
-        del loop.call_at  # type: ignore[method-assign]
