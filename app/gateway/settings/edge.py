@@ -65,8 +65,10 @@ class EdgeSettings(Group):
     # pauses up to 115 ms (bench/RESULTS.md). 7000 (and freezing) cut that to
     # 6% and 2.4 ms, for a few MiB more garbage between collections. The
     # mirror's first load is frozen too, and what each full collection keeps
-    # (app/gateway/gc_keeper.py). 0 leaves CPython's defaults alone: nothing
-    # frozen, nothing kept.
+    # (app/gateway/gc_keeper.py), and the next two thresholds are 1 and 60
+    # (`gc_keeper.thresholds`: shorter middle collections while thousands of
+    # streams start). 0 leaves CPython's defaults alone: nothing frozen,
+    # nothing kept.
     gc_threshold: int = Field(7000, ge=0)
 
     # --- before a client is authenticated (docs/design/security.md) -------
