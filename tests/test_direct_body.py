@@ -59,9 +59,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         if path != "/leave-after":
+            flow = direct.writer() if path == "/leave-streaming" else None
             for _ in range(300):  # until the client has gone
                 if heard:
                     break
+                if flow is not None:
+                    flow.write_chunk(b"data: more\n\n")
                 await asyncio.sleep(0.01)
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": False})
         return
@@ -284,3 +287,19 @@ async def test_a_client_that_leaves_after_its_response_is_not_heard_leaving(
     assert body == b"data: 1\n\n"
     await asyncio.sleep(0.1)  # the connection closed by `ask`
     assert seen["/leave-after"] == []
+
+
+async def test_a_pipelining_client_that_leaves_is_heard_by_the_request_being_answered(
+        server: int) -> None:
+    # The second request waits behind the first, whose stream is under way:
+    # the first's engine must hear the client go, not only the one waiting.
+    r, w = await asyncio.open_connection("127.0.0.1", server)
+    w.write(get("/leave-streaming") + get("/plain"))
+    await asyncio.wait_for(r.readuntil(b"data: more"), 5)  # the stream is flowing
+    w.transport.abort()  # gone, as a client that drops its connection
+    for _ in range(300):
+        if seen.get("/leave-streaming"):
+            break
+        await asyncio.sleep(0.01)
+    assert seen["/leave-streaming"] == [0]
+    assert "/plain" not in seen  # never answered: its client had gone

@@ -133,6 +133,7 @@ class Http1(asyncio.Protocol):
         # Requests whose headers came while an earlier one was answered.
         self.pipeline: deque[tuple[RequestCycle, App, Scope]] = deque()
         self.request: RequestCycle | None = None  # the latest request
+        self.answering: RequestCycle | None = None  # the one whose app runs
 
         # The request being read.
         self.url = b""
@@ -175,12 +176,14 @@ class Http1(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
         self._stop_timers()
-        req = self.request
-        if req is not None:
-            if not req.response_complete:
-                req.disconnected = True
-            req.wake()
-            req.left()
+        # The request being answered, and the latest, which differs when
+        # a pipelined one waits behind it: both hear the client go.
+        for req in (self.answering, self.request):
+            if req is not None:
+                if not req.response_complete:
+                    req.disconnected = True
+                req.wake()
+                req.left()
         if self.flow is not None:
             self.flow.resume_writing()
         if exc is None:
@@ -334,6 +337,7 @@ class Http1(asyncio.Protocol):
     # The connection's own.
 
     def _start(self, req: RequestCycle, app: App, scope: Scope) -> None:
+        self.answering = req
         if self._fresh_context:  # uvicorn's opt-in: no context leaks between tasks
             task = self.loop.create_task(req.run_asgi(app, scope),
                                          context=contextvars.Context())
