@@ -216,24 +216,33 @@ def rpc_sockets(pid: int) -> tuple[Path, set[str]]:
 
 
 class _Generations:
-    """Long generations straight to one engine, each held open until `end`.
+    """Long generations straight to one engine, `n` of them held open until
+    `end`, each replaced as soon as the engine finishes it.
 
     They wait in the engine's queue for as long as the engine takes: a
     slow machine held a queued stream past an HTTP client's read timeout
     (120 s, in CI), which dropped it from the queue the test relies on and
     failed the test on its thread's error. So each is a plain socket that
     polls the stop every half second and never times out on its own; `end`
-    closes them all at once, which the engine sees as clients gone."""
+    closes them all at once, which the engine sees as clients gone.
+
+    A generation the engine finishes is sent again at once: the queue the
+    test fills holds however long the test takes. With 1,500 tokens each,
+    the two started first had ended on the CI machine before the dozen
+    behind them came (CI refused stop 38: 4 running and 8 waiting where 10
+    were awaited, the test 386 s long)."""
 
     def __init__(self, url: str, key: str) -> None:
         self._url, self._key = httpx.URL(url), key
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.answers: list[bytes] = []  # each stream's status line
+        self.finished = 0  # generations the engine ran to their end
+        self._count = threading.Lock()
 
     def start(self, n: int) -> None:
         for _ in range(n):
-            t = threading.Thread(target=self._one, daemon=True)
+            t = threading.Thread(target=self._held, daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -247,12 +256,19 @@ class _Generations:
         assert not any(t.is_alive() for t in self._threads)
         assert self.answers and set(self.answers) == {b"HTTP/1.1 200 OK"}, self.answers
 
-    def _one(self) -> None:
+    def _held(self) -> None:
+        while not self._stop.is_set():
+            if self._one():
+                with self._count:
+                    self.finished += 1
+
+    def _one(self) -> bool:
+        """One generation: True when the engine ended it, False when `end` did."""
         body = json.dumps({"model": MODEL, "prompt": "Count: 1, 2, 3,", "stream": True,
                            "max_tokens": 1500, "ignore_eos": True}).encode()
         head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self._url.host}\r\n"
                 f"Authorization: Bearer {self._key}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         with socket.create_connection((self._url.host, self._url.port), timeout=30) as s:
             s.sendall(head + body)
             s.settimeout(0.5)
@@ -263,11 +279,12 @@ class _Generations:
                 except TimeoutError:
                     continue
                 if not data:
-                    break
+                    return True
                 if b"\r\n" not in got:
                     got += data
                     if b"\r\n" in got:
                         self.answers.append(got.split(b"\r\n", 1)[0])
+        return False
 
 
 def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealFleet) -> None:
@@ -290,7 +307,7 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
                 # figure stays in force a while (choice.in_force), without
                 # which the chat went back behind ten generations (a 504,
                 # three times in CI).
-                wait_for(lambda: seen(4, 10), 60, "the busy engine's queue seen full", 0.2)
+                until_seen(4, 10, "the busy engine's queue seen full")
                 raw = c.chat.completions.with_raw_response.create(
                     model=MODEL, max_tokens=2,
                     messages=[{"role": "user", "content": f"question {i}: what is {i} + {i}?"}])
@@ -300,23 +317,34 @@ def test_requests_go_to_the_replica_the_engines_metrics_say_is_free(fleet: RealF
             out.append(raw.headers["x-llmgw-replica"])
         return out
 
+    began = time.monotonic()
+    last: dict[str, Any] = {}
+
     def seen(running: int, waiting: int) -> bool:
         rows = fleet.ready()
+        last.update({rid: (rows[rid]["running"], rows[rid]["waiting"]) for rid in rows},
+                    at=round(time.monotonic() - began, 1), finished=load.finished)
         return ((rows[busy_rid]["running"] or 0) >= running
                 and (rows[busy_rid]["waiting"] or 0) >= waiting
                 and rows[free_rid]["running"] == 0)
 
+    def until_seen(running: int, waiting: int, what: str) -> None:
+        try:
+            wait_for(lambda: seen(running, waiting), 60, what, 0.2)
+        except AssertionError as exc:  # what the gateway showed last, and when
+            raise AssertionError(f"{exc}; busy {busy_rid}, free {free_rid}, last seen "
+                                 f"(running, waiting): {last}") from None
+
     load.start(2)
     try:
-        wait_for(lambda: seen(2, 0), 60, "the gateway seeing two running on the busy engine",
-                 0.2)
+        until_seen(2, 0, "the gateway seeing two running on the busy engine")
         assert served(6, chat=False) == [free_rid] * 6
         # Its queue past full (--max-num-seqs 4: 4 running, 10 waiting; 8 is
         # saturated): a margin, so that a request vLLM moves between its
         # queues as a chat is chosen does not bring it back under 8 (seen
         # once in CI: a chat left on the busy engine, behind 8 generations).
         load.start(12)
-        wait_for(lambda: seen(4, 10), 60, "the gateway seeing the busy engine's queue full", 0.2)
+        until_seen(4, 10, "the gateway seeing the busy engine's queue full")
         assert served(6, chat=True) == [free_rid] * 6
     finally:
         load.end()
