@@ -58,7 +58,8 @@ class Node:
 
 def leak() -> dict[str, object]:
     """A cycle frozen while alive, then dropped: kept until the frozen
-    objects grow by a quarter, then reclaimed."""
+    objects grow by a quarter; then everything unfrozen, and reclaimed by the
+    next full collection, not by one of the keeper's own."""
     keeper = GcKeeper()
     keeper.freeze_all()
     steps = [keeper.step()]  # nothing happened: nothing to do
@@ -73,8 +74,15 @@ def leak() -> dict[str, object]:
     kept_while_frozen = alive() is not None
     grown = [[i] for i in range(keeper.baseline)]  # the frozen objects to grow by half
     gc.collect()
-    steps.append(keeper.step())  # frozen: past the bound now, so reclaimed
-    steps.append(keeper.step())  # and the reclaim's own collection is not another
+    fulls = gc.get_stats()[2]["collections"]
+    steps.append(keeper.step())  # past the bound: unfrozen, the next full collection's
+    collected_by_the_step = gc.get_stats()[2]["collections"] - fulls
+    kept_until_the_next = alive() is not None
+    unfrozen = gc.get_freeze_count()
+    steps.append(keeper.step())  # no full collection since: nothing
+    gc.collect()  # the next full collection: the reclaim
+    steps.append(keeper.step())  # the survivors frozen again
+    steps.append(keeper.step())
     still_frozen = gc.get_freeze_count() >= len(grown)
     # The heap shrinks (a fleet's nodes gone): the bound follows it down.
     before = keeper.baseline
@@ -82,6 +90,8 @@ def leak() -> dict[str, object]:
     gc.collect()
     steps.append(keeper.step())
     return {"steps": steps, "kept_while_frozen": kept_while_frozen,
+            "collected_by_the_step": collected_by_the_step,
+            "kept_until_the_next": kept_until_the_next, "unfrozen": unfrozen,
             "reclaimed": alive() is None, "reclaims": keeper.reclaims,
             "still_frozen": still_frozen, "baseline_before_shrink": before,
             "baseline_after_shrink": keeper.baseline}
