@@ -151,29 +151,42 @@ class _Enqueue(logging.handlers.QueueHandler):
 
 class _Writer:
     """The thread that formats and writes the queued records, in batches:
-    it wakes every `every` s, not at each record (a record put to a queue
-    no thread waits on costs the event loop no system call and no wake of
-    another thread), and writes what came in one call."""
+    woken by the first record after a batch, it waits `every` s for the
+    rest and writes what came in one call, not a call a record (a record
+    put to the queue while the thread waits out a batch costs the event
+    loop no system call), and with nothing queued it sleeps until the next
+    record: an idle gateway's writer never wakes."""
 
-    def __init__(self, queued: queue.SimpleQueue[logging.LogRecord],
+    def __init__(self, queued: queue.SimpleQueue[logging.LogRecord | None],
                  out: logging.StreamHandler[Any], every: float) -> None:
         self.queued, self.out, self.every = queued, out, every
+        self.wakes = 0  # batches written (tests/test_logs.py)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmgw-log-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopping.wait(self.every):
-            self._write()
-        self._write()
+        while True:
+            first = self.queued.get()  # asleep until a record, or the stop's None
+            self.wakes += 1
+            if first is not None:
+                self._stopping.wait(self.every)  # the rest of the batch comes meanwhile
+            if not self._write(first):
+                return
 
-    def _write(self) -> None:
-        lines = []
+    def _write(self, first: logging.LogRecord | None) -> bool:
+        """Writes `first` and what else is queued; False once the stop's
+        None was among them (all before it written)."""
+        records = [first]
         while True:
             try:
-                record = self.queued.get_nowait()
+                records.append(self.queued.get_nowait())
             except queue.Empty:
                 break
+        lines = []
+        for record in records:
+            if record is None:
+                continue
             try:
                 lines.append(self.out.format(record) + self.out.terminator)
             except Exception:
@@ -184,10 +197,12 @@ class _Writer:
                 self.out.flush()
             except Exception:
                 self.out.handleError(logging.makeLogRecord({"msg": "log lines not written"}))
+        return None not in records
 
     def stop(self) -> None:
         """Writes what is queued; the thread ends."""
         self._stopping.set()
+        self.queued.put(None)
         self._thread.join()
 
 
@@ -199,7 +214,7 @@ def configure(level: str, fmt: str, stream: Any = None, every: float = 0.05) -> 
     name: "info").
 
     The event loop only makes each record and queues it: a thread formats
-    and writes them, every `every` s what came in one write, so a slow
+    and writes them, what came within `every` s in one write, so a slow
     stderr (a full pipe to a log shipper) never stalls requests, and a line
     costs the loop a few microseconds and no system call
     (docs/design/logs.md). The record's caller, thread and process names
@@ -216,7 +231,7 @@ def configure(level: str, fmt: str, stream: Any = None, every: float = 0.05) -> 
         root.removeHandler(old)
     out = handler(fmt, stream)
     out.removeFilter(out.filters[0])  # the request id is read in the request's task
-    queued: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    queued: queue.SimpleQueue[logging.LogRecord | None] = queue.SimpleQueue()
     enqueue = _Enqueue(queued)
     enqueue.addFilter(RequestIdFilter())
     root.addHandler(enqueue)
