@@ -8,6 +8,8 @@ balancer in front is tests/test_haproxy_stop.py)."""
 from __future__ import annotations
 
 import array
+import datetime
+import email.utils
 import fcntl
 import os
 import select
@@ -197,3 +199,34 @@ def test_a_stop_writes_every_queued_log_line_before_the_process_ends(solo: Clust
     text = out.decode(errors="replace")
     assert code in (0, -signal.SIGTERM), code
     assert "gateway gw-pipe stopped" in text, text[-1500:]
+
+
+def test_a_signal_is_heard_at_once_and_the_date_header_steps_each_second(solo: Cluster) -> None:
+    """uvicorn's server looks at a signal's stop every 0.1 s, a wake of the
+    loop ten times a second; `llmgw serve`'s ticks once a second (the Date
+    header's step) and the signal wakes it (app/cli.py)."""
+    gw = solo.gateway("gw-tick", local_agent="false", shutdown_notice_seconds="0")
+
+    def date() -> str:
+        r = httpx.get(gw.url + "/healthz")
+        assert r.status_code == 200
+        return r.headers["date"]
+
+    first = date()
+    time.sleep(2.2)
+    second = date()
+    stamps = [email.utils.parsedate_to_datetime(d).timestamp() for d in (first, second)]
+    assert stamps[1] - stamps[0] >= 2 and abs(stamps[1] - time.time()) <= 2, (first, second)
+    # Just after a tick (the header changed), so that the next is most of a
+    # second away: without the wake, the stop waited for it.
+    wait_for(lambda: date() != second, 3, "a tick", 0.01)
+    time.sleep(0.3)
+    sent = time.time()
+    gw.signal(signal.SIGTERM)
+    line = next(ln for ln in gw.logged("stopping: open requests have").splitlines()
+                if "stopping: open requests have" in ln)
+    # The text format's time: local, to the millisecond.
+    heard = datetime.datetime.strptime(" ".join(line.split()[:2]),
+                                       "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert heard - sent < 0.2, line
+    assert gw.wait(30) in (0, -signal.SIGTERM)
