@@ -193,56 +193,55 @@ class Writes(io.StringIO):
         return super().write(s)
 
 
+@pytest.fixture
+def root_restored() -> Iterator[None]:
+    """The root logger's handlers and level as they were, whatever a test
+    configured, and the writer thread stopped."""
+    root = logging.getLogger()
+    saved, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        logs.stop()
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved:
+            root.addHandler(h)
+        root.setLevel(level)
+
+
+@pytest.mark.usefixtures("root_restored")
 def test_lines_logged_together_leave_in_one_write_and_none_is_lost_at_stop() -> None:
     """The writer thread takes what is queued in batches: a line costs the
     event loop no wake of another thread (a queue nobody waits on is put to
     without a system call), and a burst leaves in one write. `stop()`
     writes what is still queued."""
-    root = logging.getLogger()
-    saved, level = list(root.handlers), root.level
     out = Writes()
-    try:
-        logs.configure("info", "text", stream=out, every=0.2)
-        burst = logging.getLogger("app.burst")
-        for i in range(100):
-            burst.info("line %d", i)
-        time.sleep(0.5)  # the writer's batch
-        assert out.getvalue().count("app.burst: line ") == 100, out.getvalue()[-300:]
-        assert out.calls <= 2, out.calls  # one write (two if a wake fell in the burst)
-        burst.info("the last")
-        logs.stop()
-        assert out.getvalue().endswith("app.burst: the last\n"), out.getvalue()[-200:]
-        burst.info("after the stop")  # written at once, on this thread
-        assert out.getvalue().endswith("app.burst: after the stop\n")
-    finally:
-        logs.stop()
-        for h in list(root.handlers):
-            root.removeHandler(h)
-        for h in saved:
-            root.addHandler(h)
-        root.setLevel(level)
+    logs.configure("info", "text", stream=out, every=0.2)
+    burst = logging.getLogger("app.burst")
+    for i in range(100):
+        burst.info("line %d", i)
+    time.sleep(0.5)  # the writer's batch
+    assert out.getvalue().count("app.burst: line ") == 100, out.getvalue()[-300:]
+    assert out.calls <= 2, out.calls  # one write (two if a wake fell in the burst)
+    burst.info("the last")
+    logs.stop()
+    assert out.getvalue().endswith("app.burst: the last\n"), out.getvalue()[-200:]
+    burst.info("after the stop")  # written at once, on this thread
+    assert out.getvalue().endswith("app.burst: after the stop\n")
 
 
+@pytest.mark.usefixtures("root_restored")
 def test_an_idle_writer_sleeps_until_a_line_comes() -> None:
     """The writer thread wakes for a line, not on a clock: an idle gateway
     spends nothing on it (it woke every 50 ms, 1.5 ms of CPU a second)."""
-    root = logging.getLogger()
-    saved, level = list(root.handlers), root.level
     out = Writes()
-    try:
-        logs.configure("info", "text", stream=out, every=0.01)
-        writer = logs._writer
-        assert writer is not None
-        time.sleep(0.3)  # thirty of its batches' length, nothing logged
-        assert writer.wakes == 0 and out.calls == 0
-        logging.getLogger("app.idle").info("one line")
-        wait_for(lambda: out.getvalue().endswith("app.idle: one line\n"), 5, "the line written")
-        time.sleep(0.3)
-        assert writer.wakes == 1 and out.calls == 1
-    finally:
-        logs.stop()
-        for h in list(root.handlers):
-            root.removeHandler(h)
-        for h in saved:
-            root.addHandler(h)
-        root.setLevel(level)
+    logs.configure("info", "text", stream=out, every=0.01)
+    writer = logs._writer
+    assert writer is not None
+    time.sleep(0.3)  # thirty of its batches' length, nothing logged
+    assert writer.wakes == 0 and out.calls == 0
+    logging.getLogger("app.idle").info("one line")
+    wait_for(lambda: out.getvalue().endswith("app.idle: one line\n"), 5, "the line written")
+    time.sleep(0.3)
+    assert writer.wakes == 1 and out.calls == 1
