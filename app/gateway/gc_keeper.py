@@ -89,6 +89,7 @@ class GcKeeper(Collector):
         gc.freeze()
         self.baseline = self.frozen = gc.get_freeze_count()
         self._fulls = _full_collections()
+        self.due = False  # a reclaim due was this collection: nothing was frozen
 
     def step(self) -> str | None:
         """After a full collection: freezes what survived it, and says what
