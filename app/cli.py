@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import logging
 import math
 import os
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from app.logs import configure
 from app.logs import stop as stop_logging
@@ -21,9 +18,6 @@ from app.wire.names import check_name
 if TYPE_CHECKING:
     # Imported by the gateway's commands only: the agent and ctl load none of
     # the control plane or the store (docs/architecture.md, "Processes").
-    import uvicorn
-
-    from app.gateway.gateway import Gateway
     from app.gateway.settings import Settings
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
@@ -133,6 +127,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
     from app.gateway import fdlimit
     from app.gateway.http1 import protocol
     from app.gateway.main import create_app
+    from app.gateway.server import StoppingServer
 
     fdlimit.raise_soft()
     app = create_app(settings, campaign=campaign, ready_first=ready_first, worker=worker)
@@ -142,7 +137,7 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # they take LLMGW_LOG_FORMAT; its access log stays
                             # off: the router writes its own (app.access).
                             log_config=None, log_level=args.log_level, access_log=False,
-                            # A backstop: the cut (_stopping_server) ends /v1 requests at
+                            # A backstop: the cut (StoppingServer) ends /v1 requests at
                             # `grace`; whatever is still open after this is
                             # cancelled without a word.
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
@@ -161,99 +156,8 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # Checked at start (Settings): both or neither.
                             ssl_certfile=settings.tls_cert_file,
                             ssl_keyfile=settings.tls_key_file)
-    server = _stopping_server(config, app.state.gateway, settings, stopped)
+    server = StoppingServer(config, app.state.gateway, settings, stopped)
     server.run(sockets=None if sock is None else [sock])
-
-
-def _stopping_server(config: uvicorn.Config, gateway: Gateway, settings: Settings,
-                     stopped: Callable[[], None]) -> uvicorn.Server:
-    """uvicorn's server for `config` with our stop of `gateway`; `stopped`
-    is called once it is over."""
-    import uvicorn
-
-    notice = settings.shutdown_notice_seconds
-    grace = settings.shutdown_grace_seconds
-    log = logging.getLogger(__name__)
-
-    class Server(uvicorn.Server):
-        """uvicorn's server with our stop (docs/design/stopping.md):
-        a notice period before it stops accepting, a grace period for what
-        is open, then a cut that ends streams with an error event."""
-
-        forced = asyncio.Event()  # a second signal came
-        loop: asyncio.AbstractEventLoop | None = None
-        tick: asyncio.Future[None] | None = None  # main_loop's wait for its next tick
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # /readyz must say 503 from the next request on, and the lead
-            # pass on now; main_loop looks at should_exit at once.
-            gateway.signalled()
-            if self.should_exit:
-                self.force_exit = True  # a second SIGTERM or SIGINT: stop at once
-                if self.loop is not None:  # a signal handler: only this is safe
-                    self.loop.call_soon_threadsafe(self.forced.set)
-            super().handle_exit(sig, frame)
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._wake)
-
-        def _wake(self) -> None:
-            if self.tick is not None and not self.tick.done():
-                self.tick.set_result(None)
-
-        async def main_loop(self) -> None:
-            """uvicorn's, ticking once a second (the Date header's step)
-            rather than every 0.1 s to see a signal's should_exit: a signal
-            wakes it (handle_exit). An idle gateway's loop wakes 9 times a
-            second fewer."""
-            self.loop = loop = asyncio.get_running_loop()
-            counter = 0  # a multiple of 10: each tick sets the Date header, as uvicorn's 10th
-            while not await self.on_tick(counter):
-                counter = (counter + 10) % 864000
-                self.tick = loop.create_future()
-                timer = loop.call_later(1.0, self._wake)
-                try:
-                    await self.tick
-                finally:
-                    timer.cancel()
-                    self.tick = None
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            self.loop = asyncio.get_running_loop()
-            if self.force_exit:
-                self.forced.set()
-            # /readyz says 503 at once, agents' long polls end and move to
-            # another gateway, the lead passes on; requests are still served.
-            gateway.begin_shutdown()
-            if gateway.ready:  # never ready: no balancer sends it anything
-                log.info("stopping: still accepting for %g s (LLMGW_SHUTDOWN_NOTICE_SECONDS)",
-                         notice)
-                await self._wait(notice)
-            log.info("stopping: open requests have %g s (LLMGW_SHUTDOWN_GRACE_SECONDS)", grace)
-            cutting = asyncio.create_task(self._cut_after(grace))
-            try:
-                # Stops accepting, closes idle connections, waits for the
-                # open ones (up to timeout_graceful_shutdown), then the
-                # lifespan's end: last usage writes, Gateway.stop().
-                await super().shutdown(sockets)
-            finally:
-                cutting.cancel()
-            # Before uvicorn raises the signal it caught again (the process
-            # then ends as killed by it): the pid file goes with a clean stop.
-            stopped()
-
-        async def _wait(self, seconds: float) -> None:
-            """Sleeps `seconds`, or less on a second signal."""
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.forced.wait(), seconds)
-
-        async def _cut_after(self, seconds: float) -> None:
-            await self._wait(seconds)
-            if not self.force_exit:
-                cut = gateway.proxy.cut_open()
-                if cut:
-                    log.warning("stopping: grace period over, %d open requests cut", cut)
-
-    return Server(config)
 
 
 def stop(args: argparse.Namespace) -> None:

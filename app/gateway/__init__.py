@@ -36,6 +36,7 @@ package").
 - `pidfile`: DATA_DIR/llmgw.pid, and `llmgw stop`
 - `http1`: each client connection's HTTP/1.1 under uvicorn's server: requests parsed and
   handed to the app, answers written, time limits on a client's headers and a stalled body
+- `server`: uvicorn's server as `llmgw serve` runs it: our stop on a signal, a tick a second
 - `accept`: the event loop: uvloop, taking every waiting connection at once
 - `fdlimit`: the limit on open files, raised to what the system allows
 """
