@@ -14,7 +14,7 @@ import pytest
 import trustme
 
 from app.router.request_line import UpstreamError
-from app.router.upstream import Sink, UpstreamClient, origin
+from app.router.upstream import Sink, UpstreamClient, origin, whole_chunks
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -474,6 +474,97 @@ async def test_a_piped_body_reaches_the_sink_a_read_at_a_time_without_a_task_ste
         assert len(runs_in) > 1 and all(task is None for task in runs_in[1:]), (
             f"pieces handed over by a task step: {runs_in}")
         r.close()
+    finally:
+        await srv.close()
+
+
+def test_whole_chunks_are_read_without_llhttp_and_anything_else_is_left_to_it() -> None:
+    assert whole_chunks(b"2\r\nab\r\n") == b"ab"
+    assert whole_chunks(b"2\r\nab\r\n3\r\ncde\r\n1\r\nf\r\n") == b"abcdef"
+    assert whole_chunks(b"A\r\n0123456789\r\n") == b"0123456789"  # either case
+    assert whole_chunks(b"0000000a\r\n0123456789\r\n") == b"0123456789"
+    assert whole_chunks(b"4\r\na\r\nb\r\n") == b"a\r\nb"  # CRLF inside a chunk is data
+    for read in (b"", b"2\r\nab", b"2\r\nab\r", b"2\r\nabc\r\n", b"2\r\nab\r\n1",
+                 b"2\r\nab\r\n0\r\n\r\n",  # the last chunk: llhttp ends the message
+                 b"0\r\n\r\n", b"2;x=y\r\nab\r\n",  # an extension
+                 b"2 \r\nab\r\n", b"\r\nab\r\n", b"g\r\nab\r\n", b"-2\r\nab\r\n",
+                 b"000000002\r\nab\r\n",  # nine digits
+                 b"2\nab\n"):
+        assert whole_chunks(read) is None, read
+
+
+class FramedTaker(Taker):
+    """A sink that takes whole chunks as they came (`take_framed`), as the
+    router's chain does: records each read as ("framed", chunks) or
+    ("parsed", data), and lets the server send its next write."""
+
+    def __init__(self, took: asyncio.Event) -> None:
+        super().__init__(self._parsed)
+        self.seen: list[tuple[str, bytes]] = []
+        self.body = bytearray()
+        self.took = took
+
+    def _parsed(self, data: bytes) -> bool:
+        self.seen.append(("parsed", data))
+        self.body += data
+        self.took.set()
+        return True
+
+    def take_framed(self, data: bytes, framed: bytes) -> bool:
+        self.seen.append(("framed", framed))
+        self.body += data
+        self.took.set()
+        return True
+
+
+async def test_reads_of_whole_chunks_reach_a_framing_sink_as_the_server_framed_them(
+        client: UpstreamClient) -> None:
+    """Whole chunks pass framed; a read that cuts a chunk, its size line or
+    carries an extension goes through llhttp; the read after a cut is whole
+    chunks again only once llhttp stands at a chunk's start. The 18-byte
+    chunk below is cut after the first digit of its size ("1" | "2..."):
+    read as if at a chunk's start, the rest would parse as two chunks of
+    other bytes ("ab", then "hello world")."""
+    cut_size = b"2\r\n" + b"ab\r\nb\r\nhello world" + b"\r\n"
+    assert whole_chunks(cut_size) == b"abhello world"  # the misreading avoided
+    writes = [b"2\r\nab\r\n", b"2\r\ncd\r\n3\r\nefg\r\n",
+              b"4\r\nhi",  # a chunk cut in its data
+              b"jk\r\n", b"2\r\nlm\r\n",
+              b"2;ext=1\r\nno\r\n", b"2\r\npq\r\n",
+              b"2\r\nrs\r\n1", cut_size, b"2\r\ntu\r\n"]
+    took, piped = asyncio.Event(), asyncio.Event()
+
+    def paced(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+            await piped.wait()
+            for raw in writes:  # each its own read: the next once the last was taken
+                took.clear()
+                writer.write(raw)
+                await writer.drain()
+                await asyncio.wait_for(took.wait(), 5)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        return handle
+
+    srv, url = await serve(paced)
+    try:
+        r = await client.post(url, "/v1/completions", b"{}", [])
+        sink = FramedTaker(took)
+        piped.set()  # the body comes once the pipe is on (set before pipe() yields)
+        assert await r.pipe(sink) is True
+        assert bytes(sink.body) == (b"abcdefghijklmnopqrs"
+                                    + b"ab\r\nb\r\nhello world" + b"tu")
+        assert sink.seen == [
+            ("framed", b"2\r\nab\r\n"), ("framed", b"2\r\ncd\r\n3\r\nefg\r\n"),
+            ("parsed", b"hi"), ("parsed", b"jk"), ("framed", b"2\r\nlm\r\n"),
+            ("parsed", b"no"), ("framed", b"2\r\npq\r\n"),
+            ("parsed", b"rs"),
+            ("parsed", b"ab\r\nb\r\nhello world"), ("framed", b"2\r\ntu\r\n")], sink.seen
+        r.close()
+        assert client.idle_count() == 1  # whole: reused, llhttp ended it
     finally:
         await srv.close()
 

@@ -124,3 +124,13 @@ class ClientFlow:
         t.write(_CHUNK_HEADS[n] + chunk + b"\r\n" if n < 4096
                 else b"%x\r\n%b\r\n" % (n, chunk))
         return not self.write_paused
+
+    def write_framed(self, chunks: bytes) -> bool:
+        """Writes `chunks`, one or more whole, non-empty HTTP/1.1 chunks
+        framed already (the engine's own, upstream.py's `whole_chunks`), as
+        `write_chunk` writes one."""
+        t = self._transport
+        if t.is_closing():
+            return True
+        t.write(chunks)
+        return not self.write_paused

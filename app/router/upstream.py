@@ -25,7 +25,10 @@ client does that and nothing more; see docs/design/routing.md.
 * A stream's body can be piped (`Response.pipe`): what one socket read brings
   goes to the relay's sink at once, inside this protocol's callback, with no
   task woken per chunk; the sink holds the pipe when its client must be
-  waited for, and the socket is not read until it is piped again.
+  waited for, and the socket is not read until it is piped again. A piped
+  read of whole chunks is cut without llhttp and handed on with its own
+  framing (`whole_chunks`, `Sink.take_framed`), for a sink writing a
+  chunked body of its own to pass on as it came.
 * The engine's own time is timed where it can be seen (`Response.engine_seconds`):
   from the request's last byte handed to the kernel to the arrival of what
   the reader was last given, so that composing the request, waking the
@@ -124,6 +127,55 @@ class Sink:
         own client)."""
         raise NotImplementedError
 
+    def take_framed(self, data: bytes, framed: bytes) -> bool:
+        """Takes `data`, which came as `framed`: one or more whole chunks of
+        a chunked body, as the server framed them (`whole_chunks`), that a
+        sink writing a chunked body of its own may pass on as they are."""
+        return self.take(data)
+
+
+def whole_chunks(read: bytes) -> bytes | None:
+    """The body carried by `read` when it is one or more whole chunks of a
+    chunked body (RFC 9112, 7.1): each a size in hex digits, CRLF, that many
+    bytes, CRLF; no extension, none the last chunk (size 0). Anything else
+    (a chunk cut by the read, an extension, the end) is None: llhttp reads
+    it. A piped stream's read is mostly one event in one chunk, and this is
+    its whole parse (docs/design/hot-path.md, "A stream's chunks")."""
+    n = len(read)
+    at = 0
+    body: bytes | None = None
+    pieces: list[bytes] | None = None
+    while at < n:
+        size = 0
+        i = at
+        while i < n:
+            c = read[i]
+            if 48 <= c <= 57:  # 0-9
+                size = size * 16 + c - 48
+            elif 97 <= c <= 102:  # a-f
+                size = size * 16 + c - 87
+            elif 65 <= c <= 70:  # A-F
+                size = size * 16 + c - 55
+            else:
+                break
+            i += 1
+            if i - at > 8:
+                return None  # a size past 4 GiB: not a stream's read
+        start = i + 2
+        end = start + size
+        if (i == at or size == 0 or end + 2 > n or read[i] != 13 or read[i + 1] != 10
+                or read[end] != 13 or read[end + 1] != 10):
+            return None
+        piece = read[start:end]
+        if body is None:
+            body = piece
+        elif pieces is None:
+            pieces = [body, piece]
+        else:
+            pieces.append(piece)
+        at = end + 2
+    return body if pieces is None else b"".join(pieces)
+
 
 class _Connection(asyncio.Protocol):
     """One connection: writes a request, parses its response."""
@@ -154,6 +206,10 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Sink | None = None  # set while piped (pipe())
+        # llhttp stands at the start of a chunk's size line of a chunked
+        # body, with nothing of it fed: a read of whole chunks may then be
+        # taken without it (`whole_chunks`), leaving its state as it was.
+        self._boundary = False
         self._held = False  # the sink held the pipe
         self._complete = False
         self._keep_alive = False
@@ -240,12 +296,27 @@ class _Connection(asyncio.Protocol):
             self._fail(exc)
             return
         if not go_on:
+            self._hold()
+
+    def _give(self, sink: Sink, data: bytes, framed: bytes) -> None:
+        """Whole chunks read (`framed`, carrying `data`) to `sink`, as `_flush`."""
+        try:
+            go_on = sink.take_framed(data, framed)
+        except Exception as exc:  # the reader's to raise, from pipe()
             self._sink = None
-            self._held = True
-            if not self._paused and self._transport is not None:
-                self._paused = True
-                self._transport.pause_reading()
-            self._wake()
+            self._fail(exc)
+            return
+        if not go_on:
+            self._hold()
+
+    def _hold(self) -> None:
+        """The sink held the pipe: the socket is not read until piped again."""
+        self._sink = None
+        self._held = True
+        if not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
 
     def finish(self) -> None:
         """The exchange is over: back to the pool if whole and reusable, else
@@ -276,8 +347,14 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.received = True
-        if self._sink is None:  # a piped chunk is timed by nobody
+        sink = self._sink
+        if sink is None:  # a piped chunk is timed by nobody
             self.heard_at = perf_counter()
+        elif self._boundary and not self._body:
+            body = whole_chunks(data)
+            if body is not None:  # passed on as it came, llhttp not asked
+                self._give(sink, body, data)
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -286,6 +363,9 @@ class _Connection(asyncio.Protocol):
             self._fail(cause if isinstance(cause, UpstreamError)
                        else UpstreamError(f"the answer is not valid HTTP: {exc}"))
             self.abort()
+        # Fed whole up to a chunk's end, or the head's: a CRLF ends the read
+        # (bytes of a size line after it would end otherwise, or with a callback).
+        self._boundary = self._boundary and data.endswith(b"\r\n")
         # Piped: all this read brought of the body, in one piece, at once.
         if self._sink is not None and self._body:
             self._flush(self._sink)
@@ -327,11 +407,18 @@ class _Connection(asyncio.Protocol):
         headers = {name.decode("latin-1").lower(): value.decode("latin-1")
                    for name, value in self._header_list}
         # Transfer codings are case-insensitive (RFC 9112, 7): "Chunked" too.
-        if ("content-length" not in headers and "chunked" not in headers.get(
-                "transfer-encoding", "").lower() and status not in (204, 304)):
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        if "content-length" not in headers and not chunked and status not in (204, 304):
             self._until_eof = True
+        self._boundary = chunked
         if self._head is not None and not self._head.done():
             self._head.set_result((status, headers))
+
+    def on_chunk_header(self) -> None:
+        self._boundary = False
+
+    def on_chunk_complete(self) -> None:
+        self._boundary = not self._complete
 
     def on_body(self, body: bytes) -> None:
         if self._stray:
@@ -351,6 +438,7 @@ class _Connection(asyncio.Protocol):
         if not self._headed:
             return  # an interim answer's end: the answer comes after
         self._complete = True
+        self._boundary = False
         # Asked here: llhttp answers it only within the message's callbacks.
         self._keep_alive = self._parser.should_keep_alive()
         self._wake()
