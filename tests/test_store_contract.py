@@ -580,6 +580,32 @@ async def test_etcd_prefix_gets_its_slash(
         await sibling.close()
 
 
+async def test_etcd_renewals_ride_one_stream_each_answer_paired_with_its_lease(
+        etcd_server: EtcdServer | ExternalEtcd, etcd_prefix: str) -> None:
+    """A renewal writes one request on the stream the last one left open
+    (a fresh stream per renewal was an idle gateway's largest cost); renewals
+    at once take turns on it, each getting its own lease's answer; a lease
+    gone is said as before, and the stream serves on."""
+    store = await EtcdStore.open([etcd_server.endpoint], etcd_prefix, timeout=5.0)
+    try:
+        short, long = await store.grant(30), await store.grant(60)
+        assert await store.keepalive(short) == 30
+        assert store._renewals is not None
+        stream = store._renewals.call
+        assert [await store.keepalive(long) for _ in range(3)] == [60, 60, 60]
+        assert await asyncio.gather(store.keepalive(short), store.keepalive(long),
+                                    store.keepalive(short)) == [30, 60, 30]
+        await store.revoke(long)
+        with pytest.raises(LeaseExpired):
+            await store.keepalive(long)
+        assert await store.keepalive(short) == 30
+        assert store._renewals is not None and store._renewals.call is stream, (
+            "a renewal opened a stream of its own")
+    finally:
+        await store.close()
+    assert stream.done(), "the store closed, its renewals' stream left open"
+
+
 async def test_etcd_frozen_calls_time_out(own_etcd: EtcdServer, etcd_prefix: str) -> None:
     timeout = 1.0
     store = await EtcdStore.open([own_etcd.endpoint], etcd_prefix, timeout=timeout)

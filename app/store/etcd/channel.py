@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no type information shipped
-from etcd3aio._protobuf import WatchStub
+from etcd3aio._protobuf import LeaseStub, WatchStub
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from etcd3aio.maintenance import MaintenanceService
@@ -78,6 +78,9 @@ class Services:
     kv: KVService
     lease: LeaseService
     watch: Any  # etcd3aio's WatchStub: the raw bidirectional Watch call
+    # etcd3aio's LeaseStub: the raw LeaseKeepAlive call, kept open between
+    # renewals (store.py, `_Renewals`).
+    renewals: Any
     # Alarms (is NOSPACE still raised?) and Status (the database's size).
     maintenance: MaintenanceService
 
@@ -188,6 +191,7 @@ class EtcdChannel:
                 KVService(ch, max_attempts=RPC_ATTEMPTS),
                 LeaseService(ch, max_attempts=RPC_ATTEMPTS),
                 WatchStub(ch),
+                LeaseStub(ch),
                 MaintenanceService(ch, max_attempts=RPC_ATTEMPTS),
             )
             for ch in self._channels

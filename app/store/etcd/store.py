@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc  # type: ignore[import-untyped]  # no type information shipped
 from etcd3aio import SortOrder, SortTarget
+from etcd3aio._protobuf import LeaseKeepAliveRequest
 
 from app.store.base import (
     Compare,
@@ -41,6 +42,37 @@ from app.store.etcd.watcher import Watcher
 
 # etcd's AlarmType.NOSPACE in an alarm list (0 is none, 2 corrupt).
 NOSPACE_ALARM = 1
+
+
+class _Renewals:
+    """One LeaseKeepAlive stream on one channel's services, kept open from
+    one renewal to the next: a renewal is one request written and one answer
+    read. Opening a stream per renewal (an HTTP/2 stream, gRPC's call and
+    the task that feeds its requests, then its cancellation) was the largest
+    of an idle gateway's costs, twice a second (docs/design/store.md, "etcd
+    client"). A stream that fails or runs late is dropped and never read
+    again: an answer it owes cannot be taken for the next renewal's."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.call = services.renewals.LeaseKeepAlive()  # requests by write()
+
+    async def renew(self, lease: int) -> int | None:
+        """The lease's TTL as etcd answers (0: gone); None if the stream
+        ended. Unbounded: the caller times it."""
+        if self.call.done():
+            return None
+        await self.call.write(LeaseKeepAliveRequest(ID=lease))
+        resp = await self.call.read()
+        if resp is grpc.aio.EOF:
+            return None
+        if int(resp.ID) != lease:
+            raise StoreUnavailable(f"etcd keepalive: answered for lease {int(resp.ID):x}, "
+                                   f"not {lease:x}")
+        return int(resp.TTL)
+
+    def close(self) -> None:
+        self.call.cancel()
 
 
 class EtcdStore:
@@ -86,6 +118,9 @@ class EtcdStore:
         # that feeds the router should notice a restarted etcd soon; lower
         # costs only a few more connection attempts while etcd is down.
         self._watcher = Watcher(self._connection, self._keys, watch_max_backoff)
+        # The lease renewals' stream, while it serves; one renewal at a time.
+        self._renewals: _Renewals | None = None
+        self._renewing = asyncio.Lock()
 
     @classmethod
     async def open(cls, endpoints: Sequence[str], prefix: str, timeout: float = 5.0,
@@ -100,6 +135,7 @@ class EtcdStore:
         self._connection.open()
 
     async def close(self) -> None:
+        self._drop_renewals()
         await self._connection.close()
 
     def health(self) -> StoreHealth:
@@ -193,24 +229,37 @@ class EtcdStore:
         return int(resp.ID)
 
     async def keepalive(self, lease: int) -> int:
-        """One keepalive on a fresh stream. No background task: the caller (the
-        leader election) paces renewals and times the last success itself,
-        because a client-side "alive" flag stays true while etcd is down."""
-        with self._connection.calling("keepalive"):
-            call = (await self._services()).lease.keep_alive(lease)
-            try:
-                async with asyncio.timeout(self._timeout):
-                    resp = await call.read()
-            finally:
-                call.cancel()
-        if resp is grpc.aio.EOF:
-            raise StoreUnavailable("etcd keepalive: stream closed without an answer")
-        if resp.TTL <= 0:
+        """One keepalive, on the stream the last one left open (`_Renewals`;
+        a new one after a failure or on a new channel). No background task:
+        the caller (the leader election) paces renewals and times the last
+        success itself, because a client-side "alive" flag stays true while
+        etcd is down."""
+        async with self._renewing:
+            with self._connection.calling("keepalive"):
+                services = await self._services()
+                if self._renewals is None or self._renewals.services is not services:
+                    self._drop_renewals()
+                    self._renewals = _Renewals(services)
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        ttl = await self._renewals.renew(lease)
+                except BaseException:
+                    self._drop_renewals()
+                    raise
+                if ttl is None:
+                    self._drop_renewals()
+                    raise StoreUnavailable("etcd keepalive: stream closed without an answer")
+        if ttl <= 0:
             # etcd answers an unknown lease with TTL 0 rather than an error.
             raise LeaseExpired(f"lease {lease:x} is gone")
         if self._connection.health().state == "nospace":
             await self._check_space()
-        return int(resp.TTL)
+        return ttl
+
+    def _drop_renewals(self) -> None:
+        if self._renewals is not None:
+            self._renewals.close()
+            self._renewals = None
 
     async def _check_space(self) -> None:
         """While out of space, each renewal (every election interval) also
