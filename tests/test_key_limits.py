@@ -219,6 +219,27 @@ def test_a_streams_usage_is_read_and_cut_only_for_a_client_that_did_not_ask() ->
     assert cut.meter.read_events(crlf) == _sse(CHUNK, b"[DONE]").replace(b"\n\n", b"\r\n\r\n")
 
 
+def test_a_streams_events_and_its_done_are_counted_however_its_chunks_fall() -> None:
+    """What an estimate counts (`Meter.events`) and whether [DONE] came, for
+    one event a chunk (the usual: a scan fewer), events together, [DONE]
+    alone or behind an event, a comment before one event, CRLF framing."""
+    one, done = _sse(CHUNK), _sse(b"[DONE]")
+    for chunks, events, ended in (
+            ([one, one, one], 3, False),
+            ([one + one, one], 3, False),
+            ([one, done], 1, True),
+            ([one + done], 1, True),
+            ([b": keep-alive\n\n" + one, done], 1, True),
+            ([one.replace(b"\n\n", b"\r\n\r\n"), done.replace(b"\n\n", b"\r\n\r\n")], 1,
+             True),
+            # No space after "data:": counted as events, [DONE] not seen (as before).
+            ([b"data:{\"choices\": []}\n\n", b"data:[DONE]\n\n"], 2, False)):
+        meter = _ticket().meter
+        for chunk in chunks:
+            assert meter.read_events(chunk) == chunk
+        assert (meter.events, meter.ended) == (events, ended), chunks
+
+
 def test_a_plain_answers_usage_is_read_even_compressed() -> None:
     answer = json.dumps({"choices": [], "usage": {"prompt_tokens": 5,
                                                   "completion_tokens": 9}}).encode()

@@ -85,10 +85,15 @@ class Meter:
         renamed if `rename`."""
         if self.rename is not None:
             chunk = renamed_events(chunk, self.rename)
-        done = chunk.count(b"data: [DONE]")
-        if done:
-            self.ended = True
-        self.events += chunk.count(b"data:") - done
+        events = chunk.count(b"data:")
+        # One JSON event, the usual chunk: no [DONE] (that would be a second
+        # "data:"), and one scan of the chunk fewer.
+        if events != 1 or not chunk.startswith(b"data: {"):
+            done = chunk.count(b"data: [DONE]")
+            if done:
+                self.ended = True
+            events -= done
+        self.events += events
         # Most events: no parse at all. (`find`, not `in`: on bytes, `in`
         # first tries its operand as an integer, and makes and drops a
         # TypeError each time: a stream's chunk pays for it.)
