@@ -46,13 +46,13 @@ def _renamed(obj: dict[str, Any], name: str) -> dict[str, Any] | None:
 def renamed_events(chunk: bytes, name: str) -> bytes:
     """Whole SSE events with each data object's `model` set to `name` (a
     Responses API event's, in its `response`)."""
-    if b'"model"' not in chunk:
+    if chunk.find(b'"model"') < 0:  # find, not `in` (sse.whole_events says why)
         return chunk
     out: list[bytes] = []
     for event, end in sse.events(chunk):
         lines = event.splitlines()
         data = [line for line in lines if line.startswith(b"data:")]
-        if len(data) == 1 and b'"model"' in data[0]:
+        if len(data) == 1 and data[0].find(b'"model"') >= 0:
             try:
                 obj = json.loads(data[0][5:])
             except (ValueError, UnicodeDecodeError):

@@ -31,7 +31,13 @@ def ends_whole(chunk: bytes) -> bool:
 
 def whole_events(data: bytes) -> tuple[bytes, bytes]:
     """`data` cut after its last complete event: (whole events, the rest)."""
-    cut = max(data.rfind(end) + len(end) if end in data else 0 for end in EVENT_ENDS)
+    cut = 0
+    for end in EVENT_ENDS:
+        # rfind, not `in`: on bytes, `in` first tries its operand as an
+        # integer, and makes and drops a TypeError each time.
+        at = data.rfind(end)
+        if at >= 0:
+            cut = max(cut, at + len(end))
     return data[:cut], data[cut:]
 
 

@@ -107,8 +107,8 @@ class Meter:
         out: list[bytes] = []
         for event, end in sse.events(chunk):
             # OpenAI sends `"usage": null` on every chunk once asked: no parse.
-            if (b'"usage"' in event and b'"usage":null' not in event
-                    and b'"usage": null' not in event and self._usage_only(event)):
+            if (event.find(b'"usage"') >= 0 and event.find(b'"usage":null') < 0
+                    and event.find(b'"usage": null') < 0 and self._usage_only(event)):
                 continue
             out += [event, end]
         return b"".join(out)

@@ -59,7 +59,7 @@ async def before_done(chunk: bytes, earlier: bytes, meter: Meter,
     event = head | {"choices": [], "usage": {
         "prompt_tokens": prompt, "completion_tokens": completion,
         "total_tokens": prompt + completion}}
-    end = b"\r\n\r\n" if b"\r\n" in chunk else b"\n\n"  # as the engine ends its events
+    end = b"\r\n\r\n" if chunk.find(b"\r\n") >= 0 else b"\n\n"  # as the engine ends them
     return chunk[:at] + b"data: " + json.dumps(event).encode() + end + chunk[at:]
 
 
