@@ -7,6 +7,7 @@ ticks, the engine-load poll) shows here.
 
     git archive BASE | tar -x -C /tmp/before
     python bench/idle.py /tmp/before --before-python /tmp/venv-before/bin/python
+    python bench/idle.py --before-env LLMGW_ELECTION_INTERVAL=5   # one task's share
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ from router_overhead import cpu_seconds  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("before", type=Path, help="the tree the 'before' gateway runs")
+    ap.add_argument("before", type=Path, nargs="?", default=ROOT,
+                    help="the tree the 'before' gateway runs (default: this one)")
     ap.add_argument("--before-python", default=sys.executable,
                     help="its interpreter (a venv holding that tree's compiled router)")
+    ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                    type=lambda kv: tuple(kv.split("=", 1)),
+                    help="a setting of the 'before' gateway alone (repeatable): with no "
+                    "tree, this tree with and without it, e.g. LLMGW_ELECTION_INTERVAL=5")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=30.0, help="a window")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds idle before the first")
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="idle-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
-    before = peers.Llmgw(tmp / "a", 0, 1, {}, python=args.before_python)
+    before = peers.Llmgw(tmp / "a", 0, 1, dict(args.before_env), python=args.before_python)
     after = peers.Llmgw(tmp / "b", 0, 1)
     here = peers.ROOT
     gateways = (("before", before), ("after", after))
