@@ -423,6 +423,11 @@ def test_lease_ttl_election_interval_and_etcd_timeout_are_checked_together(
     with pytest.raises(ValidationError, match=r"LLMGW_DRAIN_SECONDS \(600.0 s\) must exceed "
                                               r"LLMGW_REQUEST_TIMEOUT \(600.0 s\)"):
         Settings(data_dir=tmp_path, drain_seconds=600)
+    # A held lease is renewed every fifth of its TTL, never more often than
+    # the election interval.
+    assert Settings(data_dir=tmp_path).renew_interval == 2.0
+    assert Settings(data_dir=tmp_path, lease_ttl=3).renew_interval == 0.6
+    assert Settings(data_dir=tmp_path, lease_ttl=3, election_interval=1).renew_interval == 1.0
     # The defaults, and what the tests run with, hold.
     Settings(data_dir=tmp_path)
     Settings(data_dir=tmp_path, **etcd)

@@ -172,7 +172,7 @@ def _services(gw: Gateway, store_factory: StoreFactory, campaign: bool) -> list[
     reverse (docs/design/stopping.md)."""
     st = gw.settings
     campaigns = [Service("election-campaign", run=lambda: _every(
-        gw, gw.elector.campaign, "campaign"))] if campaign else []
+        gw, gw.elector.campaign, "campaign", lambda: st.election_interval))] if campaign else []
     agent = [Service("local-agent", run=lambda: _local_agent(gw),
                      stop=lambda: _shut_agent(gw))] if st.local_agent else []
     return [
@@ -190,7 +190,10 @@ def _services(gw: Gateway, store_factory: StoreFactory, campaign: bool) -> list[
         # Two loops: a renewal never waits behind a campaign stuck on a
         # slow store (docs/design/control-plane.md, "Election").
         *campaigns,
-        Service("election-renew", run=lambda: _every(gw, gw.elector.renew, "renewal")),
+        Service("election-renew", run=lambda: _every(
+            gw, gw.elector.renew, "renewal",
+            # A held lease at its pace; none (lost, or not yet granted) at once.
+            lambda: st.renew_interval if gw.elector.lease else st.election_interval)),
         Service("publisher", run=lambda: gw.built.publisher.run(st.publish_interval)),
         Service("usage", run=lambda: gw.built.usage.run(st.usage_interval)),
         Service("key-shares", run=lambda: gw.built.key_shares.run(st.key_share_interval)),
@@ -308,7 +311,8 @@ async def _claim_store_id(store: Store) -> None:
         return
 
 
-async def _every(gw: Gateway, step: Callable[[], Awaitable[None]], what: str) -> None:
+async def _every(gw: Gateway, step: Callable[[], Awaitable[None]], what: str,
+                 every: Callable[[], float]) -> None:
     while True:
         try:
             await step()
@@ -316,7 +320,7 @@ async def _every(gw: Gateway, step: Callable[[], Awaitable[None]], what: str) ->
             # The steps handle store failures; anything else is a bug, but
             # the loop must outlive it or this gateway never leads again.
             logger.exception("election %s crashed", what)
-        await asyncio.sleep(gw.settings.election_interval)
+        await asyncio.sleep(every())
 
 
 async def _now(call: Callable[[], object]) -> None:

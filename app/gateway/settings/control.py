@@ -17,15 +17,24 @@ class ControlSettings(Group):
     # (with TTL 3 a lease expired while a 3-member etcd elected a new leader;
     # keepalives stalled 7-8 s).
     lease_ttl: int = Field(10, ge=1)
-    # How often a gateway renews its lease and, while its mirror shows no
-    # leader, tries to win. Shorter: faster takeover after a clean stop, one
-    # more keepalive per gateway each time.
+    # How often a gateway, while its mirror shows no leader, tries to win,
+    # and renews a lease it has yet to get back. Shorter: faster takeover
+    # after a clean stop. A held lease is renewed every `renew_interval`.
     election_interval: float = Field(0.5, gt=0)
     # The three are checked together at start, as client-go checks its lease
     # duration, renew deadline and retry period: lease_ttl >= 3 x
     # election_interval (three renewals per lease) and, with etcd, lease_ttl
     # >= 2 x etcd_timeout (a renewal that hangs until its deadline leaves
     # time for another before the lease runs out): Settings._check_timings().
+
+    @property
+    def renew_interval(self) -> float:
+        """How often a held lease is renewed: a fifth of its TTL (five tries
+        a lease; etcd's own client renews at a third), never more often than
+        `election_interval`. A renewal costs a gateway 1.5-3 ms of CPU when
+        idle (grpc's stream write and read, cold): every 0.5 s, the largest
+        of an idle gateway's costs (docs/design/control-plane.md, "Election")."""
+        return max(self.election_interval, self.lease_ttl / 5)
 
     # --- the leader's reconciler ------------------------------------------------
     # Seconds between reconcile passes when nothing changes; catalog and node

@@ -262,9 +262,9 @@ class EtcdStore:
             self._renewals = None
 
     async def _check_space(self) -> None:
-        """While out of space, each renewal (every election interval) also
+        """While out of space, each renewal (every renew interval) also
         asks etcd's alarm list: a gateway that writes nothing learns that an
-        operator disarmed the alarm within one interval, not at its next
+        operator disarmed the alarm within one renewal, not at its next
         write. One call per renewal, only while the alarm lasts."""
         try:
             with self._connection.calling("alarm list"):
