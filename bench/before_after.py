@@ -44,12 +44,7 @@ def main() -> None:
     ap.add_argument("duration", type=float, help="seconds of wrk a point")
     ap.add_argument("rounds", type=int, help="points a concurrency, alternated")
     ap.add_argument("out", type=Path, help="where the run's lines are written")
-    ap.add_argument("--before-python", default=sys.executable,
-                    help="the 'before' gateway's interpreter (default: this one)")
-    ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
-                    type=lambda kv: tuple(kv.split("=", 1)),
-                    help="a setting of the 'before' gateway alone (repeatable), e.g. "
-                    "LLMGW_GC_THRESHOLD=700: the same tree, another setting")
+    peers.add_before_options(ap, "LLMGW_GC_THRESHOLD=700")
     ap.add_argument("--section", default="",
                     help="write the run as this section of OUT (bench/sections.py), "
                     "headed by --title, instead of OUT whole")

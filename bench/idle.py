@@ -33,12 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("before", type=Path, nargs="?", default=ROOT,
                     help="the tree the 'before' gateway runs (default: this one)")
-    ap.add_argument("--before-python", default=sys.executable,
-                    help="its interpreter (a venv holding that tree's compiled router)")
-    ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
-                    type=lambda kv: tuple(kv.split("=", 1)),
-                    help="a setting of the 'before' gateway alone (repeatable): with no "
-                    "tree, this tree with and without it, e.g. LLMGW_ELECTION_INTERVAL=5")
+    peers.add_before_options(ap, "LLMGW_ELECTION_INTERVAL=5")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=30.0, help="a window")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds idle before the first")

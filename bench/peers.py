@@ -6,6 +6,7 @@ and `stop()` kills its whole process group by id.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -440,6 +441,18 @@ def start_vllm_router(tmp: Path, core: int | None, upstream: str, key: str,
                 f"vllm-router {_version(venv, 'vllm-router')} (Rust), round_robin")
     wait_for(lambda: chat_ok(peer.url, key), 60, "vllm-router", proc.alive)
     return peer
+
+
+def add_before_options(ap: argparse.ArgumentParser, example: str) -> None:
+    """The options of a run that sets another gateway beside this tree's
+    (bench/before_after.py, bench/idle.py): its interpreter and its settings."""
+    ap.add_argument("--before-python", default=sys.executable,
+                    help="the 'before' gateway's interpreter (default: this one; a venv "
+                    "holding that tree's compiled router)")
+    ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                    type=lambda kv: tuple(kv.split("=", 1)),
+                    help="a setting of the 'before' gateway alone (repeatable), e.g. "
+                    f"{example}: the same tree, another setting")
 
 
 def py_spy() -> str:
