@@ -1,7 +1,8 @@
 """`HealthTracker`: a store's reachability, told by the outcome of its calls.
 
-The elector calls the store every `LLMGW_ELECTION_INTERVAL`, so a gateway
-notices a lost store within one interval without a probe of its own. A
+The elector renews its lease every fifth of `LLMGW_LEASE_TTL` (2 s at the
+default), so a gateway notices a lost store within one renewal without a
+probe of its own. A
 change is logged once, when it happens (one line when the store becomes
 unreachable, one when it is back), not once per failed call: a gateway cut
 off for an hour would otherwise log thousands of lines saying the same.
