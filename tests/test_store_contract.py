@@ -628,6 +628,31 @@ async def test_etcd_frozen_calls_time_out(own_etcd: EtcdServer, etcd_prefix: str
         await store.close()
 
 
+async def test_etcd_renewals_at_once_each_fail_within_the_timeout_when_etcd_freezes(
+        own_etcd: EtcdServer, etcd_prefix: str) -> None:
+    """Renewals take turns on one stream (the election's, a node's asked by
+    its agent); with etcd frozen, each still answers within the call's
+    timeout, its wait for its turn included, not one timeout after another."""
+    timeout = 1.0
+    store = await EtcdStore.open([own_etcd.endpoint], etcd_prefix, timeout=timeout)
+    try:
+        leases = [await store.grant(60) for _ in range(3)]
+        await store.keepalive(leases[0])
+        own_etcd.pause()
+        try:
+            began = time.monotonic()
+            got = await asyncio.gather(*(store.keepalive(lease) for lease in leases),
+                                       return_exceptions=True)
+            took = time.monotonic() - began
+        finally:
+            own_etcd.resume()
+        assert all(isinstance(g, StoreUnavailable) for g in got), got
+        assert took < timeout * 1.5, f"three renewals at once took {took:.2f} s"
+        assert await store.keepalive(leases[1]) == 60  # a new stream after the failure
+    finally:
+        await store.close()
+
+
 def _every_call(store: Store, lease: int) -> list[Callable[[], Awaitable[object]]]:
     return [
         lambda: store.get("before"),

@@ -234,15 +234,17 @@ class EtcdStore:
         the caller (the leader election) paces renewals and times the last
         success itself, because a client-side "alive" flag stays true while
         etcd is down."""
-        async with self._renewing:
-            with self._connection.calling("keepalive"):
+        with self._connection.calling("keepalive"):
+            # One deadline for the turn on the stream and the renewal itself:
+            # renewals at once (the election's, a node's) each end within it,
+            # not one timeout after another.
+            async with asyncio.timeout(self._timeout), self._renewing:
                 services = await self._services()
                 if self._renewals is None or self._renewals.services is not services:
                     self._drop_renewals()
                     self._renewals = _Renewals(services)
                 try:
-                    async with asyncio.timeout(self._timeout):
-                        ttl = await self._renewals.renew(lease)
+                    ttl = await self._renewals.renew(lease)
                 except BaseException:
                     self._drop_renewals()
                     raise
