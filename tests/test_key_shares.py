@@ -6,6 +6,7 @@ driven by hand. The cross-process checks are in tests/test_key_shares_procs.py."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -595,3 +596,42 @@ async def test_more_requests_waiting_are_written_at_once_fewer_with_the_load(
     await asyncio.wait(waiters)
     for t in [*held, first.result()]:
         t.release()
+
+
+async def test_the_loop_waits_its_interval_and_a_wake_ends_the_wait_or_the_next(
+    fleet: Fleet,
+) -> None:
+    """`run` between steps: the whole interval when nothing happens; a
+    refusal's wake ends the wait at once; a wake while a step runs (or in
+    the gap after a wait) makes the next wait end at once, never lost."""
+    loop, gw = fleet.loops[0], asyncio.get_running_loop()
+    stepped: list[float] = []
+    real_step = loop.step
+
+    async def counted() -> bool:
+        stepped.append(gw.time())
+        if len(stepped) == 3:
+            loop.wake()  # during a step: the wait after it ends at once
+        return await real_step()
+
+    loop.step = counted  # type: ignore[method-assign]
+    running = asyncio.create_task(loop.run(0.4))
+    try:
+        await asyncio.sleep(0.1)
+        assert len(stepped) == 1  # the first step, then the wait
+        loop.wake()
+        await asyncio.sleep(0.1)
+        assert len(stepped) == 2  # woken: within the gap, not the interval
+        await asyncio.sleep(0.5)
+        # The interval passed: the third step, which woke the loop, so the
+        # fourth came right after it.
+        assert len(stepped) == 4
+        assert stepped[3] - stepped[2] < 0.2
+        before = len(stepped)
+        await asyncio.sleep(0.25)
+        assert len(stepped) == before  # waiting its interval again
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    assert loop._waiting is None

@@ -86,6 +86,8 @@ async def test_a_blocking_call_on_the_loop_shows_as_lag() -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await ticking
     m = collected(lag)
+    await asyncio.sleep(0.05)  # cancelled: no tick after it
+    assert collected(lag) == m
     over = m[("llmgw_event_loop_lag_seconds_count", ())] - m[
         ("llmgw_event_loop_lag_seconds_bucket", (("le", "0.25"),))]
     assert over == 1  # the one tick that waited behind it

@@ -115,7 +115,10 @@ class KeyShares:
         self.written: s.KeyShares | None = None
         self._written_lease = 0
         self._last_raise = 0  # revision of our last raise: the mirror must reach it first
-        self._wake: asyncio.Event | None = None
+        # The loop's wait between steps (`run`), and whether a wake came
+        # while it was not waiting (the next wait then ends at once).
+        self._waiting: asyncio.Future[None] | None = None
+        self._woken = False
         # Done when the next step ends: what waiting requests await (`settle`).
         self._settled: asyncio.Future[None] | None = None
 
@@ -285,15 +288,17 @@ class KeyShares:
         return True
 
     def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        waiting = self._waiting
+        if waiting is None:
+            self._woken = True
+        elif not waiting.done():
+            waiting.set_result(None)
 
     def _on_change(self, keys: set[str]) -> None:
         if any(k.startswith(s.KEY_SHARES) and k != s.KEY_SHARES + self._me for k in keys):
             self.wake()
 
     async def run(self, interval: float) -> None:
-        self._wake = asyncio.Event()
         self._limiter.on_short = self.wake
         self._limiter.settle = self.settle
         self._mirror.subscribe(self._on_change)
@@ -307,9 +312,28 @@ class KeyShares:
                 logger.warning("key shares not written: %s", exc)  # a lease just expired
             except Exception:
                 logger.exception("key shares step crashed")
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await self._pause(interval)
             await asyncio.sleep(_GAP)
+
+    async def _pause(self, interval: float) -> None:
+        """Until `interval` has passed or `wake()` is called (at once if it
+        was since the last pause). A future and a timer: `asyncio.wait_for`
+        on an event made and cancelled a task each step, twice a second on
+        every gateway (docs/design/hot-path.md, "An idle gateway")."""
+        if self._woken:
+            self._woken = False
+            return
+        loop = asyncio.get_running_loop()
+        self._waiting = waiting = loop.create_future()
+        timer = loop.call_later(interval, _resolve, waiting)
+        try:
+            await waiting
+        finally:
+            timer.cancel()
+            self._waiting = None
+            self._woken = False
+
+
+def _resolve(waiting: asyncio.Future[None]) -> None:
+    if not waiting.done():
+        waiting.set_result(None)

@@ -67,10 +67,26 @@ class LoopLag(Collector):
         return lag
 
     async def run(self) -> None:
-        while True:
-            due = self._clock() + self.every
-            await asyncio.sleep(self.every)
-            self.step(due, self._clock())
+        """Ticks until cancelled. Each tick is a plain timer callback that
+        sets the next: no task step, future or running-loop lookup (which
+        asks the kernel for the process id) per tick, as `asyncio.sleep` in
+        a loop costs; ten a second on an idle gateway were a sixth of its
+        loop's work (docs/design/hot-path.md, "An idle gateway")."""
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle
+
+        def tick(due: float) -> None:
+            nonlocal handle
+            try:
+                self.step(due, self._clock())
+            finally:
+                handle = loop.call_later(self.every, tick, self._clock() + self.every)
+
+        handle = loop.call_later(self.every, tick, self._clock() + self.every)
+        try:
+            await loop.create_future()  # ended by the service's cancellation
+        finally:
+            handle.cancel()
 
     # --- the collector's callbacks ---------------------------------------------
 
