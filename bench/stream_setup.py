@@ -71,26 +71,30 @@ def main(argv: list[str] | None = None) -> int:
     gw = peers.Llmgw(tmp, 0, 1)
     with peers.running(gw, tmp, others=lambda: []):
         gw.start()
+        standin = gw.engine_pid
+        assert standin is not None
         vr = peers.start_vllm_router(tmp, 0, gw.engine_url, gw.engine_key,
                                      args.vllm_router_venv)
+        router = vr.proc
+        assert router is not None
         targets = {"llmgw": (peers.Peer("llmgw", gw.url, gw.client_key, None, ""),
                              [gw.gateway.pid]),
-                   "vllm-router": (vr, group(vr.proc.pid))}
+                   "vllm-router": (vr, group(router.pid))}
         per_stream: dict[str, list[float]] = {name: [] for name in targets}
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             for peer, _ in targets.values():  # warm: engine connections, first imports
-                streams.measure(runner, peer, n, [], gw.engine_pid, opts)
+                streams.measure(runner, peer, n, [], standin, opts)
             for r in range(args.rounds):
                 order = list(targets) if r % 2 == 0 else list(reversed(targets))
                 for name in order:
                     peer, pids = targets[name]
                     before = run_ns(pids)
-                    step = streams.measure(runner, peer, n, [], gw.engine_pid, opts)
+                    step = streams.measure(runner, peer, n, [], standin, opts)
                     us = (run_ns(pids) - before) / n / 1e3
                     per_stream[name].append(us)
                     print(f"{name:12s} round {r + 1}: {n} streams, {step.clean} clean, "
                           f"{step.chunks} chunks, {us:.0f} us of CPU a stream", flush=True)
-        vr.proc.stop()
+        router.stop()
     mine, theirs = (statistics.median(per_stream[k]) for k in ("llmgw", "vllm-router"))
     print(f"median CPU a stream of 3 chunks: llmgw {mine:.0f} us, vllm-router {theirs:.0f} us "
           f"({mine / theirs:.2f}x); over bench/streams.py's 250-chunk streams the "
