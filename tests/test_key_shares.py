@@ -634,4 +634,4 @@ async def test_the_loop_waits_its_interval_and_a_wake_ends_the_wait_or_the_next(
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
-    assert loop._waiting is None
+    assert not loop._pause.waiting

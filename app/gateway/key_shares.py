@@ -38,6 +38,7 @@ from typing import Protocol
 
 from app.control import state as s
 from app.control.mirror import Mirror
+from app.gateway.pause import Pause
 from app.router.usage.shares import FLOOR, KINDS, KeyLoad, next_claim, targets
 from app.store.base import Compare, Put, Store, StoreError, StoreUnavailable
 
@@ -115,10 +116,7 @@ class KeyShares:
         self.written: s.KeyShares | None = None
         self._written_lease = 0
         self._last_raise = 0  # revision of our last raise: the mirror must reach it first
-        # The loop's wait between steps (`run`), and whether a wake came
-        # while it was not waiting (the next wait then ends at once).
-        self._waiting: asyncio.Future[None] | None = None
-        self._woken = False
+        self._pause = Pause()  # the loop's wait between steps (`run`)
         # Done when the next step ends: what waiting requests await (`settle`).
         self._settled: asyncio.Future[None] | None = None
 
@@ -288,11 +286,7 @@ class KeyShares:
         return True
 
     def wake(self) -> None:
-        waiting = self._waiting
-        if waiting is None:
-            self._woken = True
-        elif not waiting.done():
-            waiting.set_result(None)
+        self._pause.wake()
 
     def _on_change(self, keys: set[str]) -> None:
         if any(k.startswith(s.KEY_SHARES) and k != s.KEY_SHARES + self._me for k in keys):
@@ -312,28 +306,5 @@ class KeyShares:
                 logger.warning("key shares not written: %s", exc)  # a lease just expired
             except Exception:
                 logger.exception("key shares step crashed")
-            await self._pause(interval)
+            await self._pause.wait(interval)
             await asyncio.sleep(_GAP)
-
-    async def _pause(self, interval: float) -> None:
-        """Until `interval` has passed or `wake()` is called (at once if it
-        was since the last pause). A future and a timer: `asyncio.wait_for`
-        on an event made and cancelled a task each step, twice a second on
-        every gateway (docs/design/hot-path.md, "An idle gateway")."""
-        if self._woken:
-            self._woken = False
-            return
-        loop = asyncio.get_running_loop()
-        self._waiting = waiting = loop.create_future()
-        timer = loop.call_later(interval, _resolve, waiting)
-        try:
-            await waiting
-        finally:
-            timer.cancel()
-            self._waiting = None
-            self._woken = False
-
-
-def _resolve(waiting: asyncio.Future[None]) -> None:
-    if not waiting.done():
-        waiting.set_result(None)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from app.gateway.pause import Pause
+
 if TYPE_CHECKING:
     from app.gateway.gateway import Gateway
     from app.gateway.settings import Settings
@@ -38,7 +40,7 @@ class StoppingServer(uvicorn.Server):
         self.grace = settings.shutdown_grace_seconds
         self.forced = asyncio.Event()  # a second signal came
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.tick: asyncio.Future[None] | None = None  # main_loop's wait for its next tick
+        self.tick = Pause()  # main_loop's wait for its next tick
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # /readyz must say 503 from the next request on, and the lead pass
@@ -50,26 +52,16 @@ class StoppingServer(uvicorn.Server):
                 self.loop.call_soon_threadsafe(self.forced.set)
         super().handle_exit(sig, frame)
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        if self.tick is not None and not self.tick.done():
-            self.tick.set_result(None)
+            self.loop.call_soon_threadsafe(self.tick.wake)
 
     async def main_loop(self) -> None:
         """uvicorn's, ticking once a second rather than every 0.1 s; a
         signal wakes it (handle_exit)."""
-        self.loop = loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         counter = 0  # a multiple of 10: each tick sets the Date header, as uvicorn's 10th
         while not await self.on_tick(counter):
             counter = (counter + 10) % 864000
-            self.tick = loop.create_future()
-            timer = loop.call_later(1.0, self._wake)
-            try:
-                await self.tick
-            finally:
-                timer.cancel()
-                self.tick = None
+            await self.tick.wait(1.0)
 
     async def shutdown(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
