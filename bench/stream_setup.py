@@ -69,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {1})
     tmp = Path(tempfile.mkdtemp(prefix="stream-setup-"))
     gw = peers.Llmgw(tmp, 0, 1)
-    with peers.running(gw, tmp, others=lambda: []):
+    started: list[peers.Peer] = []  # stopped on the way out, whatever ends the run
+    with peers.running(gw, tmp, others=lambda: started):
         gw.start()
         standin = gw.engine_pid
         assert standin is not None
         vr = peers.start_vllm_router(tmp, 0, gw.engine_url, gw.engine_key,
                                      args.vllm_router_venv)
+        started.append(vr)
         router = vr.proc
         assert router is not None
         targets = {"llmgw": (peers.Peer("llmgw", gw.url, gw.client_key, None, ""),
@@ -94,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
                     per_stream[name].append(us)
                     print(f"{name:12s} round {r + 1}: {n} streams, {step.clean} clean, "
                           f"{step.chunks} chunks, {us:.0f} us of CPU a stream", flush=True)
-        router.stop()
     mine, theirs = (statistics.median(per_stream[k]) for k in ("llmgw", "vllm-router"))
     print(f"median CPU a stream of 3 chunks: llmgw {mine:.0f} us, vllm-router {theirs:.0f} us "
           f"({mine / theirs:.2f}x); over bench/streams.py's 250-chunk streams the "
