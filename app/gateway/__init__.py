@@ -28,6 +28,7 @@ package").
 - `loop_lag`: how late the event loop runs, how long the collector holds it
 - `gc_keeper`: keeps CPython's full collections from walking the mirror
 - `stopping`: waiting for background tasks to end, never hanging on one
+- `pause`: a loop's wait between its steps, which a wake ends early
 - `settings/`: every setting, with its default and what changing it costs
 - `workers`: `llmgw serve --workers N`: N processes on one port, and their supervisor process
 - `worker_metrics`: `/metrics` under `--workers`: every worker's figures summed
