@@ -447,8 +447,14 @@ def test_responses_are_stored_continued_through_another_gateway_and_cancelled(
     assert follow.usage.input_tokens > made.usage.input_tokens
     got = b.responses.retrieve(made.id)
     assert got.id == made.id and got.output_text == made.output_text
-    # Another key may not read or continue it.
-    other = client(fleet, 1, make_key(fleet.gw, "other"))
+    # Another key may not read or continue it. Made through gateway 0, it
+    # reaches gateway 1 by its watch: until then gateway 1 says 401 (CI saw
+    # that once, the key used at once).
+    other_key = make_key(fleet.gw, "other")
+    wait_for(lambda: httpx.get(fleet.gateways[1].url + "/v1/models", timeout=10, headers={
+        "Authorization": f"Bearer {other_key}"}).status_code == 200, 10,
+        "the new key known to gateway 1")
+    other = client(fleet, 1, other_key)
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(made.id)
     with pytest.raises(openai.NotFoundError):
