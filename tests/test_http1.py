@@ -240,6 +240,32 @@ async def test_a_head_answer_and_a_request_split_across_reads(ports: tuple[int, 
         assert theirs.startswith(b"HTTP/1.1 200 OK\r\n"), theirs
 
 
+@pytest.mark.parametrize("bind", ["127.0.0.1", "::1"])
+async def test_the_scope_names_both_ends_of_the_connection(bind: str) -> None:
+    """The scope's `client` and `server`: the connection's two addresses,
+    host and port, as uvicorn's protocol gives them (IPv6's too, whose
+    addresses the socket gives as four fields)."""
+    ends: list[tuple[Any, Any]] = []
+
+    async def addresses(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        ends.append((scope["client"], scope["server"]))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    for http in (HttpToolsProtocol, protocol(30, 30)):
+        async with serving(addresses, bind=bind, http=http) as served:
+            r, w = await asyncio.open_connection(bind, served.port)
+            w.write(req("GET", "/"))
+            assert (await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)).startswith(
+                b"HTTP/1.1 200")
+            mine = w.get_extra_info("sockname")
+            w.close()
+        assert ends.pop() == ((bind, mine[1]), (bind, served.port)), http
+
+
 async def test_the_concurrency_limit_answers_503() -> None:
     async with both(limit_concurrency=1) as ports:
         answers = [await exchange(port, req("GET", "/plain"), 1) for port in ports]

@@ -59,7 +59,7 @@ from uvicorn.protocols.http.flow_control import (
     service_unavailable,
 )
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
-from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
+from uvicorn.protocols.utils import is_ssl
 from uvicorn.server import ServerState
 
 from app.router.access import ARRIVED
@@ -128,7 +128,7 @@ class Http1(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.flow: ClientFlow = None  # type: ignore[assignment]
         self.server: tuple[str, int | None] | None = None
-        self.client: tuple[str, int] | None = None
+        self.client: tuple[str, int | None] | None = None
         self.scheme = "http"
         # Requests whose headers came while an earlier one was answered.
         self.pipeline: deque[tuple[RequestCycle, App, Scope]] = deque()
@@ -166,8 +166,11 @@ class Http1(asyncio.Protocol):
         # A stream transport (uvloop's are not asyncio.Transport's subclasses).
         self.transport = transport  # type: ignore[assignment]
         self.flow = ClientFlow(self.transport)
-        self.server = get_local_addr(self.transport)
-        self.client = get_remote_addr(self.transport)
+        # The addresses the transport read when it opened (uvloop's and
+        # asyncio's): uvicorn's way, through the transport's socket object,
+        # made five system calls more a connection.
+        self.server = _address(transport.get_extra_info("sockname"), local=True)
+        self.client = _address(transport.get_extra_info("peername"), local=False)
         self.scheme = "https" if is_ssl(self.transport) else "http"
         # From the connection's start: one that never sends a byte is cut too.
         self._headers_since = self.loop.time()
@@ -710,7 +713,18 @@ def _unread(transport: asyncio.BaseTransport) -> bool:
     return waiting != bytes(4)  # a count of bytes, nonzero whatever the byte order
 
 
-def _peer(client: tuple[str, int] | None) -> str:
+def _address(info: object, local: bool) -> tuple[str, int | None] | None:
+    """A scope's `server` (`local`) or `client` from the transport's
+    `sockname` or `peername`: host and port (IPv6 gives four fields), or for
+    the server end of a Unix socket its path; None where there is neither."""
+    if isinstance(info, tuple | list) and len(info) >= 2:
+        return (str(info[0]), int(info[1]))
+    if local and isinstance(info, str):
+        return (info, None)
+    return None
+
+
+def _peer(client: tuple[str, int | None] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
 
 

@@ -22,11 +22,12 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any, **config: Any) -> AsyncIterator[Served]:
-    """`app` served by uvicorn with `config` (no lifespan, no log config),
-    until the block ends; then stopped as a signal stops it, within 5 s."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+async def serving(app: Any, bind: str = "127.0.0.1", **config: Any) -> AsyncIterator[Served]:
+    """`app` served by uvicorn with `config` (no lifespan, no log config) on
+    a free port of `bind`, until the block ends; then stopped as a signal
+    stops it, within 5 s."""
+    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    sock.bind((bind, 0))
     srv = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", **config))
     task = asyncio.create_task(srv.serve(sockets=[sock]))
     for _ in range(500):  # uvicorn says it started with a flag only
