@@ -9,7 +9,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from app.logs import configure
 from app.logs import stop as stop_logging
@@ -18,6 +18,8 @@ from app.wire.names import check_name
 if TYPE_CHECKING:
     # Imported by the gateway's commands only: the agent and ctl load none of
     # the control plane or the store (docs/architecture.md, "Processes").
+    import asyncio
+
     from app.gateway.settings import Settings
 
 # Seconds between the cut at the end of a stop's grace period and uvicorn
@@ -141,8 +143,11 @@ def _serve(args: argparse.Namespace, settings: Settings, stopped: Callable[[], N
                             # `grace`; whatever is still open after this is
                             # cancelled without a word.
                             timeout_graceful_shutdown=int(grace + _CUT_SLACK),
-                            # Our HTTP/1.1 protocol, cutting slow clients (app/gateway/http1.py).
-                            http=protocol(settings.header_timeout, settings.body_timeout),
+                            # Our HTTP/1.1 protocol, cutting slow clients
+                            # (app/gateway/http1.py): a factory, which uvicorn
+                            # calls as it calls a protocol class.
+                            http=cast("type[asyncio.Protocol]", protocol(
+                                settings.header_timeout, settings.body_timeout)),
                             # uvloop, taking a burst of connections in a turn
                             # (app/gateway/accept.py).
                             loop="app.gateway.accept:Loop",

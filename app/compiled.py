@@ -1,4 +1,5 @@
-"""The router compiled: its own source, built into C extensions by mypyc.
+"""The router compiled: its own source, and the server protocol's that
+every request runs through first, built into C extensions by mypyc.
 
 Every request's and every stream chunk's CPU in the gateway is mostly the
 interpreter running the router's Python (docs/design/hot-path.md, "The
@@ -36,6 +37,11 @@ from pathlib import Path
 
 # The packages compiled, each whole but for its `__init__`, which loads them.
 PACKAGES = ("app.router", "app.router.usage")
+# Modules compiled beside them, each alone in its package (whose `__init__`
+# loads it the same way): the server's protocol, which every connection and
+# request runs through before the router (docs/design/hot-path.md, "The
+# router compiled").
+MODULES = ("app.gateway.http1",)
 # The compiled modules share one library of mypyc's runtime and their code,
 # a module of the first package.
 GROUP = "app.router._compiled"
@@ -61,7 +67,7 @@ def sources(root: Path = ROOT) -> list[Path]:
         folder = root.joinpath(*package.split("."))
         out += sorted(p.relative_to(root) for p in folder.glob("*.py")
                       if p.name != "__init__.py")
-    return out
+    return out + [Path(*module.split(".")).with_suffix(".py") for module in MODULES]
 
 
 def _digest(path: Path) -> str:

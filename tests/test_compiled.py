@@ -21,13 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of the compiled packages' source."""
+    """A copy of the compiled source."""
     root = tmp_path / "src"
-    for package in compiled.PACKAGES:
-        rel = Path(*package.split("."))
-        (root / rel).mkdir(parents=True, exist_ok=True)
-        for f in (ROOT / rel).glob("*.py"):
-            shutil.copy2(f, root / rel / f.name)
+    for f in compiled.sources():
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, root / f)
     return root
 
 
@@ -48,6 +46,12 @@ def test_a_copy_runs_only_while_every_source_file_matches(tmp_path: Path, tree: 
     relay.write_text(relay.read_text() + "\n")
     assert compiled.check(copy, tree) == (
         False, "pure Python: app/router/relay.py changed since the compiled copy was built")
+
+    copy = built(tmp_path, tree)
+    http1 = tree / "app" / "gateway" / "http1.py"  # compiled alone in its package
+    http1.write_text(http1.read_text() + "\n")
+    assert compiled.check(copy, tree) == (
+        False, "pure Python: app/gateway/http1.py changed since the compiled copy was built")
 
     copy = built(tmp_path, tree)
     (tree / "app" / "router" / "usage" / "new.py").write_text("X = 1\n")
@@ -82,8 +86,12 @@ def test_the_suite_runs_the_compiled_router_that_ships() -> None:
     if os.environ.get("CI") == "true" or (compiled.home() / compiled.MANIFEST).exists():
         assert state.startswith("compiled by mypyc"), (
             f"{state} (python -m app.compiled build makes it again)")
-        from app.router import proxy  # in this process too: an extension module
+        # In this process too: extension modules, the router's and the
+        # server protocol's.
+        from app.gateway import http1
+        from app.router import proxy
         assert proxy.__file__ is not None and proxy.__file__.endswith(".so")
+        assert http1.__file__ is not None and http1.__file__.endswith(".so")
     else:
         assert out.returncode == 0 and state.startswith("pure Python: no compiled copy")
 

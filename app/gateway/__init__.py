@@ -41,3 +41,8 @@ package").
 - `accept`: the event loop: uvloop, taking every waiting connection at once
 - `fdlimit`: the limit on open files, raised to what the system allows
 """
+
+# The compiled copy of `http1`, when one matches it (app/compiled.py).
+from app.compiled import package_path
+
+__path__ = package_path(__name__, __path__)

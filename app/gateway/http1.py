@@ -44,13 +44,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import fcntl
+import functools
 import logging
 import termios
 import time
 import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import httptools
 from uvicorn.config import Config
@@ -97,20 +98,25 @@ class _HeadTooLarge(Exception):
         self.status = status
 
 
-class Http1(asyncio.Protocol):
-    """One client connection. The limits are class attributes: `protocol()`
-    makes a subclass with a gateway's own."""
+class Http1:
+    """One client connection: an asyncio protocol (its calls as
+    `asyncio.Protocol` names them; compiled, a class of the router's
+    compiled library cannot derive from that Python class). `protocol()`
+    gives uvicorn one with a gateway's limits."""
 
-    header_timeout = 30.0
-    body_timeout = 30.0
+    transport: asyncio.Transport
+    flow: ClientFlow
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 _loop: asyncio.AbstractEventLoop | None = None, header_timeout: float = 30.0,
+                 body_timeout: float = 30.0) -> None:
         if not config.loaded:
             config.load()
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
         self.app: App = config.loaded_app
         self.loop = _loop or asyncio.get_event_loop()
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser: Any = httptools.HttpRequestParser(self)
         # A response may go out before a pipelined request's body is read:
         # llhttp then reads on past the request it closed (uvicorn's too).
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
@@ -118,15 +124,18 @@ class Http1(asyncio.Protocol):
         self._root_raw = self.root_path.encode("ascii")
         self.asgi_version = config.asgi_version
         self.limit_concurrency = config.limit_concurrency
-        self.timeout_keep_alive = config.timeout_keep_alive
+        # A float too, as uvicorn's own protocols take it: its annotation
+        # says int, which compiled code would hold it to.
+        untyped: Any = config
+        self.timeout_keep_alive = float(untyped.timeout_keep_alive)
         self._fresh_context = config.reset_contextvars
         self.app_state = app_state
         self.server_state = server_state
-        self.connections = server_state.connections
+        # uvicorn's sets, typed for its own protocols.
+        self.connections: set[Any] = server_state.connections
         self.tasks = server_state.tasks
 
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.flow: ClientFlow = None  # type: ignore[assignment]
+        # `transport` and `flow` are set once the connection is made.
         self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int | None] | None = None
         self.scheme = "http"
@@ -162,7 +171,7 @@ class Http1(asyncio.Protocol):
     # The transport's calls.
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.connections.add(self)  # type: ignore[arg-type]  # (uvicorn's own protocols, typed)
+        self.connections.add(self)
         # A stream transport (uvloop's are not asyncio.Transport's subclasses).
         self.transport = transport  # type: ignore[assignment]
         self.flow = ClientFlow(self.transport)
@@ -187,11 +196,10 @@ class Http1(asyncio.Protocol):
                     req.disconnected = True
                 req.wake()
                 req.left()
-        if self.flow is not None:
-            self.flow.resume_writing()
+        self.flow.resume_writing()
         if exc is None:
             self.transport.close()
-        self.parser = None  # type: ignore[assignment]
+        self.parser = None
 
     def _stop_timers(self) -> None:
         for timer in (self._header_timer, self._body_timer, self.timeout_keep_alive_task,
@@ -282,7 +290,9 @@ class Http1(asyncio.Protocol):
         parser = self.parser
         version = parser.get_http_version()
         method = parser.get_method().decode("ascii")
-        url = httptools.parse_url(self.url)
+        # Its fields as llhttp gives them: a missing one is None, whatever
+        # the stubs say (compiled, an annotation is checked).
+        url: Any = httptools.parse_url(self.url)
         raw_path: bytes = url.path
         path = raw_path.decode("ascii")
         if "%" in path:
@@ -310,7 +320,7 @@ class Http1(asyncio.Protocol):
         limit = self.limit_concurrency
         app = self.app
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
-            app = service_unavailable  # type: ignore[assignment]
+            app = cast(App, service_unavailable)
             logger.warning("Exceeded concurrency limit.")
         before, self.request = self.request, req
         if before is None or before.response_complete:
@@ -507,13 +517,16 @@ class RequestCycle:
             leave()
 
     async def run_asgi(self, app: App, scope: Scope) -> None:
+        # The 500, if any, is sent after the try: no await in an except or
+        # finally block, which compiled code gets wrong
+        # (docs/design/hot-path.md, "The router compiled").
+        failed = False
         try:
             result = await app(scope, self.receive, self.send)
         except BaseException as exc:
             logger.error("Exception in ASGI application\n", exc_info=exc)
-            if not self.response_started:
-                await self._send_500()
-            else:
+            failed = True
+            if self.response_started:
                 self._close()
         else:
             if result is not None:
@@ -521,10 +534,13 @@ class RequestCycle:
                 self._close()
             elif not self.response_started and not self.disconnected:
                 logger.error("ASGI callable returned without starting response.")
-                await self._send_500()
+                failed = True
             elif not self.response_complete and not self.disconnected:
                 logger.error("ASGI callable returned without completing response.")
                 self._close()
+        try:
+            if failed and not self.response_started:
+                await self._send_500()
         finally:
             self.conn = None
             self._leave = None
@@ -728,7 +744,8 @@ def _peer(client: tuple[str, int | None] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
 
 
-def protocol(header_timeout: float, body_timeout: float) -> type[Http1]:
-    """The protocol class for uvicorn's `http=`, with these limits (seconds)."""
-    return type("Http1", (Http1,), {"header_timeout": header_timeout,
-                                    "body_timeout": body_timeout})
+def protocol(header_timeout: float, body_timeout: float) -> Callable[..., Http1]:
+    """What uvicorn's `http=` takes: it makes each connection's protocol
+    with its own keyword arguments, as it would a class; these limits
+    (seconds) are added."""
+    return functools.partial(Http1, header_timeout=header_timeout, body_timeout=body_timeout)
