@@ -32,7 +32,6 @@ import hashlib
 import os
 import random
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app.ports import free_port  # noqa: E402
 from app.router.proxy import Proxy, ProxyOptions  # noqa: E402
 from app.router.published import CatalogEntry, Endpoint, KeyGrant  # noqa: E402
 from app.router.table import RouteTable  # noqa: E402
@@ -57,10 +57,6 @@ ASKED = " ".join(f"w{i}" for i in range(30))
 WHOLE = f"fake-vllm m echo: {ASKED}"  # 33 words
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def hash_key(key: str) -> str:

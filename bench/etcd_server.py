@@ -13,15 +13,20 @@ import json
 import logging
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run from bench/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.ports import free_port as free_port  # tests import it from here
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +62,6 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
         time.sleep(0.005)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    # The port is free now, not reserved: another process could take it
-    # before etcd binds. Loopback-only tests make that race rare.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
+if str(ROOT) not in sys.path:  # whichever script imported this first
+    sys.path.insert(0, str(ROOT))
+
+from app.ports import free_port as free_port  # noqa: E402  # the rigs' one picker
+
 MODEL = "bench-chat"
 
 
@@ -59,10 +63,6 @@ class Unavailable(Exception):
     """A peer that cannot run here (not installed, or it did not come up)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def etcd_argv(data_dir: Path) -> tuple[list[str], str]:

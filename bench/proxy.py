@@ -53,6 +53,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 from peers import http, signals_raise  # noqa: E402
 
 from app.control.keys import engine_key  # noqa: E402
+from app.ports import free_port  # noqa: E402
 
 FAKE_VLLM = ROOT / "tests" / "fakes" / "bin" / "vllm"
 MODEL = "bench-chat"
@@ -63,10 +64,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ------------------------------------------------------------------ processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

@@ -169,7 +169,8 @@ async def test_a_vllm_engines_sockets_live_in_a_folder_removed_when_it_is_gone(
     when killed: an engine gets a folder of its own (VLLM_RPC_BASE_PATH),
     removed once it has died, or been stopped. The fake binds one socket
     there as vLLM does (the real engine: tests/test_vllm_real.py)."""
-    from app.agent.engines import EngineProcess, free_port
+    from app.agent.engines import EngineProcess
+    from app.ports import free_port
 
     logs = tmp_path / "logs"
     logs.mkdir(mode=0o700)

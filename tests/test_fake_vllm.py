@@ -23,17 +23,13 @@ import httpx
 import openai
 import pytest
 
+from app.ports import free_port
+
 FAKES = Path(__file__).resolve().parent / "fakes"
 SHIM = FAKES / "bin" / "vllm"
 API_KEY = "sk-fake-test"
 MODEL = "org/Fake-Model-7B"
 NAMES = ["fake-model", "alias-model"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -62,7 +58,7 @@ class Proc:
 
 def _spawn(workdir: Path, args: list[str], env: dict[str, str]) -> Proc:
     """Start the fake via the shim (absolute path, foreign cwd); does not wait."""
-    port = _free_port()
+    port = free_port()
     err = workdir / f"vllm-{port}.stderr"
     with err.open("wb") as fh:
         proc = subprocess.Popen(
@@ -301,7 +297,7 @@ def test_middleware_is_added_as_vllm_adds_it(tmp_path: Path) -> None:
 def test_a_bad_middleware_stops_the_start(tmp_path: Path) -> None:
     for path, why in (("fake_vllm_more.not_a_middleware", "ValueError: Invalid middleware"),
                       ("no_such_module.Guard", "ModuleNotFoundError")):
-        r = subprocess.run([str(SHIM), "serve", MODEL, "--port", str(_free_port()),
+        r = subprocess.run([str(SHIM), "serve", MODEL, "--port", str(free_port()),
                             "--middleware", path], cwd=tmp_path, env=_env(),
                            capture_output=True, text=True, timeout=20)
         assert r.returncode == 1 and why in r.stderr, r.stderr

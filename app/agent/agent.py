@@ -29,7 +29,7 @@ import aiohttp
 from app import __version__
 from app.agent import applied, health
 from app.agent.config import AgentConfig
-from app.agent.engines import EngineProcess, EngineSpec, free_port, load_records, save_records
+from app.agent.engines import EngineProcess, EngineSpec, load_records, save_records
 from app.agent.gateway_client import (
     GatewayAPI,
     GatewayClient,
@@ -40,6 +40,7 @@ from app.agent.gateway_client import (
 from app.agent.loads import LoadTarget
 from app.agent.nodeops import NodeOps
 from app.agent.running import Running
+from app.ports import free_port
 from app.wire.names import Engine, Phase
 from app.wire.nodes import DEFAULT_VLLM_VERSION, MAX_DETAIL, NodeInfo, ReplicaStatus, fit
 

@@ -38,7 +38,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -84,12 +83,6 @@ class EngineSpec:
     # The profile's extra engine flags, validated by the catalog (never a
     # flag we set ourselves: key, host, port, served name).
     engine_args: tuple[str, ...] = ()
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def vllm_start(vllm_bin: str, weights: str) -> list[str]:

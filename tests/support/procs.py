@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 from app.agent.engines import sweep_gone
+from app.ports import free_port as free_port  # the tests' one picker
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_BIN = ROOT / "tests" / "fakes" / "bin"
@@ -34,10 +34,6 @@ SECRET = "test-secret-0123456789abcdef"
 ADMIN = "test-admin-token-0123456789"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 TAG = "TESTS_PROC_TAG"
