@@ -77,11 +77,11 @@ from app.agent.engines import (  # noqa: E402
     EngineProcess,
     EngineSpec,
     available_engines,
-    free_port,
     resolve_vllm,
 )
 from app.agent.gpus import Hardware, probe  # noqa: E402
 from app.agent.nodeops import NodeOpsConfig  # noqa: E402
+from app.ports import free_port  # noqa: E402
 from app.wire.loads import MAX_METRICS, parse_vllm_metrics, read_capped  # noqa: E402
 from app.wire.nodes import DEFAULT_VLLM_VERSION, MAX_GPUS, NodeInfo  # noqa: E402
 
