@@ -72,7 +72,7 @@ def main() -> None:
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
     before_env = dict(args.before_env)
-    a = peers.Llmgw(tmp / "a", 0, 1, before_env, python=args.before_python)
+    a = peers.Llmgw(tmp / "a", 0, 1, before_env, python=args.before_python, tree=before_root)
     b = peers.Llmgw(tmp / "b", 0, 1)
     res: dict[tuple[str, int], list[Row]] = {}
     # Named, not given as paths: no path of this machine in RESULTS.
@@ -83,9 +83,7 @@ def main() -> None:
         f"after = this tree on {peers.interpreter(b.python)}; "
         f"{dur:g} s a point, {rounds} rounds")
     try:
-        peers.ROOT = before_root  # the processes' cwd: `python -m app.cli` runs that code
         a.start()
-        peers.ROOT = ROOT
         b.start()
         for gw in (a, b):
             load.run_wrk(gw.url, gw.client_key, peers.MODEL, 64, 1)

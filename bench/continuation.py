@@ -57,8 +57,6 @@ ASKED = " ".join(f"w{i}" for i in range(30))
 WHOLE = f"fake-vllm m echo: {ASKED}"  # 33 words
 
 
-
-
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run from bench/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_TREE = str(Path(__file__).resolve().parents[1])
+if _TREE not in sys.path:  # run from bench/
+    sys.path.insert(0, _TREE)
 
-from app.ports import free_port as free_port  # tests import it from here
+from app.ports import free_port as free_port  # noqa: E402  # tests import it from here
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
         if all(state in ("T", "t") for state in states):
             return
         time.sleep(0.005)
-
-
 
 
 @dataclass(frozen=True)

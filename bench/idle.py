@@ -43,15 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="idle-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
-    before = peers.Llmgw(tmp / "a", 0, 1, dict(args.before_env), python=args.before_python)
+    before = peers.Llmgw(tmp / "a", 0, 1, dict(args.before_env), python=args.before_python,
+                         tree=args.before)
     after = peers.Llmgw(tmp / "b", 0, 1)
-    here = peers.ROOT
     gateways = (("before", before), ("after", after))
     ratios = []
     try:
-        peers.ROOT = args.before.resolve()  # the processes' cwd: the code they run
         before.start()
-        peers.ROOT = here
         after.start()
         time.sleep(args.settle)
         for _ in range(args.windows):

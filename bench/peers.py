@@ -63,8 +63,6 @@ class Unavailable(Exception):
     """A peer that cannot run here (not installed, or it did not come up)."""
 
 
-
-
 def etcd_argv(data_dir: Path) -> tuple[list[str], str]:
     """A throwaway one-member etcd on free loopback ports, for a `Process`:
     its command line and its client endpoint (host:port)."""
@@ -131,11 +129,12 @@ class Process:
     log: Path
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     popen: subprocess.Popen[bytes] | None = None
+    cwd: Path = ROOT  # a tree of llmgw: `python -m app.cli` there runs its code
 
     def start(self) -> Process:
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(
-                self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                self.argv, cwd=self.cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
@@ -181,11 +180,15 @@ def pid_with_port(port: int) -> int | None:
 
 class Llmgw:
     """etcd + `llmgw serve` (cluster mode) + `llmgw agent`, which starts the
-    stand-in as its engine: the real path, engine key and client key included."""
+    stand-in as its engine: the real path, engine key and client key included.
+    `tree`: the llmgw its processes run (another checkout, for a before and
+    after), this one by default."""
 
     def __init__(self, tmp: Path, proxy_core: int | None, other_core: int | None,
-                 gateway_env: dict[str, str] | None = None, python: str | None = None) -> None:
+                 gateway_env: dict[str, str] | None = None, python: str | None = None,
+                 tree: Path = ROOT) -> None:
         self.tmp = tmp
+        self.tree = tree.resolve()
         # The gateway's interpreter (a venv's python holding llmgw's
         # dependencies); the agent and the stand-in run on this one.
         self.python = python or sys.executable
@@ -209,7 +212,7 @@ class Llmgw:
     def start(self) -> None:
         argv, endpoint = etcd_argv(self.tmp / "etcd")
         self.procs.append(Process("etcd", pinned(self.other_core, argv),
-                                  self.tmp / "etcd.log").start())
+                                  self.tmp / "etcd.log", cwd=self.tree).start())
         base = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         base.update({"LLMGW_SECRET": self.secret, "LLMGW_ADMIN_TOKEN": self.admin,
                      "LLMGW_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"})
@@ -220,7 +223,7 @@ class Llmgw:
         self._gw_env = gw_env
         self.procs.append(Process("gateway", pinned(self.proxy_core, [
             self.python, "-m", "app.cli", "serve"]), self.tmp / "gateway.log",
-            gw_env).start())
+            gw_env, cwd=self.tree).start())
         wait_for(lambda: http("GET", self.url + "/readyz")[0] == 200, 40, "llmgw /readyz",
                  self.gateway.alive)
         from app.wire.tokens import node_token
@@ -232,7 +235,7 @@ class Llmgw:
         self.procs.append(Process("agent", pinned(self.other_core, [
             sys.executable, "-m", "app.cli", "agent", "--gateway", self.url, "--node", "bench",
             "--gpus", "1", "--work-dir", str(self.tmp / "agent"), "--stop-engines-on-exit"]),
-            self.tmp / "agent.log", agent_env).start())
+            self.tmp / "agent.log", agent_env, cwd=self.tree).start())
         spec = {"model": "bench/standin", "engine": "vllm", "gpus": 1,
                 "replicas": {"min": 1, "max": 1}}
         status, body = http("PUT", f"{self.url}/admin/models/{MODEL}", spec, self.admin)
@@ -272,7 +275,7 @@ class Llmgw:
                               "LLMGW_DATA_DIR": str(self.tmp / "gw-granian")}
         proc = Process("llmgw-granian", pinned(self.proxy_core, [
             sys.executable, str(BENCH / "granian_gateway.py"), "--port", str(port)]),
-            self.tmp / "gateway-granian.log", env).start()
+            self.tmp / "gateway-granian.log", env, cwd=self.tree).start()
         peer = Peer("llmgw-granian", f"http://127.0.0.1:{port}", self.client_key, proc,
                     f"the same gateway served by granian {granian.__version__} "
                     "(ASGI, uvloop, one worker, one runtime thread) instead of uvicorn")

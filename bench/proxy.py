@@ -64,8 +64,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ------------------------------------------------------------------ processes
 
 
-
-
 def cpu_seconds(pid: int) -> float:
     """utime + stime of one process (all its threads), from /proc."""
     try:

@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-router-venv", type=Path, default=Path("/tmp/bench-vrouter"))
     ap.add_argument("--before", type=Path, default=None,
                     help="another tree of llmgw, run beside this one as 'llmgw-before'")
-    ap.add_argument("--before-python", default=sys.executable,
-                    help="the interpreter the --before tree runs on")
+    peers.add_before_options(ap, "LLMGW_GC_THRESHOLD=700")
     args = ap.parse_args(argv)
     n = args.streams
     # 3 chunks a stream: streams.py asks the stand-in for (ramp + steady) /
@@ -80,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     old: peers.Llmgw | None = None
     if args.before is not None:
         (tmp / "before").mkdir()
-        old = peers.Llmgw(tmp / "before", 0, 1, python=args.before_python)
+        old = peers.Llmgw(tmp / "before", 0, 1, dict(args.before_env),
+                          python=args.before_python, tree=args.before)
     started: list[peers.Peer] = []  # stopped on the way out, whatever ends the run
     with peers.running(gw, tmp, others=lambda: started):
         gw.start()
@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                    "vllm-router": (vr, group(router.pid))}
         try:
             if old is not None:
-                peers.ROOT = args.before.resolve()  # the processes' cwd: the code they run
-                try:
-                    old.start()
-                finally:
-                    peers.ROOT = ROOT
+                old.start()
                 assert old.engine_pid is not None
                 targets["llmgw-before"] = (
                     peers.Peer("llmgw-before", old.url, old.client_key, None, ""),

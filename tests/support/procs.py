@@ -34,8 +34,6 @@ SECRET = "test-secret-0123456789abcdef"
 ADMIN = "test-admin-token-0123456789"
 
 
-
-
 TAG = "TESTS_PROC_TAG"
 
 
