@@ -4,6 +4,7 @@ JSON line for tests/test_gc_keeper.py.
 
     python -m tests.support.gc_scenarios churn plain|keep
     python -m tests.support.gc_scenarios leak
+    python -m tests.support.gc_scenarios transient
     python -m tests.support.gc_scenarios middle
 """
 
@@ -74,8 +75,10 @@ def leak() -> dict[str, object]:
     kept_while_frozen = alive() is not None
     grown = [[i] for i in range(keeper.baseline)]  # the frozen objects to grow by half
     gc.collect()
+    steps.append(keeper.step())  # frozen: past the bound, but maybe only for the moment
+    gc.collect()
     fulls = gc.get_stats()[2]["collections"]
-    steps.append(keeper.step())  # past the bound: unfrozen, the next full collection's
+    steps.append(keeper.step())  # still held at the next: unfrozen, the next full collection's
     collected_by_the_step = gc.get_stats()[2]["collections"] - fulls
     kept_until_the_next = alive() is not None
     unfrozen = gc.get_freeze_count()
@@ -95,6 +98,27 @@ def leak() -> dict[str, object]:
             "reclaimed": alive() is None, "reclaims": keeper.reclaims,
             "still_frozen": still_frozen, "baseline_before_shrink": before,
             "baseline_after_shrink": keeper.baseline}
+
+
+def transient() -> dict[str, object]:
+    """Streams open by the thousand when a full collection comes: frozen
+    with its survivors, and freed as they end. What counts against the
+    bound is what is still frozen at the next full collection: the heap is
+    not unfrozen for objects already gone."""
+    keeper = GcKeeper()
+    keeper.freeze_all()
+    baseline = keeper.baseline
+    streams = [[[] for _ in range(50)] for _ in range(baseline // 50)]  # as many again
+    gc.collect()
+    steps = [keeper.step()]  # frozen with the rest
+    frozen_with_streams = gc.get_freeze_count()
+    del streams  # they end: frozen objects are freed with their last reference
+    unfrozen_ever = gc.get_freeze_count() < baseline
+    gc.collect()
+    steps.append(keeper.step())
+    return {"steps": steps, "baseline": baseline, "frozen_with_streams": frozen_with_streams,
+            "frozen_after": gc.get_freeze_count(), "unfrozen_ever": unfrozen_ever,
+            "reclaims": keeper.reclaims, "frozen_metric": keeper.frozen}
 
 
 def middle() -> dict[str, object]:
@@ -122,5 +146,5 @@ def middle() -> dict[str, object]:
 if __name__ == "__main__":
     what = sys.argv[1]
     out = (churn(sys.argv[2] == "keep") if what == "churn" else leak() if what == "leak"
-           else middle())
+           else transient() if what == "transient" else middle())
     print(json.dumps(out))
