@@ -71,7 +71,10 @@ from loop_seen import LoopSeen, between, scrape  # noqa: E402
 from peers import MODEL, Peer, Unavailable  # noqa: E402
 from router_overhead import cpu_seconds, cpu_split, group  # noqa: E402
 
-TARGETS = ("direct", "llmgw", "llmgw-granian", "vllm-router", "nginx", "floor", "relay")
+# In this order each round (reversed every other one): llmgw and
+# vllm-router, whose ratio is the goal, measured back to back, so that what
+# drifts on a shared machine over a round weighs least on their pairs.
+TARGETS = ("direct", "llmgw", "vllm-router", "llmgw-granian", "nginx", "floor", "relay")
 STAMP = re.compile(rb"@(\d+\.\d+) ")
 LOAD_SIDE_BUSY = 0.9
 
