@@ -112,23 +112,22 @@ class GcKeeper(Collector):
         if fulls == self._fulls:
             return None
         self._fulls = fulls
+        if not self.due:
+            held = gc.get_freeze_count()  # what earlier freezes froze, still alive
+            if self.baseline and held > self.baseline * (1 + self.growth):
+                gc.unfreeze()
+                self.due = True
+                self.frozen = 0
+                return "due"
+        gc.freeze()
+        frozen = gc.get_freeze_count()
         if self.due:  # that collection walked the whole heap: the reclaim
-            gc.freeze()
-            frozen = gc.get_freeze_count()
             self.due = False
             self.reclaims += 1
             logger.info("reclaimed the frozen objects: %d frozen, %d after the last reclaim",
                         frozen, self.baseline)
             self.baseline = self.frozen = frozen
             return "reclaim"
-        held = gc.get_freeze_count()  # what earlier freezes froze, still alive
-        if self.baseline and held > self.baseline * (1 + self.growth):
-            gc.unfreeze()
-            self.due = True
-            self.frozen = 0
-            return "due"
-        gc.freeze()
-        frozen = gc.get_freeze_count()
         if not self.baseline or frozen < self.baseline:
             self.baseline = frozen  # the heap shrank (nodes gone): the bound follows
         self.frozen = frozen
