@@ -8,7 +8,7 @@ client's end) runs in its own process on core 0; this process, the client,
 on core 1 opens `--burst` connections at a time, so that all but the first
 of each burst wait in the queue for a sweep, and reads one answer on each.
 The figure is the server's CPU per connection from the kernel's run time
-(/proc/PID/schedstat, nanoseconds), each kind in turn, `--rounds` times.
+(schedstat, nanoseconds: stream_setup.run_ns), each kind in turn, `--rounds` times.
 
     python bench/accept_sweep.py --connections 4000 --burst 16 --rounds 5 --before /tmp/before
 """
@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+from stream_setup import run_ns  # noqa: E402
 
 from app.ports import free_port  # noqa: E402
 
@@ -62,11 +64,6 @@ def serve(tree: str, port: int, sweep: bool) -> None:
         runner.run(main())
 
 
-def _run_ns(pid: int) -> int:
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0])
-
-
 def measure(tree: str, sweep: bool, connections: int, burst: int) -> float:
     """The server's CPU per connection, in microseconds."""
     port = free_port("127.0.0.1")
@@ -77,7 +74,7 @@ def measure(tree: str, sweep: bool, connections: int, burst: int) -> float:
         if proc.stdout.readline().strip() != b"ready":
             raise SystemExit(f"the {tree} server did not start")
         os.sched_setaffinity(proc.pid, {0})
-        start, done = _run_ns(proc.pid), 0
+        start, done = run_ns([proc.pid]), 0
         while done < connections:
             socks = [socket.create_connection(("127.0.0.1", port), timeout=10)
                      for _ in range(burst)]
@@ -88,7 +85,7 @@ def measure(tree: str, sweep: bool, connections: int, burst: int) -> float:
                     raise SystemExit("no answer")
                 s.close()
             done += burst
-        return (_run_ns(proc.pid) - start) / done / 1e3
+        return (run_ns([proc.pid]) - start) / done / 1e3
     finally:
         proc.kill()
         proc.wait()
